@@ -1,0 +1,3 @@
+from prl.cli import app
+
+app()

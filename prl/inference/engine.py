@@ -1,0 +1,254 @@
+"""The embedded inference engine core: continuous batching on Hugging Face model classes.
+
+Rules this module guarantees:
+- requests join and leave between decode steps; nobody waits for the longest member of a batch;
+- every generated token carries the policy version of the weights that produced it;
+- a new policy is applied between two decode steps, whole: `stage_weights` takes an already
+  validated state dict, and `step` copies it in before the next forward; running requests keep
+  their KV cache and continue under the new weights;
+- a prompt's KV prefix is reused only under the version that computed it (cache salt = version).
+
+`EngineCore` is synchronous and single-threaded; `prl.inference.loop.EngineLoop` runs it on a
+thread and `prl.inference.server` puts HTTP in front of it.
+Simplified: prefill runs one request at a time (B=1), and the prefix cache reuses exact prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from prl.inference.kvcache import BatchCache, clone_cache
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, what it generated, and where it stands in the batch."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[["Sequence"], None] | None = None
+    id: int = field(default_factory=itertools.count().__next__)
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    length: int = 0  # real tokens in the KV cache
+    pending: int = -1  # sampled token not yet fed to the model
+    generator: torch.Generator | None = None
+    admitted_at_step: int = -1
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (prefix-cache misses)
+    prefix_hits: int = 0
+    weight_loads: int = 0
+    busy_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0):
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self.prefix_cache_entries = prefix_cache_entries
+        self.version = -1  # no policy loaded yet: random init
+        self.stats = EngineStats()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.batch = BatchCache()
+        self.prefix: OrderedDict[tuple, tuple] = OrderedDict()
+        self.rng = torch.Generator().manual_seed(seed)
+        self._lock = threading.Lock()
+        self._staged: tuple[dict, int, threading.Event] | None = None
+
+    # ---- called from any thread ----
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            self.waiting.append(seq)
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> threading.Event:
+        """Queue a validated state dict; the returned event is set once it serves."""
+        done = threading.Event()
+        with self._lock:
+            self._staged = (state_dict, version, done)
+        return done
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._staged)
+
+    # ---- the engine thread ----
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One iteration: apply staged weights, admit waiting requests, decode one token for all."""
+        t0 = time.perf_counter()
+        self._apply_staged()
+        finished = self._admit()
+        if self.running:
+            finished += self._decode()
+            self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - t0
+        for seq in finished:
+            if seq.on_done:
+                seq.on_done(seq)
+        return finished
+
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        state_dict, version, done = staged
+        params = dict(self.model.named_parameters())
+        params.update(self.model.named_buffers())
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)
+        self.version = version
+        self.prefix.clear()  # salt: no prefix computed under an older version is reused
+        self.stats.weight_loads += 1
+        done.set()
+
+    def _admit(self) -> list[Sequence]:
+        finished = []
+        while len(self.running) < self.max_batch_size:
+            with self._lock:
+                if not self.waiting:
+                    break
+                seq = self.waiting.popleft()
+            cache, logits = self._prefill(seq)
+            seq.admitted_at_step = self.stats.steps
+            tokens, logprobs = self._sample(logits[None], [seq])
+            self._emit(seq, tokens[0], logprobs[0])
+            if seq.finish_reason:
+                finished.append(seq)
+            else:
+                self.batch.add(cache, seq.length)
+                self.running.append(seq)
+        return finished
+
+    def _prefill(self, seq: Sequence):
+        """KV cache and last-position logits for the prompt, from the prefix cache when possible."""
+        seq.length = len(seq.prompt_ids)
+        self.stats.prompt_tokens += seq.length
+        key = (self.version, tuple(seq.prompt_ids))
+        if key in self.prefix:
+            self.prefix.move_to_end(key)
+            self.stats.prefix_hits += 1
+            cache, logits = self.prefix[key]
+            return clone_cache(cache), logits
+        ids = torch.tensor([seq.prompt_ids])
+        out = self.model(input_ids=ids, use_cache=True)
+        logits = out.logits[0, -1].float()
+        self.stats.prefill_tokens += seq.length
+        if self.prefix_cache_entries:
+            self.prefix[key] = (clone_cache(out.cache), logits)
+            if len(self.prefix) > self.prefix_cache_entries:
+                self.prefix.popitem(last=False)
+        return out.cache, logits
+
+    def _decode(self) -> list[Sequence]:
+        ids = torch.tensor([[s.pending] for s in self.running])
+        pos = torch.tensor([[s.length] for s in self.running])
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.batch.step_mask().long(),
+            position_ids=pos,
+            cache=self.batch.cache,
+            use_cache=True,
+        )
+        self.batch.cache = out.cache
+        self.batch.advance()
+        for s in self.running:
+            s.length += 1
+        tokens, logprobs = self._sample(out.logits[:, -1].float(), self.running)
+        for s, tok, lp in zip(self.running, tokens, logprobs):
+            self._emit(s, tok, lp)
+        keep = [i for i, s in enumerate(self.running) if not s.finish_reason]
+        finished = [s for s in self.running if s.finish_reason]
+        if finished:
+            self.batch.keep(keep)
+            self.running = [self.running[i] for i in keep]
+        return finished
+
+    def _emit(self, seq: Sequence, tok: int, lp: float) -> None:
+        seq.out_ids.append(tok)
+        seq.logprobs.append(lp)
+        seq.versions.append(self.version)
+        seq.pending = tok
+        self.stats.generated_tokens += 1
+        if tok in seq.params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.out_ids) >= seq.params.max_tokens:
+            seq.finish_reason = "length"
+
+    def _sample(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        return sample(logits_BV, [s.params for s in seqs], [s.generator or self.rng for s in seqs])
+
+
+def sample(logits_BV: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]):
+    """Sample one token per row. The logprob returned is that of the token under the
+    temperature-scaled distribution before top-p truncation, the one the trainer recomputes."""
+    temps = torch.tensor([p.temperature for p in params])
+    greedy = temps == 0
+    logp_BV = torch.log_softmax(logits_BV / torch.where(greedy, 1.0, temps)[:, None], -1)
+    probs_BV = logp_BV.exp()
+    for i, p in enumerate(params):
+        if p.top_p < 1.0 and not greedy[i]:
+            probs_BV[i] = top_p_filter(probs_BV[i], p.top_p)
+    if all(g is gens[0] for g in gens):
+        tok_B = torch.multinomial(probs_BV, 1, generator=gens[0])[:, 0]
+    else:
+        tok_B = torch.cat([torch.multinomial(pr, 1, generator=g) for pr, g in zip(probs_BV, gens)])
+    tok_B = torch.where(greedy, logits_BV.argmax(-1), tok_B)
+    lp_B = logp_BV.gather(1, tok_B[:, None])[:, 0]
+    return tok_B.tolist(), lp_B.tolist()
+
+
+def top_p_filter(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = probs_V.sort(descending=True)
+    cut = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # keep the smallest prefix reaching top_p
+    sorted_p[cut] = 0.0
+    return torch.zeros_like(probs_V).scatter(0, order, sorted_p)
+
+
+class WeightLoadError(RuntimeError):
+    """New weights were rejected before touching the served model; the old version keeps serving."""
+
+
+def prepare_weights(model, path) -> tuple[dict[str, torch.Tensor], int]:
+    """Read, verify and shape-check a published weight folder; returns (state dict, version).
+
+    Runs off the engine thread, so decoding continues while a new policy is read."""
+    from pathlib import Path
+
+    from prl.model.weights import CorruptWeightsError, read_weights
+
+    try:
+        state_dict, manifest = read_weights(Path(path))
+    except (CorruptWeightsError, OSError) as e:
+        raise WeightLoadError(str(e)) from None
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    extra = sorted(set(state_dict) - set(expected))
+    bad = [k for k in expected.keys() & state_dict.keys() if expected[k].shape != state_dict[k].shape]
+    if missing or extra or bad:
+        raise WeightLoadError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}")
+    return {k: v.to(expected[k].dtype) for k, v in state_dict.items()}, int(manifest["version"])

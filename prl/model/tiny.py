@@ -1,0 +1,81 @@
+"""Tiny models of the GLM-5 architecture (random init) and a character tokenizer built locally.
+
+Nothing is downloaded: the config comes from transformers' `GlmMoeDsaConfig`, the tokenizer from
+the `tokenizers` package. `index_topk` defaults above the longest sample, so the DSA indexer runs
+but keeps every token: sparse selection breaks ties among ReLU-zero scores differently for packed
+and unpacked sequences, which would make trainer and engine disagree for reasons unrelated to RL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prl.recipe.schema import ModelCfg
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789:=+-*, "
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (BPE with no merges splits text into characters)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def tiny_config(cfg: ModelCfg, vocab_size: int):
+    from transformers import GlmMoeDsaConfig
+
+    head = 16
+    return GlmMoeDsaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.dense_dim,
+        moe_intermediate_size=cfg.expert_dim,
+        num_hidden_layers=cfg.num_layers,
+        first_k_dense_replace=min(cfg.first_dense_layers, cfg.num_layers),
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=max(cfg.hidden_size // 2, 16),
+        q_lora_rank=max(cfg.hidden_size * 3 // 4, 16),
+        qk_rope_head_dim=head // 2,
+        qk_nope_head_dim=head,
+        v_head_dim=head,
+        index_n_heads=2,
+        index_head_dim=head,
+        index_topk=cfg.index_topk,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+
+
+def write_model_dir(cfg: ModelCfg, out: Path) -> Path:
+    """Write config.json and the tokenizer (no weights) into `out`; every process builds from it."""
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.path:
+        from transformers import AutoConfig, AutoTokenizer
+
+        AutoConfig.from_pretrained(cfg.path).save_pretrained(out)
+        AutoTokenizer.from_pretrained(cfg.path).save_pretrained(out)
+        return out
+    tok = char_tokenizer()
+    tok.save_pretrained(out)
+    tiny_config(cfg, len(tok)).save_pretrained(out)
+    return out

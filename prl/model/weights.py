@@ -1,0 +1,122 @@
+"""Versioned weight folders: whole or absent.
+
+A folder is written under a temporary name, its files are fsynced, a MANIFEST.json (sizes and
+sha256 of every file) is written last, and the folder is renamed into place. Readers ignore any
+folder without a manifest and verify every file against it, so a reader never sees half a write
+and a corrupted file is reported by name instead of loading garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "MANIFEST.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class CorruptWeightsError(RuntimeError):
+    """A weight or checkpoint folder failed verification; the message names the file."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_dir(tmp: Path, final: Path, meta: dict) -> Path:
+    """Seal `tmp` with a manifest and rename it to `final` (atomic on one filesystem)."""
+    files = {}
+    for p in sorted(tmp.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            _fsync(p)
+            files[p.name] = {"size": p.stat().st_size, "sha256": sha256(p)}
+    (tmp / MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=1))
+    _fsync(tmp / MANIFEST)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    return final
+
+
+def tmp_dir_for(final: Path) -> Path:
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def verify_dir(path: Path) -> dict:
+    """Return the manifest after checking every file's size and hash; raise naming what is wrong."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CorruptWeightsError(f"{path}: no {MANIFEST}; the folder is incomplete (interrupted write?)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptWeightsError(f"{manifest_path}: unreadable manifest ({e})") from None
+    for name, want in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CorruptWeightsError(f"{f}: listed in the manifest but missing")
+        if f.stat().st_size != want["size"]:
+            raise CorruptWeightsError(f"{f}: size {f.stat().st_size} != {want['size']} in the manifest (truncated?)")
+        if sha256(f) != want["sha256"]:
+            raise CorruptWeightsError(f"{f}: sha256 does not match the manifest (corrupted)")
+    return manifest
+
+
+def write_weights(final: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path:
+    tmp = tmp_dir_for(final)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / WEIGHTS_FILE))
+    return commit_dir(tmp, final, meta)
+
+
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    manifest = verify_dir(path)
+    return load_file(str(path / WEIGHTS_FILE)), manifest
+
+
+VERSION_RE = re.compile(r"^v(\d+)$")
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version}"
+
+
+def published_versions(root: Path) -> list[int]:
+    """Versions whose folder is sealed (has a manifest), ascending."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = VERSION_RE.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def prune_versions(root: Path, keep: int) -> None:
+    for v in published_versions(root)[:-keep]:
+        shutil.rmtree(version_dir(root, v), ignore_errors=True)

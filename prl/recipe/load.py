@@ -1,0 +1,94 @@
+"""Load a TOML recipe, apply `--set key=value` overrides, validate; errors name the key and the file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from prl.recipe.schema import Recipe
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class RecipeError(ValueError):
+    """A recipe problem a person can fix: the message names the file and the dotted key."""
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML: {e}") from None
+    for item in overrides or []:
+        apply_override(data, item, path)
+    return validate(data, str(path))
+
+
+def validate(data: dict[str, Any], source: str) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_errors(e, source)) from None
+
+
+def format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
+        lines.append(f"{source}: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], item: str, source: Path) -> None:
+    """`trainer.lr=1e-5` -> data["trainer"]["lr"] = 1e-5. Values parse as TOML, else as strings."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-5")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"{source}: --set {key}: {part} is not a section")
+    node[parts[-1]] = parse_value(raw.strip())
+
+
+def parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def dump_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """A small TOML writer for printing a resolved recipe (`--dry-run`)."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    out = [f"[{prefix}]"] if prefix and scalars else []
+    out += [f"# {k} = (unset)" if v is None else f"{k} = {toml_value(v)}" for k, v in scalars.items()]
+    for k, v in tables.items():
+        sub = dump_toml(v, f"{prefix}.{k}" if prefix else k)
+        out += ["", sub] if out else [sub]
+    return "\n".join(out)
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)

@@ -1,0 +1,170 @@
+"""The recipe schema: one pydantic model per TOML section.
+
+Imports without torch. Every model forbids unknown keys; validators only check, they never
+rewrite the config (derived values live in `prl.recipe.resolve`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunCfg(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    output_dir: str = "runs"
+    seed: int = 0
+
+
+class ModelCfg(Section):
+    """A tiny model built from a transformers config with random init, or a local HF folder."""
+
+    arch: Literal["glm_moe_dsa"] = "glm_moe_dsa"
+    path: str | None = None  # a local Hugging Face folder; overrides the tiny config below
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(3, gt=0)
+    first_dense_layers: int = Field(1, ge=0)
+    num_heads: int = Field(4, gt=0)
+    num_experts: int = Field(8, gt=0)
+    experts_per_token: int = Field(2, gt=0)
+    expert_dim: int = Field(64, gt=0)
+    dense_dim: int = Field(128, gt=0)
+    index_topk: int = Field(256, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _experts(self):
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"model.experts_per_token ({self.experts_per_token}) exceeds model.num_experts "
+                f"({self.num_experts}); lower experts_per_token or raise num_experts"
+            )
+        return self
+
+
+class TaskCfg(Section):
+    """Built-in task by name, or user functions as `module:function`."""
+
+    name: Literal["reverse", "sort", "add", "custom"] = "reverse"
+    dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    min_len: int = Field(3, gt=0)
+    max_len: int = Field(8, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_len > self.max_len:
+            raise ValueError(f"task.min_len ({self.min_len}) must be <= task.max_len ({self.max_len})")
+        if self.name == "custom" and not (self.dataset and self.reward):
+            raise ValueError("task.name = 'custom' needs task.dataset and task.reward as 'module:function'")
+        return self
+
+
+class SftCfg(Section):
+    """Supervised warm start run by the trainer before RL (steps = 0 skips it)."""
+
+    steps: int = Field(40, ge=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(3e-3, gt=0)
+
+
+class RlCfg(Section):
+    max_steps: int = Field(30, gt=0)
+    batch_size: int = Field(64, gt=0)  # samples (completions) per trainer step
+    group_size: int = Field(8, gt=0)  # completions per prompt
+    max_async_level: int = Field(1, ge=0)  # steps inference may run ahead of the trainer
+    max_off_policy_steps: int = Field(2, ge=0)  # older rollouts are dropped and counted
+    max_inflight_rollouts: int = Field(64, gt=0)
+    advantage: Literal["mean", "mean_std"] = "mean"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"rl.batch_size ({self.batch_size}) must be divisible by rl.group_size ({self.group_size})"
+            )
+        if self.max_inflight_rollouts < self.group_size:
+            raise ValueError(
+                f"rl.max_inflight_rollouts ({self.max_inflight_rollouts}) must be >= rl.group_size "
+                f"({self.group_size}), or no group can ever start"
+            )
+        return self
+
+
+class SamplingCfg(Section):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(16, gt=0)
+
+
+class LossCfg(Section):
+    """Off-policy correction between trainer and inference logprobs (see README, "Loss")."""
+
+    correction: Literal["tis", "mask", "none"] = "tis"
+    tis_cap: float = Field(2.0, gt=0)
+    mask_low: float = Field(0.5, gt=0)
+    mask_high: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"trainer.loss.mask_low ({self.mask_low}) must be < mask_high ({self.mask_high})")
+        return self
+
+
+class TrainerCfg(Section):
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    nproc: int = Field(1, gt=0)
+    micro_batch_tokens: int = Field(4096, gt=0)
+    checkpoint_every: int = Field(10, ge=0)  # 0: only at the end
+    keep_weights: int = Field(3, ge=2)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    threads: int = Field(1, gt=0)
+    loss: LossCfg = LossCfg()
+
+
+class InferenceCfg(Section):
+    backend: Literal["embedded"] = "embedded"
+    num_servers: int = Field(1, gt=0)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0: pick free ports at launch
+    max_batch_size: int = Field(64, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int = Field(1, gt=0)
+    prefix_cache_entries: int = Field(256, ge=0)
+
+
+class Recipe(Section):
+    run: RunCfg = RunCfg()
+    model: ModelCfg = ModelCfg()
+    task: TaskCfg = TaskCfg()
+    sft: SftCfg = SftCfg()
+    rl: RlCfg = RlCfg()
+    sampling: SamplingCfg = SamplingCfg()
+    trainer: TrainerCfg = TrainerCfg()
+    inference: InferenceCfg = InferenceCfg()
+
+    @model_validator(mode="after")
+    def _cross(self):
+        longest = self.task.max_len * 2 + 8 + self.sampling.max_tokens
+        if longest > self.model.max_position_embeddings:
+            raise ValueError(
+                f"model.max_position_embeddings ({self.model.max_position_embeddings}) is shorter than the "
+                f"longest sample ({longest} tokens); raise it or lower sampling.max_tokens"
+            )
+        if self.trainer.micro_batch_tokens < longest:
+            raise ValueError(
+                f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold one whole sample "
+                f"({longest} tokens)"
+            )
+        return self

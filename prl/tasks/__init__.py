@@ -1,0 +1,46 @@
+"""Tasks: a dataset function (index -> {"prompt", "answer", ...}) and a reward function
+(completion text, example -> float in [0, 1]). Built-ins by name, user tasks by `module:function`."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from prl.recipe.schema import TaskCfg
+from prl.tasks.builtin import BUILTIN
+
+
+@dataclass(frozen=True)
+class Task:
+    dataset_fn: Callable[..., dict]
+    reward_fn: Callable[[str, dict], float]
+    seed: int
+    min_len: int
+    max_len: int
+
+    def example(self, index: int) -> dict:
+        return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len)
+
+    def reward(self, completion: str, example: dict) -> float:
+        return float(self.reward_fn(completion, example))
+
+
+def import_function(spec: str, key: str) -> Callable:
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{key} = {spec!r}: cannot import ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"{key} = {spec!r}: not a function")
+    return fn
+
+
+def make_task(cfg: TaskCfg, seed: int) -> Task:
+    dataset, reward = BUILTIN.get(cfg.name, (None, None))
+    if cfg.dataset:
+        dataset = import_function(cfg.dataset, "task.dataset")
+    if cfg.reward:
+        reward = import_function(cfg.reward, "task.reward")
+    return Task(dataset, reward, seed, cfg.min_len, cfg.max_len)

@@ -1,0 +1,101 @@
+"""The engine core in-process: continuous batching, in-flight weight updates, version salt."""
+
+import torch
+
+from prl.inference.engine import EngineCore, SamplingParams, Sequence
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def run_all(core: EngineCore, seqs):
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return seqs
+
+
+def test_batched_greedy_matches_alone(tiny_model):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19]]
+    alone = [run_all(EngineCore(tiny_model), [Sequence(p, GREEDY)])[0] for p in prompts]
+    together = run_all(EngineCore(tiny_model), [Sequence(p, GREEDY) for p in prompts])
+    for a, b in zip(alone, together):
+        assert a.out_ids == b.out_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_request_joins_mid_generation(tiny_model):
+    core = EngineCore(tiny_model)
+    long = Sequence([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=30))
+    core.add(long)
+    for _ in range(4):
+        core.step()
+    short = Sequence([9, 10], SamplingParams(temperature=0.0, max_tokens=3))
+    core.add(short)
+    while not short.finish_reason:
+        core.step()
+    assert short.admitted_at_step == 4
+    assert long.finish_reason is None, "the short request finished while the long one still ran"
+    alone = run_all(EngineCore(tiny_model), [Sequence([9, 10], SamplingParams(temperature=0.0, max_tokens=3))])[0]
+    assert short.out_ids == alone.out_ids
+
+
+def perturbed(model, scale=0.5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in model.state_dict().items()}
+
+
+def test_inflight_update_changes_version_and_keeps_kv(tiny_model):
+    import copy
+
+    reference = run_all(EngineCore(copy.deepcopy(tiny_model)), [Sequence([5, 6, 7], GREEDY)])[0]
+    core = EngineCore(tiny_model)
+    seq = Sequence([5, 6, 7], GREEDY)
+    core.add(seq)
+    for _ in range(4):
+        core.step()
+    n = len(seq.out_ids)
+    width_before, prefilled = core.batch.width, core.stats.prefill_tokens
+    done = core.stage_weights(perturbed(tiny_model), version=1)
+    core.step()
+    assert done.is_set() and core.version == 1
+    assert core.batch.width == width_before + 1, "the running request kept its KV cache"
+    while core.has_work():
+        core.step()
+    assert core.stats.prefill_tokens == prefilled, "nothing was recomputed"
+    assert seq.versions == [-1] * n + [1] * (len(seq.versions) - n)
+    assert seq.logprobs[:n] == reference.logprobs[:n]
+    assert seq.logprobs[n:] != reference.logprobs[n:len(seq.logprobs)], "new weights produced the later tokens"
+
+
+def test_prefix_cache_is_salted_by_version(tiny_model):
+    core = EngineCore(tiny_model)
+    run_all(core, [Sequence([5, 6, 7, 8], GREEDY), Sequence([5, 6, 7, 8], GREEDY)])
+    assert core.stats.prefix_hits == 1 and core.stats.prefill_tokens == 4
+    core.stage_weights(perturbed(tiny_model), version=1)
+    new = run_all(core, [Sequence([5, 6, 7, 8], GREEDY)])[0]
+    assert core.stats.prefix_hits == 1 and core.stats.prefill_tokens == 8, "old-version prefix not reused"
+    assert new.versions[0] == 1
+
+
+def test_rejected_weights_leave_old_version_serving(tiny_model, tmp_path):
+    import pytest
+
+    from prl.inference.engine import WeightLoadError, prepare_weights
+    from prl.model.weights import write_weights
+
+    good = write_weights(tmp_path / "v1", perturbed(tiny_model), {"version": 1})
+    state, version = prepare_weights(tiny_model, good)
+    assert version == 1 and state.keys() == tiny_model.state_dict().keys()
+    broken = dict(perturbed(tiny_model))
+    broken.pop(next(iter(broken)))
+    with pytest.raises(WeightLoadError, match="missing"):
+        prepare_weights(tiny_model, write_weights(tmp_path / "v2", broken, {"version": 2}))
+    corrupt = write_weights(tmp_path / "v3", perturbed(tiny_model), {"version": 3})
+    with open(corrupt / "model.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(WeightLoadError, match="sha256"):
+        prepare_weights(tiny_model, corrupt)
+    assert EngineCore(tiny_model).version == -1
