@@ -95,12 +95,15 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)
 
+    def has_staged(self) -> bool:
+        return self._staged is not None
+
     # ---- the engine thread ----
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One iteration: apply staged weights, admit waiting requests, decode one token for all."""
         t0 = time.perf_counter()
-        self._apply_staged()
+        self.apply_staged()
         finished = self._admit()
         if self.running:
             finished += self._decode()
@@ -111,7 +114,8 @@ class EngineCore:
                 seq.on_done(seq)
         return finished
 
-    def _apply_staged(self) -> None:
+    @torch.no_grad()
+    def apply_staged(self) -> None:
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is None:

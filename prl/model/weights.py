@@ -86,10 +86,13 @@ def verify_dir(path: Path) -> dict:
     return manifest
 
 
+def save_tensors(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(path))
+
+
 def write_weights(final: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path:
     tmp = tmp_dir_for(final)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / WEIGHTS_FILE))
+    save_tensors(tmp / WEIGHTS_FILE, state_dict)
     return commit_dir(tmp, final, meta)
 
 
@@ -98,7 +101,17 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(str(path / WEIGHTS_FILE)), manifest
 
 
-VERSION_RE = re.compile(r"^v(\d+)$")
+def sealed(root: Path, prefix: str) -> list[int]:
+    """N for every sealed folder `root/{prefix}{N}` (has a manifest), ascending."""
+    if not root.is_dir():
+        return []
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+    found = []
+    for p in root.iterdir():
+        m = pattern.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append(int(m.group(1)))
+    return sorted(found)
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -106,17 +119,18 @@ def version_dir(root: Path, version: int) -> Path:
 
 
 def published_versions(root: Path) -> list[int]:
-    """Versions whose folder is sealed (has a manifest), ascending."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = VERSION_RE.match(p.name)
-        if m and (p / MANIFEST).is_file():
-            found.append(int(m.group(1)))
-    return sorted(found)
+    return sealed(root, "v")
 
 
 def prune_versions(root: Path, keep: int) -> None:
     for v in published_versions(root)[:-keep]:
         shutil.rmtree(version_dir(root, v), ignore_errors=True)
+
+
+def latest_checkpoint(root: Path) -> tuple[Path, dict] | None:
+    """The newest sealed checkpoint folder `root/step_N` and its manifest (not yet verified)."""
+    steps = sealed(root, "step_")
+    if not steps:
+        return None
+    path = root / f"step_{steps[-1]}"
+    return path, json.loads((path / MANIFEST).read_text())

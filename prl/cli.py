@@ -1,0 +1,78 @@
+"""The `prl` command. Each command parses, then imports the heavy code it needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="prl: asynchronous RL for LLMs, mixture-of-experts first.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
+app.add_typer(ckpt_app, name="ckpt")
+console = Console()
+err = Console(stderr=True)
+
+
+@app.command()
+def run(
+    recipe: Optional[Path] = typer.Argument(None, help="the TOML recipe"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set trainer.lr=1e-5"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved recipe and process plan, then exit"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint"),
+    force: bool = typer.Option(False, "--force", help="delete an existing run directory of the same name"),
+    no_tui: bool = typer.Option(False, "--no-tui", help="plain step lines instead of the live dashboard"),
+):
+    """Validate a recipe, start every process, train, stream the dashboard, stop cleanly."""
+    from prl.recipe import RecipeError, load_recipe
+
+    loaded = None
+    if resume is None:
+        if recipe is None:
+            err.print("prl run: give a recipe (prl run recipes/reverse-tiny.toml) or --resume RUN_DIR")
+            raise typer.Exit(2)
+        try:
+            loaded = load_recipe(recipe, set_)
+        except RecipeError as e:
+            err.print(f"prl run: invalid recipe, nothing was started\n{e}", markup=False, highlight=False)
+            raise typer.Exit(2)
+    from prl.launch import driver
+
+    if dry_run:
+        driver.dry_run(loaded, console)
+        raise typer.Exit(0)
+    raise typer.Exit(driver.run(loaded, resume=resume, force=force, tui=not no_tui, console=console))
+
+
+@app.command()
+def status(
+    run_dir: Path = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny"),
+    watch: bool = typer.Option(False, "--watch", help="refresh until interrupted"),
+):
+    """Show a run's dashboard snapshot from its directory (while it runs or after)."""
+    from prl.tui.status import show
+
+    raise typer.Exit(show(run_dir, watch, console))
+
+
+@ckpt_app.command("export")
+def ckpt_export(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    out: Path = typer.Option(..., "--out", help="the Hugging Face folder to write"),
+    step: str = typer.Option("latest", "--step", help="a checkpoint step, or 'latest'"),
+):
+    """Write a checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer)."""
+    from prl.model.export import ExportError, export
+
+    try:
+        path = export(run_dir, step, out)
+    except ExportError as e:
+        err.print(f"prl ckpt export: {e}", markup=False, highlight=False)
+        raise typer.Exit(1)
+    console.print(f"wrote {path}", markup=False)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,70 @@
+"""Typed wire messages of the inference HTTP API (shared by the embedded server and clients)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateRequest(Msg):
+    """Token in, token out."""
+
+    prompt_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS
+    seed: int | None = None
+
+
+class GenerateResponse(Msg):
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str
+
+
+class CompletionRequest(BaseModel):
+    """The OpenAI /v1/completions request (the subset that applies; unknown fields are ignored)."""
+
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, gt=0, le=64)
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    seed: int | None = None
+
+
+class UpdateWeightsRequest(Msg):
+    path: str
+    version: int
+
+
+class UpdateWeightsResponse(Msg):
+    version: int
+    load_s: float
+
+
+class Health(Msg):
+    ok: bool
+    version: int
+
+
+class Metrics(Msg):
+    version: int
+    running: int
+    waiting: int
+    paused: bool
+    generated_tokens: int
+    prompt_tokens: int
+    prefill_tokens: int
+    prefix_hits: int
+    weight_loads: int
+    tokens_per_s: float
+    busy_frac: float

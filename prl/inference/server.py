@@ -1,0 +1,152 @@
+"""HTTP front of the embedded engine: token generate, OpenAI /v1/completions, admin endpoints.
+
+Every endpoint requires `Authorization: Bearer <run secret>` (OpenAI clients send their API key
+that way, so the secret doubles as the key). The server binds loopback unless the recipe says
+otherwise. A failed weight load answers 409 and leaves the old version serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+
+from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
+from prl.inference.loop import EngineLoop
+from prl.inference.protocol import (
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    Health,
+    Metrics,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+
+
+def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl") -> FastAPI:
+    app = FastAPI(title="prl inference")
+    started = time.monotonic()
+
+    def auth(authorization: str = Header("")):
+        if authorization != f"Bearer {secret}":
+            raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
+
+    guarded = [Depends(auth)]
+    eos = [tokenizer.eos_token_id]
+
+    @app.post("/generate", dependencies=guarded)
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        params = SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(req.stop_token_ids or eos), req.seed)
+        seq = await loop.generate(_sequence(req.prompt_ids, params))
+        return GenerateResponse(
+            token_ids=seq.out_ids, logprobs=seq.logprobs, versions=seq.versions, finish_reason=seq.finish_reason
+        )
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: CompletionRequest) -> dict:
+        ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt).input_ids
+        params = SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), req.seed)
+        seqs = await asyncio.gather(*(loop.generate(_sequence(ids, params)) for _ in range(req.n)))
+        return _openai_response(req, ids, seqs, tokenizer, model_name)
+
+    @app.post("/update_weights", dependencies=guarded)
+    async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        t0 = time.perf_counter()
+        try:
+            state, version = await asyncio.to_thread(prepare_weights, loop.core.model, req.path)
+        except WeightLoadError as e:
+            raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
+        if version != req.version:
+            raise HTTPException(409, f"{req.path} holds v{version}, not v{req.version}")
+        await loop.load(state, version)
+        return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0)
+
+    @app.post("/pause", dependencies=guarded)
+    async def pause() -> Health:
+        loop.set_paused(True)
+        return Health(ok=True, version=loop.core.version)
+
+    @app.post("/resume", dependencies=guarded)
+    async def resume() -> Health:
+        loop.set_paused(False)
+        return Health(ok=True, version=loop.core.version)
+
+    @app.get("/health", dependencies=guarded)
+    async def health() -> Health:
+        if loop.failed:
+            raise HTTPException(500, "engine failed")
+        return Health(ok=True, version=loop.core.version)
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics() -> Metrics:
+        core, st = loop.core, loop.core.stats
+        return Metrics(
+            version=core.version, running=len(core.running), waiting=len(core.waiting), paused=loop.paused,
+            generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, prefill_tokens=st.prefill_tokens,
+            prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
+            busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)),
+        )
+
+    return app
+
+
+def _sequence(prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    import torch
+
+    seq = Sequence(list(prompt_ids), params)
+    if params.seed is not None:
+        seq.generator = torch.Generator().manual_seed(params.seed)
+    return seq
+
+
+def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence], tokenizer, model_name) -> dict:
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    choices = []
+    for i, s in enumerate(seqs):
+        text = tokenizer.decode(s.out_ids, skip_special_tokens=True)
+        reason = s.finish_reason
+        for stop in stops:  # stop strings are applied to the text (simplified: after generation)
+            if stop in text:
+                text, reason = text[: text.index(stop)], "stop"
+        choice = {"index": i, "text": text, "finish_reason": reason}
+        if req.logprobs is not None:
+            choice["logprobs"] = {
+                "tokens": [tokenizer.decode([t]) for t in s.out_ids],
+                "token_logprobs": s.logprobs,
+            }
+        choices.append(choice)
+    completion = sum(len(s.out_ids) for s in seqs)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion},
+    }
+
+
+def main(config_path: str) -> None:
+    import os
+    import signal
+
+    import torch
+    import uvicorn
+
+    from prl.model.build import build_model, load_tokenizer
+    from prl.recipe.resolve import load_process_config
+
+    cfg = load_process_config(config_path)
+    inf = cfg.recipe.inference
+    torch.set_num_threads(inf.threads)
+    model = build_model(cfg.model_dir, seed=cfg.recipe.run.seed, dtype=inf.dtype)
+    core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index)
+    loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    loop.start()
+    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name)
+    print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    loop.stop()

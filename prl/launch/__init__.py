@@ -1,0 +1,1 @@
+"""Launching: the process plan, local process supervision, and the `prl run` driver."""

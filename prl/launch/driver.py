@@ -1,0 +1,206 @@
+"""`prl run`: resolve the recipe once, write per-process configs, start, watch, tear down.
+
+Rules: a bad recipe fails before anything starts; the run ends when the trainer finishes, when
+any process dies (named, with its last log lines), or on Ctrl-C/SIGTERM; in every case all
+processes are stopped (`Supervisor.stop_all`) before `prl run` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from prl.launch.plan import ProcessSpec, format_plan, make_plan
+from prl.launch.supervisor import Supervisor
+from prl.metrics import EventLog
+from prl.model.weights import published_versions, sealed, version_dir
+from prl.recipe.load import dump_toml
+from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.recipe.schema import Recipe
+from prl.tui.state import RunState, summarize
+from prl.tui.view import render
+
+ERROR_RE = re.compile(r"error|exception|traceback", re.IGNORECASE)
+
+
+class RunStopped(Exception):
+    pass
+
+
+@dataclass
+class Outcome:
+    state: str  # done | failed | interrupted
+    message: str
+    code: int
+    failed: str | None = None  # the process that ended the run
+
+
+def run_dir_for(recipe: Recipe) -> Path:
+    return Path(recipe.run.output_dir) / recipe.run.name
+
+
+def dry_run(recipe: Recipe, console: Console) -> None:
+    run_dir = run_dir_for(recipe)
+    configs = resolve(recipe, run_dir, run_dir / "secret")
+    specs = make_plan(configs, {c.name: run_dir / "config" / f"{c.name}.json" for c in configs}, run_dir)
+    console.print("# resolved recipe", style="bold")
+    console.print(dump_toml(recipe.model_dump()), markup=False, highlight=False)
+    console.print()
+    console.print(format_plan(specs), markup=False, highlight=False, soft_wrap=True)
+
+
+def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
+    if run_dir.exists():
+        if not force:
+            raise RunStopped(f"{run_dir} exists: pass --resume {run_dir} to continue it, or --force to start over")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=1))
+    from prl.model.tiny import write_model_dir
+
+    write_model_dir(recipe.model, run_dir / "model")
+
+
+def prepare_resume(run_dir: Path) -> Recipe:
+    """Reload the run's recipe and drop what was produced after its last checkpoint."""
+    if not (run_dir / "recipe.json").is_file():
+        raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json)")
+    recipe = Recipe.model_validate_json((run_dir / "recipe.json").read_text())
+    steps = sealed(run_dir / "checkpoints", "step_")
+    last = steps[-1] if steps else -1
+    for v in published_versions(run_dir / "weights"):
+        if v > last:
+            shutil.rmtree(version_dir(run_dir / "weights", v), ignore_errors=True)
+    for p in (run_dir / "rollouts").glob("step_*.pt"):
+        p.unlink()
+    return recipe
+
+
+def start_run(recipe: Recipe, run_dir: Path) -> tuple[Supervisor, list[ProcessSpec]]:
+    configs = resolve(recipe, run_dir, write_secret(run_dir))
+    specs = make_plan(configs, write_configs(configs, run_dir), run_dir)
+    return Supervisor(specs), specs
+
+
+def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
+    sup, specs = start_run(recipe, run_dir)
+    log = EventLog(run_dir / "metrics.jsonl", "driver")
+    log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps)
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        sup.start_all()
+        for p in sup.procs.values():
+            log.emit("process", name=p.spec.name, role=p.spec.role, host=p.spec.host, pid=p.pid, state="running")
+        outcome = watch(sup, run_dir, log, console, tui)
+    except (KeyboardInterrupt, RunStopped) as e:
+        outcome = Outcome("interrupted", f"interrupted ({type(e).__name__}); stopping every process", 130)
+    finally:
+        sup.stop_all()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    for name, p in sup.procs.items():
+        if name != outcome.failed:
+            log.emit("process", name=name, state="done" if p.poll() == 0 else "stopped")
+    log.emit("run", state=outcome.state, message=outcome.message, ended=time.time())
+    return outcome
+
+
+def _raise_stop(signum, frame):
+    raise RunStopped(signal.Signals(signum).name)
+
+
+def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: bool) -> Outcome:
+    state = RunState()
+    metrics = run_dir / "metrics.jsonl"
+    live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
+    last_step = -1
+    try:
+        if live:
+            live.start()
+        while True:
+            state.update_from(metrics)
+            scan_errors(sup, state, log)
+            outcome = check_exits(sup, log)
+            if live:
+                live.update(render(state))
+            elif state.trainer.get("step", -1) != last_step:
+                last_step = state.trainer["step"]
+                console.print(step_line(state), markup=False, highlight=False)
+            if outcome:
+                return outcome
+            time.sleep(0.2)
+    finally:
+        if live:
+            live.stop()
+
+
+def step_line(s: RunState) -> str:
+    tr, curve = s.trainer, s.reward_curve()
+    reward = f"{curve[-1]:.3f}" if curve else "-"
+    return (f"step {tr['step'] + 1}/{tr['total']}  reward {reward}  loss {tr.get('loss', 0):.4f}  "
+            f"mismatch_kl {tr.get('mismatch_kl', 0):.2e}  version {tr.get('version')}  "
+            f"stale_dropped {s.orch.get('stale_dropped_total', 0)}")
+
+
+def scan_errors(sup: Supervisor, state: RunState, log: EventLog) -> None:
+    for name, p in sup.procs.items():
+        lines = [ln for ln in p.tail(40) if ERROR_RE.search(ln)]
+        if lines and state.errors.get(name) != lines[-1][-200:]:
+            state.errors[name] = lines[-1][-200:]
+            log.emit("error", name=name, line=lines[-1][-200:])
+
+
+def check_exits(sup: Supervisor, log: EventLog) -> Outcome | None:
+    for name, rc in sup.exited().items():
+        p = sup.procs[name]
+        if rc == 0 and p.spec.role == "trainer":
+            return Outcome("done", "trainer finished", 0)
+        if rc == 0 and p.spec.role == "orchestrator":
+            continue  # shipped every batch; the trainer finishes the last steps
+        log.emit("process", name=name, state="failed", exit_code=rc)
+        tail = "\n".join(f"    {ln}" for ln in p.tail(15))
+        why = f"exited with code {rc}" if rc else "exited before the run finished"
+        return Outcome("failed", f"{name} ({p.spec.role}, pid {p.pid}) {why}; last log lines "
+                                 f"({p.spec.log}):\n{tail}", 1, failed=name)
+    return None
+
+
+def finish(run_dir: Path, outcome: Outcome, console: Console, wall_s: float) -> None:
+    state = RunState().update_from(run_dir / "metrics.jsonl")
+    summary = {**summarize(state), "state": outcome.state, "wall_s": round(wall_s, 1)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    style = "green" if outcome.code == 0 else "red"
+    console.print(f"prl run: {outcome.state}: {outcome.message}", style=style, markup=False, highlight=False)
+    if summary["rl_steps"]:
+        console.print(
+            f"reward: first 5 RL steps {summary['first5_reward']:.3f}, last 5 {summary['last5_reward']:.3f} "
+            f"(+{summary['improvement']:.3f}) over {summary['rl_steps']} steps in {wall_s:.0f}s; "
+            f"summary in {run_dir / 'summary.json'}", markup=False, highlight=False,
+        )
+
+
+def run(recipe: Recipe | None, *, resume: Path | None, force: bool, tui: bool, console: Console) -> int:
+    t0 = time.time()
+    try:
+        if resume:
+            run_dir = Path(resume)
+            recipe = prepare_resume(run_dir)
+        else:
+            run_dir = run_dir_for(recipe)
+            prepare_new(recipe, run_dir, force)
+    except RunStopped as e:
+        console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
+        return 2
+    console.print(f"prl run: {recipe.run.name} -> {run_dir}  (logs in {run_dir / 'logs'})", markup=False)
+    outcome = execute(recipe, run_dir, console, tui and sys.stdout.isatty())
+    finish(run_dir, outcome, console, time.time() - t0)
+    return outcome.code

@@ -1,0 +1,45 @@
+"""The run's event log: every process appends JSON lines to runs/NAME/metrics.jsonl.
+
+Each line is written with one O_APPEND write, so lines from different processes never interleave.
+The TUI and `prl status` fold this one file into a snapshot (`prl.tui.state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class EventLog:
+    def __init__(self, path: str | Path, source: str):
+        self.path = Path(path)
+        self.source = source
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, **fields) -> None:
+        line = json.dumps({"t": round(time.time(), 3), "src": self.source, "kind": kind, **fields}) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete lines from byte `offset`; returns the events and the offset to continue from."""
+    path = Path(path)
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    events = []
+    for raw in data[:end].splitlines():
+        try:
+            events.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return events, offset + end

@@ -1,0 +1,1 @@
+"""The orchestrator: rollout scheduling, staleness control, advantages, packing, weight relay."""

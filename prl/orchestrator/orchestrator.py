@@ -1,0 +1,227 @@
+"""The orchestrator: keeps inference saturated, scores groups, ships packed batches, relays weights.
+
+Rules:
+- staleness is explicit: groups for step s start only while the served version is at least
+  s - max_async_level (0 = synchronous); a group whose oldest token is more than
+  max_off_policy_steps behind the step that trains it is dropped and counted (`GroupBuffer`);
+- at most max_inflight_rollouts requests are in flight;
+- a new policy is relayed to every server as soon as the trainer seals it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+from prl.inference.protocol import GenerateRequest
+from prl.metrics import EventLog
+from prl.model.weights import latest_checkpoint, published_versions, version_dir
+from prl.orchestrator.buffer import Group, GroupBuffer
+from prl.orchestrator.client import InferenceClient
+from prl.recipe.resolve import ProcessConfig
+from prl.tasks import make_task
+from prl.transport.batch import Sample, TrainBatch, pack
+from prl.transport.rollouts import make_rollout_transport
+
+
+def group_advantages(rewards: list[float], mode: str) -> list[float]:
+    """Group-relative advantages: reward minus the group mean (divided by the std for mean_std)."""
+    mean = sum(rewards) / len(rewards)
+    adv = [r - mean for r in rewards]
+    if mode == "mean_std":
+        std = statistics.pstdev(rewards)
+        adv = [a / (std + 1e-6) for a in adv]
+    return adv
+
+
+class Orchestrator:
+    def __init__(self, cfg: ProcessConfig):
+        from prl.model.build import load_tokenizer
+
+        self.cfg, r = cfg, cfg.recipe
+        self.rl, self.sampling = r.rl, r.sampling
+        self.task = make_task(r.task, r.run.seed)
+        self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.clients = [InferenceClient(u, cfg.secret(), r.rl.max_inflight_rollouts + 8) for u in cfg.servers]
+        self.transport = make_rollout_transport("filesystem", cfg.run_path)
+        self.weights_root = cfg.run_path / "weights"
+        self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
+        self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
+        self.groups_per_batch = r.rl.batch_size // r.rl.group_size
+        self.changed = asyncio.Condition()
+        self.served = -1
+        self.inflight_groups = 0
+        self.error: BaseException | None = None
+        self.start_step, self.next_prompt = self._resume_point()
+        self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
+        self.tasks: list[asyncio.Task] = []
+
+    def _resume_point(self) -> tuple[int, int]:
+        found = latest_checkpoint(self.cfg.run_path / "checkpoints")
+        if not found:
+            return 0, 0
+        meta = found[1]
+        return meta["step"], meta["data_position"]
+
+    # ---- main loop ----
+    async def run(self) -> None:
+        await self.start()
+        try:
+            for step in range(self.start_step, self.rl.max_steps):
+                t0 = time.perf_counter()
+                groups, dropped = await self.next_groups(step)
+                self.ship(step, groups, dropped, time.perf_counter() - t0)
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        await asyncio.gather(*(c.wait_ready() for c in self.clients))
+        self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
+        await self.relay_weights(wait_for=self.start_step)
+        self.tasks = [asyncio.create_task(self.guard(t)) for t in (self.produce(), self.watch_weights(), self.poll_servers())]
+
+    async def guard(self, coro) -> None:
+        """A background task that fails stops the main loop (via next_groups) instead of dying silently."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            async with self.changed:
+                self.error = self.error or e
+                self.changed.notify_all()
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+    # ---- batches ----
+    async def next_groups(self, step: int) -> tuple[list[Group], int]:
+        """The oldest fresh groups for `step`, and how many samples were dropped as stale meanwhile."""
+        dropped = 0
+        async with self.changed:
+            while True:
+                stale = self.buffer.drop_stale(step)
+                if stale:
+                    self.committed -= len(stale)  # frees budget: replacements start under newer weights
+                    dropped += sum(len(g.samples) for g in stale)
+                    self.changed.notify_all()
+                if self.error:
+                    raise self.error
+                if len(self.buffer) >= self.groups_per_batch:
+                    return self.buffer.take(self.groups_per_batch), dropped
+                await self.changed.wait()
+
+    def ship(self, step: int, groups: list[Group], dropped: int, wait_s: float) -> None:
+        samples = [s for g in groups for s in g.samples]
+        tr = self.cfg.recipe.trainer
+        batch = TrainBatch(
+            step=step,
+            micro_batches=pack(samples, tr.nproc, tr.micro_batch_tokens),
+            data_position=max(g.prompt_index for g in groups) + 1,
+        )
+        self.transport.send(batch)
+        lags = [step - v for s in samples for v in s.versions]
+        rewards = [s.reward for s in samples]
+        self.log.emit(
+            "orch_step", step=step, reward=sum(rewards) / len(rewards),
+            reward_std=statistics.pstdev(rewards), completion_len=sum(len(s.completion_ids) for s in samples) / len(samples),
+            stale_dropped=dropped, stale_dropped_total=self.buffer.dropped_samples,
+            off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
+            inflight=self.inflight_groups * self.rl.group_size, served_version=self.served,
+            buffered=len(self.buffer), wait_s=round(wait_s, 4),
+        )
+
+    # ---- rollouts ----
+    def _budget_open(self) -> bool:
+        allowed_step = min(self.served + self.rl.max_async_level, self.rl.max_steps - 1)
+        inflight = self.inflight_groups * self.rl.group_size
+        return (
+            self.committed < (allowed_step + 1) * self.groups_per_batch
+            and inflight + self.rl.group_size <= self.rl.max_inflight_rollouts
+        )
+
+    async def produce(self) -> None:
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(self._budget_open)
+                index, self.next_prompt = self.next_prompt, self.next_prompt + 1
+                self.committed += 1
+                self.inflight_groups += 1
+            asyncio.create_task(self.run_group(index))
+
+    async def run_group(self, index: int) -> None:
+        try:
+            group = await self.rollout_group(index)
+        except BaseException as e:  # noqa: BLE001 - surfaced by next_groups
+            self.error = self.error or e
+            group = None
+        async with self.changed:
+            self.inflight_groups -= 1
+            if group:
+                self.buffer.add(group)
+            self.changed.notify_all()
+
+    async def rollout_group(self, index: int) -> Group:
+        example = self.task.example(index)
+        prompt_ids = self.tokenizer(example["prompt"]).input_ids
+        req = GenerateRequest(
+            prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+        )
+        client = self.clients[index % len(self.clients)]  # one server per group: its prefix cache hits
+        outs = await asyncio.gather(*(client.generate(req) for _ in range(self.rl.group_size)))
+        texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        rewards = [self.task.reward(t, example) for t in texts]
+        advantages = group_advantages(rewards, self.rl.advantage)
+        samples = [
+            Sample(prompt_ids, o.token_ids, o.logprobs, o.versions, a, r)
+            for o, a, r in zip(outs, advantages, rewards)
+        ]
+        return Group(index, samples)
+
+    # ---- weights ----
+    async def relay_weights(self, wait_for: int | None = None) -> None:
+        """Load the newest sealed version on every server (first waiting until `wait_for` exists)."""
+        while True:
+            versions = published_versions(self.weights_root)
+            if versions and versions[-1] > self.served and (wait_for is None or versions[-1] >= wait_for):
+                break
+            if wait_for is None:
+                return
+            await asyncio.sleep(0.05)
+        v = versions[-1]
+        t0 = time.perf_counter()
+        path = str(version_dir(self.weights_root, v))
+        await asyncio.gather(*(c.update_weights(path, v) for c in self.clients))
+        async with self.changed:
+            self.served = v
+            self.changed.notify_all()
+        self.log.emit("weights", version=v, relay_s=round(time.perf_counter() - t0, 4))
+
+    async def watch_weights(self) -> None:
+        while True:
+            await self.relay_weights()
+            await asyncio.sleep(0.05)
+
+    async def poll_servers(self) -> None:
+        while True:
+            for i, c in enumerate(self.clients):
+                m = await c.metrics()
+                self.log.emit("server", name=f"inference-{i}", **m.model_dump())
+            self.log.emit("rollouts", inflight=self.inflight_groups * self.rl.group_size, buffered=len(self.buffer),
+                          served_version=self.served)
+            await asyncio.sleep(1.0)
+
+
+def main(config_path: str) -> None:
+    from prl.recipe.resolve import load_process_config
+
+    cfg = load_process_config(config_path)
+    orch = Orchestrator(cfg)
+    asyncio.run(orch.run())
+    print(f"orchestrator: shipped steps {orch.start_step}..{cfg.recipe.rl.max_steps - 1}", flush=True)

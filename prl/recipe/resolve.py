@@ -1,0 +1,88 @@
+"""Resolution: a validated recipe plus launch facts (ports, paths, secret) -> one config per process.
+
+This is the one place where values are derived; the schema validators never rewrite a recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from prl.recipe.schema import Recipe
+
+
+class ProcessConfig(BaseModel):
+    """What one process needs: the whole resolved recipe and its own place in the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    role: Literal["inference", "orchestrator", "trainer"]
+    run_dir: str
+    recipe: Recipe
+    secret_file: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    servers: list[str] = []  # inference base URLs, for the orchestrator
+    index: int = 0
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.run_path / "model"
+
+    def secret(self) -> str:
+        return Path(self.secret_file).read_text().strip()
+
+
+def load_process_config(path: str | Path) -> ProcessConfig:
+    return ProcessConfig.model_validate_json(Path(path).read_text())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_secret(run_dir: Path) -> Path:
+    path = run_dir / "secret"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32))
+    return path
+
+
+def resolve(recipe: Recipe, run_dir: Path, secret_file: Path) -> list[ProcessConfig]:
+    """One ProcessConfig per process: the inference servers, the orchestrator, the trainer."""
+    inf = recipe.inference
+    ports = [inf.port + i if inf.port else free_port(inf.host) for i in range(inf.num_servers)]
+    common = dict(run_dir=str(run_dir), recipe=recipe, secret_file=str(secret_file))
+    servers = [
+        ProcessConfig(name=f"inference-{i}", role="inference", host=inf.host, port=p, index=i, **common)
+        for i, p in enumerate(ports)
+    ]
+    urls = [f"http://{s.host}:{s.port}" for s in servers]
+    return [
+        *servers,
+        ProcessConfig(name="orchestrator", role="orchestrator", servers=urls, **common),
+        ProcessConfig(name="trainer", role="trainer", **common),
+    ]
+
+
+def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:
+    out = run_dir / "config"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for c in configs:
+        paths[c.name] = out / f"{c.name}.json"
+        paths[c.name].write_text(json.dumps(c.model_dump(), indent=1))
+    return paths

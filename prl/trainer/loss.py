@@ -1,0 +1,53 @@
+"""Losses over packed micro-batches, summed over loss tokens (the caller normalises).
+
+RL loss per completion token t, with d_t = logp_train - logp_infer and ratio_t = exp(d_t):
+    tis  (default): -min(ratio_t, C) * A * logp_train      (truncated importance sampling)
+    mask          : -1[low <= ratio_t <= high] * A * logp_train   (tokens outside the band masked)
+    none          : -A * logp_train
+The weights are detached, so the gradient is that of the importance-weighted policy gradient.
+The caller divides the summed loss by the loss tokens of the whole step across all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prl.recipe.schema import LossCfg
+from prl.transport.batch import MicroBatch
+
+
+def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logp_LV = torch.log_softmax(logits_LV.float() / temperature, dim=-1)
+    return logp_LV.gather(-1, targets_L[:, None])[:, 0]
+
+
+def mismatch_stats(logp_L: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
+    """Sums over loss tokens: k3 KL estimate exp(d)-d-1 and |d| > ln 2 counts (d = train - infer)."""
+    mask = mb.loss_mask
+    d = (logp_L.detach() - mb.infer_logprobs)[mask]
+    return {
+        "mismatch_kl": (torch.exp(d) - d - 1).sum(),
+        "extreme_tokens": (d.abs() > 0.6931).sum().float(),
+        "loss_tokens": mask.sum().float(),
+    }
+
+
+def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    mask = mb.loss_mask
+    ratio = torch.exp(logp_L.detach() - mb.infer_logprobs)
+    if cfg.correction == "tis":
+        weight, keep = ratio.clamp(max=cfg.tis_cap), mask
+    elif cfg.correction == "mask":
+        weight, keep = torch.ones_like(ratio), mask & (ratio >= cfg.mask_low) & (ratio <= cfg.mask_high)
+    else:
+        weight, keep = torch.ones_like(ratio), mask
+    loss_sum = -(weight * mb.advantages * logp_L)[keep].sum()
+    stats = mismatch_stats(logp_L, mb)
+    stats["masked_tokens"] = (mask & ~keep).sum().float()
+    stats["truncated_tokens"] = ((ratio > cfg.tis_cap) & mask).sum().float() if cfg.correction == "tis" else 0 * stats["loss_tokens"]
+    return loss_sum, stats
+
+
+def sft_loss(logp_L: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    mask = mb.loss_mask
+    return -logp_L[mask].sum(), {"loss_tokens": mask.sum().float()}

@@ -1,0 +1,1 @@
+"""Transports between processes: packed rollout batches (orchestrator -> trainer) and their wire format."""

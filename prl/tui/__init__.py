@@ -1,0 +1,1 @@
+"""The terminal dashboard and `prl status`: one event-log fold, one renderer."""

@@ -1,0 +1,83 @@
+"""Fold the run's event log (metrics.jsonl) into one snapshot; the TUI and `prl status` share it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prl.metrics import read_events
+
+
+@dataclass
+class RunState:
+    run: dict = field(default_factory=dict)
+    processes: dict[str, dict] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
+    sft: dict = field(default_factory=dict)
+    orch: dict = field(default_factory=dict)
+    rewards: dict[int, float] = field(default_factory=dict)
+    servers: dict[str, dict] = field(default_factory=dict)
+    rollouts: dict = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    offset: int = 0
+
+    def apply(self, e: dict) -> None:
+        kind = e.get("kind")
+        if kind == "run":
+            self.run.update(e)
+        elif kind == "process":
+            self.processes.setdefault(e["name"], {}).update(e)
+        elif kind == "trainer_step":
+            (self.sft if e.get("stage") == "sft" else self.trainer).update(e)
+        elif kind == "orch_step":
+            self.orch.update(e)
+            self.rewards[e["step"]] = e["reward"]
+        elif kind == "server":
+            self.servers[e["name"]] = e
+        elif kind == "rollouts":
+            self.rollouts = e
+        elif kind == "error":
+            self.errors[e["name"]] = e["line"]
+
+    def update_from(self, path: Path) -> "RunState":
+        events, self.offset = read_events(path, self.offset)
+        for e in events:
+            self.apply(e)
+        return self
+
+    def reward_curve(self) -> list[float]:
+        return [self.rewards[k] for k in sorted(self.rewards)]
+
+    def mark_dead_processes(self) -> None:
+        """For `prl status`: a process the log calls running whose pid is gone is shown as gone."""
+        for p in self.processes.values():
+            if p.get("state") == "running" and p.get("pid") and not pid_alive(p["pid"]):
+                p["state"] = "gone"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def load_state(run_dir: Path) -> RunState:
+    return RunState().update_from(Path(run_dir) / "metrics.jsonl")
+
+
+def summarize(state: RunState, window: int = 5) -> dict:
+    curve = state.reward_curve()
+    first, last = curve[:window], curve[-window:]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "rl_steps": len(curve),
+        "first5_reward": mean(first),
+        "last5_reward": mean(last),
+        "improvement": mean(last) - mean(first),
+        "stale_dropped_total": state.orch.get("stale_dropped_total", 0),
+    }

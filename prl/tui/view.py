@@ -1,0 +1,90 @@
+"""Render a `RunState` with rich: processes, progress, staleness, servers, reward, throughput, errors."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from prl.tui.state import RunState
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+STATE_STYLE = {"running": "green", "done": "cyan", "failed": "bold red", "stopped": "yellow", "gone": "red"}
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    values = values[-width:]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(BLOCKS[int((v - lo) / span * (len(BLOCKS) - 1))] for v in values)
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def processes_table(s: RunState) -> Table:
+    t = Table(title="processes", expand=True, title_justify="left")
+    for col in ("name", "role", "host", "pid", "state"):
+        t.add_column(col)
+    for name, p in s.processes.items():
+        state = p.get("state", "?")
+        t.add_row(name, p.get("role", ""), p.get("host", ""), str(p.get("pid", "")),
+                  Text(state, style=STATE_STYLE.get(state, "")))
+    return t
+
+
+def progress(s: RunState) -> Table:
+    t = Table.grid(expand=True, padding=(0, 1))
+    t.add_column(width=14)
+    t.add_column(ratio=1)
+    t.add_column(width=22)
+    if s.sft:
+        done, total = s.sft["step"] + 1, s.sft["total"]
+        t.add_row("warm start", ProgressBar(total=total, completed=done), f"{done}/{total}  loss {fmt(s.sft.get('loss'))}")
+    tr = s.trainer
+    done, total = (tr["step"] + 1, tr["total"]) if tr else (0, s.run.get("max_steps", 1))
+    t.add_row("RL step", ProgressBar(total=total, completed=done), f"{done}/{total}  version {tr.get('version', '-')}")
+    return t
+
+
+def metrics_table(s: RunState) -> Table:
+    tr, o, ro = s.trainer, s.orch, s.rollouts
+    t = Table(title="learning", expand=True, title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    curve = s.reward_curve()
+    t.add_row("reward", f"{fmt(curve[-1] if curve else None)}  {sparkline(curve)}")
+    t.add_row("loss / mismatch KL", f"{fmt(tr.get('loss'), '.4f')} / {fmt(tr.get('mismatch_kl'), '.2e')}")
+    t.add_row("rollouts in flight", f"{ro.get('inflight', '-')}  buffered {ro.get('buffered', '-')}")
+    t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
+              f"  stale dropped {o.get('stale_dropped_total', 0)}")
+    t.add_row("trainer tokens/s", fmt(tr.get("tokens_per_s"), ".0f"))
+    t.add_row("step time", f"wait {fmt(tr.get('wait_s'), '.2f')}s  fwd-bwd {fmt(tr.get('fwd_bwd_s'), '.2f')}s"
+              f"  publish {fmt(tr.get('publish_s'), '.2f')}s")
+    return t
+
+
+def servers_table(s: RunState) -> Table:
+    t = Table(title="inference", expand=True, title_justify="left")
+    for col in ("server", "version", "tokens/s", "running", "waiting", "busy"):
+        t.add_column(col)
+    for name, m in s.servers.items():
+        t.add_row(name, str(m["version"]), fmt(m["tokens_per_s"], ".0f"), str(m["running"]), str(m["waiting"]),
+                  f"{m['busy_frac']:.0%}")
+    return t
+
+
+def render(s: RunState) -> Panel:
+    parts = [processes_table(s), progress(s), metrics_table(s), servers_table(s)]
+    for name, line in s.errors.items():
+        parts.append(Text(f"{name}: {line}", style="red"))
+    elapsed = time.time() - s.run["started"] if s.run.get("started") else 0
+    title = f"prl · {s.run.get('name', '?')} · {s.run.get('state', '?')} · {elapsed:.0f}s"
+    return Panel(Group(*parts), title=title, title_align="left")
