@@ -1,0 +1,20 @@
+# Sourced by bin/prl and bin/test: create .venv and install prl on first use (or when
+# pyproject.toml changed). CPU torch where no NVIDIA GPU is present.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.prl-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "prl: setting up $VENV (first use)..." >&2
+  PY="${PRL_PYTHON:-python3}"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q torch >&2
+  else
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 >&2
+  fi
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  echo "$WANT" > "$STAMP"
+fi

@@ -1,0 +1,103 @@
+"""Packing keeps every token with its logprob, version and advantage; losses and staleness rules."""
+
+import torch
+
+from prl.orchestrator.buffer import Group, GroupBuffer
+from prl.orchestrator.orchestrator import group_advantages
+from prl.recipe.schema import LossCfg
+from prl.trainer.loss import rl_loss, token_logprobs
+from prl.transport.batch import Sample, pack
+
+
+def make_samples(n=7):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        p = torch.randint(4, 40, (3 + i % 3,), generator=g).tolist()
+        c = torch.randint(4, 40, (2 + i % 4,), generator=g).tolist()
+        out.append(Sample(p, c, [-0.1 * (i + 1)] * len(c), [i] * len(c), advantage=i - 3.0, reward=0.5))
+    return out
+
+
+def test_pack_keeps_tokens_aligned_and_ranks_even():
+    samples = make_samples()
+    ranks = pack(samples, num_ranks=2, max_tokens=12)
+    assert len(ranks[0]) == len(ranks[1])
+    mbs = [mb for r in ranks for mb in r]
+    assert all(mb.input_ids.numel() <= 12 for mb in mbs)
+    assert sum(mb.loss_tokens for mb in mbs) == sum(len(s.completion_ids) for s in samples)
+    for s in samples:  # find each sample's stretch by its position ids and check every loss token
+        hits = 0
+        for mb in mbs:
+            starts = (mb.position_ids == 0).nonzero()[:, 0].tolist() + [mb.input_ids.numel()]
+            for a, b in zip(starts, starts[1:]):
+                seq = mb.input_ids[a:b].tolist()
+                if seq == (s.prompt_ids + s.completion_ids)[:-1]:
+                    m = mb.loss_mask[a:b]
+                    assert mb.target_ids[a:b][m].tolist() == s.completion_ids
+                    assert torch.allclose(mb.infer_logprobs[a:b][m], torch.tensor(s.logprobs))
+                    assert mb.versions[a:b][m].tolist() == s.versions
+                    assert (mb.advantages[a:b][m] == s.advantage).all()
+                    hits += 1
+        assert hits == 1
+
+
+def test_packed_forward_equals_separate(tiny_model):
+    samples = make_samples(4)
+    [[mb]] = pack(samples, 1, 4096)
+    with torch.no_grad():
+        packed = tiny_model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False).logits[0]
+        starts = (mb.position_ids == 0).nonzero()[:, 0].tolist() + [mb.input_ids.numel()]
+        for a, b in zip(starts, starts[1:]):
+            alone = tiny_model(input_ids=mb.input_ids[None, a:b], use_cache=False).logits[0]
+            assert torch.allclose(packed[a:b], alone, atol=1e-5)
+
+
+def _mb(logp_infer, adv):
+    [[mb]] = pack([Sample([5, 6], [7, 8, 9], logp_infer, [0, 0, 0], advantage=adv)], 1, 64)
+    return mb
+
+
+def test_tis_caps_and_mask_drops():
+    mb = _mb([-3.0, -1.0, -1.0], adv=1.0)
+    logp = torch.full((mb.input_ids.numel(),), -1.0, requires_grad=True)
+    # token 0: ratio e^2 > cap 2 -> weight 2; tokens 1, 2: ratio 1
+    loss, stats = rl_loss(logp, mb, LossCfg(correction="tis", tis_cap=2.0))
+    loss.backward()
+    assert torch.allclose(logp.grad[mb.loss_mask], torch.tensor([-2.0, -1.0, -1.0]))
+    assert stats["truncated_tokens"] == 1
+    logp.grad = None
+    loss, stats = rl_loss(logp, mb, LossCfg(correction="mask", mask_low=0.5, mask_high=2.0))
+    loss.backward()
+    assert torch.allclose(logp.grad[mb.loss_mask], torch.tensor([0.0, -1.0, -1.0]))
+    assert stats["masked_tokens"] == 1
+    d = torch.tensor([2.0, 0.0, 0.0])
+    assert torch.isclose(stats["mismatch_kl"], (d.exp() - d - 1).sum())
+
+
+def test_positive_advantage_raises_logprob(tiny_model):
+    mb = _mb([-1.0, -1.0, -1.0], adv=1.0)
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+    def logp():
+        out = tiny_model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+        return token_logprobs(out.logits[0], mb.target_ids)
+    before = logp()[mb.loss_mask].sum().item()
+    loss, _ = rl_loss(logp(), mb, LossCfg())
+    loss.backward()
+    opt.step()
+    assert logp()[mb.loss_mask].sum().item() > before
+
+
+def test_stale_groups_are_dropped_and_counted():
+    buf = GroupBuffer(max_off_policy_steps=1)
+    for v in (3, 4, 5):
+        buf.add(Group(v, [Sample([1], [2, 3], [0, 0], [v, v + 1])]))
+    dropped = buf.drop_stale(step=5)
+    assert [g.prompt_index for g in dropped] == [3]
+    assert buf.dropped_samples == 1 and [g.prompt_index for g in buf.take(5)] == [4, 5]
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, 0.0, 0.5, 0.5], "mean") == [0.5, -0.5, 0.0, 0.0]
+    a = group_advantages([1.0, 0.0], "mean_std")
+    assert abs(a[0] - 1.0) < 1e-4 and abs(a[1] + 1.0) < 1e-4

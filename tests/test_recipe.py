@@ -1,0 +1,65 @@
+"""Recipes: every shipped recipe parses; bad ones fail before anything starts, naming key and file."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, prl_cmd
+from prl.recipe import RecipeError, load_recipe
+
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_parse(path):
+    load_recipe(path)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text,key,words", [
+    ("[trainer]\nlrr = 1e-3\n", "trainer.lrr", "unknown key"),
+    ("[trainer]\nlr = 'fast'\n", "trainer.lr", "valid number"),
+    ("[rl]\nbatch_size = 60\ngroup_size = 8\n", "rl.batch_size", "divisible"),
+    ("[rl]\nmax_off_policy_steps = -1\n", "rl.max_off_policy_steps", "greater than or equal"),
+    ("[bogus]\nx = 1\n", "bogus", "unknown key"),
+])
+def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    msg = str(e.value)
+    assert str(path) in msg and key in msg and words in msg
+
+
+def test_set_overrides_are_typed(tmp_path):
+    r = load_recipe(write(tmp_path, ""), ["trainer.lr=1e-5", "rl.max_steps=3", "run.name=abc", "trainer.loss.correction=mask"])
+    assert r.trainer.lr == 1e-5 and r.rl.max_steps == 3 and r.run.name == "abc" and r.trainer.loss.correction == "mask"
+    with pytest.raises(RecipeError, match="trainer.lrx"):
+        load_recipe(write(tmp_path, ""), ["trainer.lrx=1"])
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        load_recipe(write(tmp_path, ""), ["trainer.lr"])
+
+
+def test_cli_rejects_bad_recipe_and_starts_nothing(tmp_path):
+    path = write(tmp_path, f"[run]\nname = 'bad'\noutput_dir = '{tmp_path}/runs'\n[rl]\nbatch_size = 60\n")
+    p = subprocess.run(prl_cmd("run", path, "--no-tui"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "rl.batch_size" in p.stderr and str(path) in p.stderr and "nothing was started" in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_prints_recipe_and_plan(tmp_path):
+    p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", "--dry-run", "--set", "trainer.nproc=2"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "[trainer]" in out and "nproc = 2" in out
+    for name in ("inference-0", "orchestrator", "trainer"):
+        assert name in out
+    assert "torch.distributed.run" in out and "--nproc-per-node=2" in out and "prl.inference" in out

@@ -1,0 +1,92 @@
+"""The inference server as a real process on loopback: auth, generate, OpenAI completions, weights."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from prl.model.tiny import write_model_dir
+from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.recipe.schema import Recipe
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    recipe = Recipe()
+    write_model_dir(recipe.model, run_dir / "model")
+    configs = resolve(recipe, run_dir, write_secret(run_dir))
+    paths = write_configs(configs, run_dir)
+    cfg = configs[0]
+    log = open(run_dir / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(paths[cfg.name])],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{cfg.host}:{cfg.port}"
+    headers = {"Authorization": f"Bearer {cfg.secret()}"}
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", headers=headers).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, (run_dir / "server.log").read_text()
+        time.sleep(0.2)
+    yield httpx.Client(base_url=url, headers=headers, timeout=60), run_dir, url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(10)
+
+
+def test_requires_secret(server):
+    _, _, url = server
+    assert httpx.get(f"{url}/health").status_code == 401
+    assert httpx.post(f"{url}/generate", json={"prompt_ids": [5]}, headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_generate_returns_tokens_logprobs_versions(server):
+    client, _, _ = server
+    r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 5, "temperature": 1.0, "stop_token_ids": []})
+    body = r.json()
+    assert r.status_code == 200 and len(body["token_ids"]) == 5 and body["finish_reason"] == "length"
+    assert len(body["logprobs"]) == 5 and all(lp <= 0 for lp in body["logprobs"])
+    assert body["versions"] == [-1] * 5
+    assert client.post("/generate", json={"prompt_ids": []}).status_code == 422
+
+
+def test_openai_completions(server):
+    client, _, _ = server
+    r = client.post("/v1/completions", json={"model": "x", "prompt": "rev:abc=", "max_tokens": 4, "n": 2, "logprobs": 1})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["usage"]["prompt_tokens"] == 8
+    assert sum(len(c["logprobs"]["token_logprobs"]) for c in body["choices"]) == body["usage"]["completion_tokens"]
+
+
+def test_update_weights_good_and_bad(server, tiny_model):
+    from prl.model.weights import write_weights
+
+    client, run_dir, _ = server
+    good = write_weights(run_dir / "weights" / "v3", tiny_model.state_dict(), {"version": 3})
+    r = client.post("/update_weights", json={"path": str(good), "version": 3})
+    assert r.status_code == 200 and r.json()["version"] == 3
+    bad = dict(tiny_model.state_dict())
+    bad.pop("lm_head.weight")
+    broken = write_weights(run_dir / "weights" / "v4", bad, {"version": 4})
+    r = client.post("/update_weights", json={"path": str(broken), "version": 4})
+    assert r.status_code == 409 and "still serving v3" in r.json()["detail"]
+    assert client.get("/health").json()["version"] == 3
+    out = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2, "stop_token_ids": []}).json()
+    assert out["versions"] == [3, 3]
+
+
+def test_pause_resume_and_metrics(server):
+    client, _, _ = server
+    assert client.post("/pause").json()["ok"]
+    assert client.get("/metrics").json()["paused"] is True
+    client.post("/resume")
+    m = client.get("/metrics").json()
+    assert m["paused"] is False and m["generated_tokens"] > 0
