@@ -12,8 +12,8 @@ app = typer.Typer(help="prl: asynchronous RL for LLMs, mixture-of-experts first.
                   pretty_exceptions_enable=False)
 ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 @app.command()
@@ -43,7 +43,7 @@ def run(
     if dry_run:
         driver.dry_run(loaded, console)
         raise typer.Exit(0)
-    raise typer.Exit(driver.run(loaded, resume=resume, force=force, tui=not no_tui, console=console))
+    raise typer.Exit(driver.run(loaded, resume=resume, overrides=set_, force=force, tui=not no_tui, console=console))
 
 
 @app.command()

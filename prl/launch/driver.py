@@ -23,7 +23,7 @@ from prl.launch.plan import ProcessSpec, format_plan, make_plan
 from prl.launch.supervisor import Supervisor
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
-from prl.recipe.load import dump_toml
+from prl.recipe.load import RecipeError, apply_override, dump_toml, validate
 from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
@@ -70,11 +70,17 @@ def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
     write_model_dir(recipe.model, run_dir / "model")
 
 
-def prepare_resume(run_dir: Path) -> Recipe:
-    """Reload the run's recipe and drop what was produced after its last checkpoint."""
-    if not (run_dir / "recipe.json").is_file():
+def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
+    """Reload the run's recipe (plus `--set` overrides, e.g. more steps) and drop what was
+    produced after its last checkpoint."""
+    source = run_dir / "recipe.json"
+    if not source.is_file():
         raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json)")
-    recipe = Recipe.model_validate_json((run_dir / "recipe.json").read_text())
+    data = json.loads(source.read_text())
+    for item in overrides:
+        apply_override(data, item, source)
+    recipe = validate(data, str(source))
+    source.write_text(recipe.model_dump_json(indent=1))
     steps = sealed(run_dir / "checkpoints", "step_")
     last = steps[-1] if steps else -1
     for v in published_versions(run_dir / "weights"):
@@ -188,16 +194,17 @@ def finish(run_dir: Path, outcome: Outcome, console: Console, wall_s: float) -> 
         )
 
 
-def run(recipe: Recipe | None, *, resume: Path | None, force: bool, tui: bool, console: Console) -> int:
+def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], force: bool, tui: bool,
+        console: Console) -> int:
     t0 = time.time()
     try:
         if resume:
             run_dir = Path(resume)
-            recipe = prepare_resume(run_dir)
+            recipe = prepare_resume(run_dir, overrides)
         else:
             run_dir = run_dir_for(recipe)
             prepare_new(recipe, run_dir, force)
-    except RunStopped as e:
+    except (RunStopped, RecipeError) as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
     console.print(f"prl run: {recipe.run.name} -> {run_dir}  (logs in {run_dir / 'logs'})", markup=False)

@@ -125,6 +125,9 @@ class Orchestrator:
             data_position=max(g.prompt_index for g in groups) + 1,
         )
         self.transport.send(batch)
+        self.log_step(step, samples, batch.data_position, dropped, wait_s)
+
+    def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float) -> None:
         lags = [step - v for s in samples for v in s.versions]
         rewards = [s.reward for s in samples]
         self.log.emit(
@@ -133,7 +136,7 @@ class Orchestrator:
             stale_dropped=dropped, stale_dropped_total=self.buffer.dropped_samples,
             off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
             inflight=self.inflight_groups * self.rl.group_size, served_version=self.served,
-            buffered=len(self.buffer), wait_s=round(wait_s, 4),
+            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position,
         )
 
     # ---- rollouts ----
