@@ -68,3 +68,4 @@ class Metrics(Msg):
     weight_loads: int
     tokens_per_s: float
     busy_frac: float
+    busy_s: float

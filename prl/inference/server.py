@@ -87,7 +87,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
             version=core.version, running=len(core.running), waiting=len(core.waiting), paused=loop.paused,
             generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, prefill_tokens=st.prefill_tokens,
             prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
-            busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)),
+            busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)), busy_s=st.busy_s,
         )
 
     return app

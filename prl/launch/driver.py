@@ -58,6 +58,17 @@ def dry_run(recipe: Recipe, console: Console) -> None:
     console.print(format_plan(specs), markup=False, highlight=False, soft_wrap=True)
 
 
+def check_task(recipe: Recipe) -> None:
+    """Import user task functions now, so a typo fails before any process starts."""
+    from prl.tasks import make_task
+
+    try:
+        task = make_task(recipe.task, recipe.run.seed)
+        task.reward("", task.example(0))
+    except ValueError as e:
+        raise RecipeError(f"invalid task, nothing was started: {e}") from None
+
+
 def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
     if run_dir.exists():
         if not force:
@@ -203,6 +214,7 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
             recipe = prepare_resume(run_dir, overrides)
         else:
             run_dir = run_dir_for(recipe)
+            check_task(recipe)
             prepare_new(recipe, run_dir, force)
     except (RunStopped, RecipeError) as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
