@@ -49,11 +49,15 @@ def test_requires_secret(server):
 
 def test_generate_returns_tokens_logprobs_versions(server):
     client, _, _ = server
-    r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 5, "temperature": 1.0, "stop_token_ids": []})
-    body = r.json()
-    assert r.status_code == 200 and len(body["token_ids"]) == 5 and body["finish_reason"] == "length"
-    assert len(body["logprobs"]) == 5 and all(lp <= 0 for lp in body["logprobs"])
-    assert body["versions"] == [-1] * 5
+    r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 5, "temperature": 1.0,
+                                       "stop_token_ids": [], "n": 3})
+    assert r.status_code == 200
+    completions = r.json()["completions"]
+    assert len(completions) == 3
+    for body in completions:
+        assert len(body["token_ids"]) == 5 and body["finish_reason"] == "length"
+        assert len(body["logprobs"]) == 5 and all(lp <= 0 for lp in body["logprobs"])
+        assert body["versions"] == [-1] * 5
     assert client.post("/generate", json={"prompt_ids": []}).status_code == 422
 
 
@@ -80,7 +84,7 @@ def test_update_weights_good_and_bad(server, tiny_model):
     assert r.status_code == 409 and "still serving v3" in r.json()["detail"]
     assert client.get("/health").json()["version"] == 3
     out = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2, "stop_token_ids": []}).json()
-    assert out["versions"] == [3, 3]
+    assert out["completions"][0]["versions"] == [3, 3]
 
 
 def test_pause_resume_and_metrics(server):

@@ -18,13 +18,18 @@ class GenerateRequest(Msg):
     top_p: float = Field(1.0, gt=0, le=1)
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS
     seed: int | None = None
+    n: int = Field(1, gt=0, le=256)  # completions of the same prompt (a GRPO group in one request)
 
 
-class GenerateResponse(Msg):
+class Completion(Msg):
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]  # policy version that produced each token
     finish_reason: str
+
+
+class GenerateResponse(Msg):
+    completions: list[Completion]
 
 
 class CompletionRequest(BaseModel):

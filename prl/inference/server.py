@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
 from prl.inference.loop import EngineLoop
 from prl.inference.protocol import (
+    Completion,
     CompletionRequest,
     GenerateRequest,
     GenerateResponse,
@@ -39,11 +40,14 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
 
     @app.post("/generate", dependencies=guarded)
     async def generate(req: GenerateRequest) -> GenerateResponse:
-        params = SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(req.stop_token_ids or eos), req.seed)
-        seq = await loop.generate(_sequence(req.prompt_ids, params))
-        return GenerateResponse(
-            token_ids=seq.out_ids, logprobs=seq.logprobs, versions=seq.versions, finish_reason=seq.finish_reason
-        )
+        stops = eos if req.stop_token_ids is None else req.stop_token_ids
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), s) for s in seeds]
+        seqs = await asyncio.gather(*(loop.generate(_sequence(req.prompt_ids, p)) for p in params))
+        return GenerateResponse(completions=[
+            Completion(token_ids=s.out_ids, logprobs=s.logprobs, versions=s.versions, finish_reason=s.finish_reason)
+            for s in seqs
+        ])
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest) -> dict:

@@ -174,10 +174,10 @@ class Orchestrator:
         prompt_ids = self.tokenizer(example["prompt"]).input_ids
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens,
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
         )
         client = self.clients[index % len(self.clients)]  # one server per group: its prefix cache hits
-        outs = await asyncio.gather(*(client.generate(req) for _ in range(self.rl.group_size)))
+        outs = (await client.generate(req)).completions
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         rewards = [self.task.reward(t, example) for t in texts]
         advantages = group_advantages(rewards, self.rl.advantage)

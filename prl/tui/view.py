@@ -85,6 +85,7 @@ def render(s: RunState) -> Panel:
     parts = [processes_table(s), progress(s), metrics_table(s), servers_table(s)]
     for name, line in s.errors.items():
         parts.append(Text(f"{name}: {line}", style="red"))
-    elapsed = time.time() - s.run["started"] if s.run.get("started") else 0
+    end = s.run.get("ended", time.time())
+    elapsed = end - s.run["started"] if s.run.get("started") else 0
     title = f"prl · {s.run.get('name', '?')} · {s.run.get('state', '?')} · {elapsed:.0f}s"
     return Panel(Group(*parts), title=title, title_align="left")
