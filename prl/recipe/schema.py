@@ -26,14 +26,14 @@ class ModelCfg(Section):
 
     arch: Literal["glm_moe_dsa"] = "glm_moe_dsa"
     path: str | None = None  # a local Hugging Face folder; overrides the tiny config below
-    hidden_size: int = Field(64, gt=0)
+    hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(3, gt=0)
     first_dense_layers: int = Field(1, ge=0)
     num_heads: int = Field(4, gt=0)
     num_experts: int = Field(8, gt=0)
     experts_per_token: int = Field(2, gt=0)
-    expert_dim: int = Field(64, gt=0)
-    dense_dim: int = Field(128, gt=0)
+    expert_dim: int = Field(128, gt=0)
+    dense_dim: int = Field(256, gt=0)
     index_topk: int = Field(256, gt=0)
     max_position_embeddings: int = Field(512, gt=0)
 
