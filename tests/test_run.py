@@ -162,3 +162,13 @@ def test_dead_inference_server_stops_the_run(tmp_path):
     assert time.time() - t0 < 10 and proc.returncode == 1, out
     assert "inference-0" in out and "exited with code -9" in out and "inference-0.log" in out
     assert_nothing_left(run_dir)
+
+
+def test_default_recipe_learns(tmp_path):
+    """The acceptance run: recipes/reverse-tiny.toml as shipped, warm start included."""
+    p = prl_run(tmp_path, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:]
+    summary = json.loads((tmp_path / "reverse-tiny" / "summary.json").read_text())
+    print(f"\nreverse-tiny: {summary}")
+    assert summary["last5_reward"] - summary["first5_reward"] >= 0.15, summary
+    assert_nothing_left(tmp_path / "reverse-tiny")

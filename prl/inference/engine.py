@@ -52,6 +52,16 @@ class Sequence:
     pending: int = -1  # sampled token not yet fed to the model
     generator: torch.Generator | None = None
     admitted_at_step: int = -1
+    prompt_routing: torch.Tensor | None = None  # [prompt tokens, MoE layers, k] when capturing
+    routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
+
+    def completion_routing(self) -> torch.Tensor | None:
+        """Routing of the completion tokens fed back as inputs (all but the last)."""
+        if self.prompt_routing is None:
+            return None
+        if not self.routing_chunks:
+            return self.prompt_routing[:0]
+        return torch.cat(self.routing_chunks)
 
 
 @dataclass
@@ -66,8 +76,14 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0):
+    def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
+                 capture_routing: bool = False):
         self.model = model.eval()
+        self.capture = None
+        if capture_routing:
+            from prl.model.routing import Capture
+
+            self.capture = Capture(model)
         self.max_batch_size = max_batch_size
         self.prefix_cache_entries = prefix_cache_entries
         self.version = -1  # no policy loaded yet: random init
@@ -156,14 +172,15 @@ class EngineCore:
         if key in self.prefix:
             self.prefix.move_to_end(key)
             self.stats.prefix_hits += 1
-            cache, logits = self.prefix[key]
+            cache, logits, seq.prompt_routing = self.prefix[key]
             return clone_cache(cache), logits
         ids = torch.tensor([seq.prompt_ids])
         out = self.model(input_ids=ids, use_cache=True)
         logits = out.logits[0, -1].float()
+        seq.prompt_routing = self.capture.take() if self.capture else None
         self.stats.prefill_tokens += seq.length
         if self.prefix_cache_entries:
-            self.prefix[key] = (clone_cache(out.cache), logits)
+            self.prefix[key] = (clone_cache(out.cache), logits, seq.prompt_routing)
             if len(self.prefix) > self.prefix_cache_entries:
                 self.prefix.popitem(last=False)
         return out.cache, logits
@@ -180,8 +197,11 @@ class EngineCore:
         )
         self.batch.cache = out.cache
         self.batch.advance()
-        for s in self.running:
+        routing = self.capture.take() if self.capture else None
+        for i, s in enumerate(self.running):
             s.length += 1
+            if routing is not None:
+                s.routing_chunks.append(routing[i : i + 1])
         tokens, logprobs = self._sample(out.logits[:, -1].float(), self.running)
         for s, tok, lp in zip(self.running, tokens, logprobs):
             self._emit(s, tok, lp)

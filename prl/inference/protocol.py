@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -19,6 +22,16 @@ class GenerateRequest(Msg):
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS
     seed: int | None = None
     n: int = Field(1, gt=0, le=256)  # completions of the same prompt (a GRPO group in one request)
+    return_routing: bool = False  # R3: experts chosen per input token and MoE layer
+    routing_start: int = Field(0, ge=0)  # prompt positions the client already holds (multi-turn)
+
+
+class Routing(Msg):
+    """A [tokens, MoE layers, k] array of expert ids, raw little-endian bytes in base64."""
+
+    data: str
+    shape: list[int]
+    dtype: Literal["uint8", "int16"]
 
 
 class Completion(Msg):
@@ -26,10 +39,27 @@ class Completion(Msg):
     logprobs: list[float]
     versions: list[int]  # policy version that produced each token
     finish_reason: str
+    routing: Routing | None = None  # completion tokens fed back as inputs (all but the last)
 
 
 class GenerateResponse(Msg):
     completions: list[Completion]
+    prompt_routing: Routing | None = None  # once per request, from `routing_start`
+
+
+def encode_routing(ids) -> Routing:
+    """torch tensor -> wire. Copies: tensor bytes, then base64 text."""
+    arr = ids.contiguous().numpy()
+    return Routing(data=base64.b64encode(arr.tobytes()).decode(), shape=list(arr.shape), dtype=str(arr.dtype))
+
+
+def decode_routing(msg: Routing):
+    """wire -> torch tensor, viewing the decoded bytes without another copy."""
+    import numpy as np
+    import torch
+
+    raw = bytearray(base64.b64decode(msg.data))
+    return torch.from_numpy(np.frombuffer(raw, dtype=msg.dtype).reshape(msg.shape))
 
 
 class CompletionRequest(BaseModel):

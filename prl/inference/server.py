@@ -24,6 +24,7 @@ from prl.inference.protocol import (
     Metrics,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    encode_routing,
 )
 
 
@@ -43,11 +44,10 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         stops = eos if req.stop_token_ids is None else req.stop_token_ids
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), s) for s in seeds]
+        if req.return_routing and loop.core.capture is None:
+            raise HTTPException(400, "this server does not capture routing (start it with routing capture on)")
         seqs = await asyncio.gather(*(loop.generate(_sequence(req.prompt_ids, p)) for p in params))
-        return GenerateResponse(completions=[
-            Completion(token_ids=s.out_ids, logprobs=s.logprobs, versions=s.versions, finish_reason=s.finish_reason)
-            for s in seqs
-        ])
+        return _generate_response(seqs, req)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest) -> dict:
@@ -95,6 +95,18 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         )
 
     return app
+
+
+def _generate_response(seqs: list[Sequence], req: GenerateRequest) -> GenerateResponse:
+    routed = req.return_routing
+    return GenerateResponse(
+        completions=[
+            Completion(token_ids=s.out_ids, logprobs=s.logprobs, versions=s.versions, finish_reason=s.finish_reason,
+                       routing=encode_routing(s.completion_routing()) if routed else None)
+            for s in seqs
+        ],
+        prompt_routing=encode_routing(seqs[0].prompt_routing[req.routing_start:]) if routed else None,
+    )
 
 
 def _sequence(prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -147,7 +159,8 @@ def main(config_path: str) -> None:
     inf = cfg.recipe.inference
     torch.set_num_threads(inf.threads)
     model = build_model(cfg.model_dir, seed=cfg.recipe.run.seed, dtype=inf.dtype)
-    core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index)
+    core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index,
+                      capture_routing=cfg.recipe.trainer.router_replay)
     loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name)

@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from prl.inference.protocol import GenerateRequest
+from prl.inference.protocol import GenerateRequest, decode_routing
 from prl.metrics import EventLog
 from prl.model.weights import latest_checkpoint, published_versions, version_dir
 from prl.orchestrator.buffer import Group, GroupBuffer
@@ -34,6 +34,15 @@ def group_advantages(rewards: list[float], mode: str) -> list[float]:
         std = statistics.pstdev(rewards)
         adv = [a / (std + 1e-6) for a in adv]
     return adv
+
+
+def sample_routing(resp, completion):
+    """Prompt routing (sent once per group) followed by this completion's: one row per input token."""
+    if resp.prompt_routing is None:
+        return None
+    import torch
+
+    return torch.cat([decode_routing(resp.prompt_routing), decode_routing(completion.routing)])
 
 
 class Orchestrator:
@@ -175,14 +184,16 @@ class Orchestrator:
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens,
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
+            return_routing=self.cfg.recipe.trainer.router_replay,
         )
         client = self.clients[index % len(self.clients)]  # one server per group: its prefix cache hits
-        outs = (await client.generate(req)).completions
+        resp = await client.generate(req)
+        outs = resp.completions
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         rewards = [self.task.reward(t, example) for t in texts]
         advantages = group_advantages(rewards, self.rl.advantage)
         samples = [
-            Sample(prompt_ids, o.token_ids, o.logprobs, o.versions, a, r)
+            Sample(prompt_ids, o.token_ids, o.logprobs, o.versions, a, r, routing=sample_routing(resp, o))
             for o, a, r in zip(outs, advantages, rewards)
         ]
         return Group(index, samples)

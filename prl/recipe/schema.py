@@ -105,7 +105,7 @@ class SamplingCfg(Section):
 class LossCfg(Section):
     """Off-policy correction between trainer and inference logprobs (see README, "Loss")."""
 
-    correction: Literal["tis", "mask", "none"] = "tis"
+    correction: Literal["tis", "mask", "seq_mask", "none"] = "tis"
     tis_cap: float = Field(2.0, gt=0)
     mask_low: float = Field(0.5, gt=0)
     mask_high: float = Field(2.0, gt=0)
@@ -130,6 +130,7 @@ class TrainerCfg(Section):
     keep_weights: int = Field(3, ge=2)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads: int = Field(1, gt=0)
+    router_replay: bool = False  # R3: replay the experts the inference engine chose
     loss: LossCfg = LossCfg()
 
 
@@ -153,6 +154,16 @@ class Recipe(Section):
     sampling: SamplingCfg = SamplingCfg()
     trainer: TrainerCfg = TrainerCfg()
     inference: InferenceCfg = InferenceCfg()
+
+    @model_validator(mode="after")
+    def _replay_needs_moe(self):
+        if self.trainer.router_replay and self.model.path is None and self.model.first_dense_layers >= self.model.num_layers:
+            raise ValueError(
+                f"trainer.router_replay needs an MoE model, but every layer is dense (model.first_dense_layers "
+                f"{self.model.first_dense_layers} >= model.num_layers {self.model.num_layers}); "
+                f"set trainer.router_replay = false or add MoE layers"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cross(self):

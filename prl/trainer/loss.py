@@ -3,6 +3,8 @@
 RL loss per completion token t, with d_t = logp_train - logp_infer and ratio_t = exp(d_t):
     tis  (default): -min(ratio_t, C) * A * logp_train      (truncated importance sampling)
     mask          : -1[low <= ratio_t <= high] * A * logp_train   (tokens outside the band masked)
+    seq_mask      : -1[low <= exp(mean_seq d) <= high] * A * logp_train (whole sequences masked by
+                    their geometric-mean ratio)
     none          : -A * logp_train
 The weights are detached, so the gradient is that of the importance-weighted policy gradient.
 The caller divides the summed loss by the loss tokens of the whole step across all ranks.
@@ -39,6 +41,9 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
         weight, keep = ratio.clamp(max=cfg.tis_cap), mask
     elif cfg.correction == "mask":
         weight, keep = torch.ones_like(ratio), mask & (ratio >= cfg.mask_low) & (ratio <= cfg.mask_high)
+    elif cfg.correction == "seq_mask":
+        seq_ratio = sequence_ratio(logp_L.detach() - mb.infer_logprobs, mb)
+        weight, keep = torch.ones_like(ratio), mask & (seq_ratio >= cfg.mask_low) & (seq_ratio <= cfg.mask_high)
     else:
         weight, keep = torch.ones_like(ratio), mask
     loss_sum = -(weight * mb.advantages * logp_L)[keep].sum()
@@ -46,6 +51,16 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
     stats["masked_tokens"] = (mask & ~keep).sum().float()
     stats["truncated_tokens"] = ((ratio > cfg.tis_cap) & mask).sum().float() if cfg.correction == "tis" else 0 * stats["loss_tokens"]
     return loss_sum, stats
+
+
+def sequence_ratio(d_L: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """exp(mean of d over each packed sample's loss tokens), broadcast back to its tokens."""
+    seg = torch.cumsum((mb.position_ids == 0).long(), 0) - 1
+    n = int(seg.max()) + 1
+    m = mb.loss_mask.float()
+    sums = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, d_L * m)
+    counts = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, m)
+    return torch.exp(sums / counts.clamp(min=1))[seg]
 
 
 def sft_loss(logp_L: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from prl.metrics import EventLog
+from prl.model.routing import Replay, routers
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
 from prl.trainer.checkpoint import load_checkpoint, publish, save_checkpoint
@@ -65,6 +67,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
         model = build_model(self.cfg.model_dir, seed=self.cfg.recipe.run.seed).to(self.device)
+        self.replay = Replay(model, replay=self.tcfg.router_replay) if routers(model) else None
         self.model = parallelize(model, mesh=make_mesh(self.device))
         self.model.train()
 
@@ -132,6 +135,7 @@ class Trainer:
             "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / n,
             mismatch_kl=stats["mismatch_kl"] / n, extreme_token_frac=stats["extreme_tokens"] / n,
             masked_frac=stats["masked_tokens"] / n, truncated_frac=stats["truncated_tokens"] / n,
+            routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1,
@@ -145,13 +149,16 @@ class Trainer:
         scale = self.world / max(float(local_tokens), 1.0)  # FSDP averages gradients over ranks
         totals: dict[str, torch.Tensor] = {}
         for mb in mbs:
-            mb = MicroBatch(**{k: v.to(self.device) for k, v in vars(mb).items()})
-            out = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+            mb = MicroBatch(**{k: None if v is None else v.to(self.device) for k, v in vars(mb).items()})
+            with self.replay.use(mb.routing) if self.replay else contextlib.nullcontext():
+                out = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
             logp = token_logprobs(out.logits[0], mb.target_ids, self.temperature if kind == "rl" else 1.0)
             loss_sum, stats = rl_loss(logp, mb, self.tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
             (loss_sum * scale).backward()
             stats["loss_sum"] = loss_sum.detach()
             stats["tokens"] = torch.tensor(float(mb.input_ids.numel()))
+            if self.replay:
+                stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, self.replay.agreement())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0) + v.detach().float().to(self.device)
         keys = sorted(totals)

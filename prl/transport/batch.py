@@ -23,6 +23,7 @@ class Sample:
     versions: list[int]  # policy version of each completion token
     advantage: float = 0.0
     reward: float = 0.0
+    routing: torch.Tensor | None = None  # [num_tokens, MoE layers, k]: experts the engine used per input token
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +41,7 @@ class MicroBatch:
     advantages: torch.Tensor
     infer_logprobs: torch.Tensor
     versions: torch.Tensor  # -1 where no loss
+    routing: torch.Tensor | None = None  # [L, MoE layers, k] (R3), None when not captured
 
     @property
     def loss_tokens(self) -> int:
@@ -89,7 +91,22 @@ def make_micro_batch(samples: list[Sample]) -> MicroBatch:
     for s in samples:
         for k, v in sample_arrays(s).items():
             cols[k].extend(v)
-    return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES[k]) for k, v in cols.items()})
+    routing = None
+    if all(s.routing is not None for s in samples):
+        for s in samples:
+            if s.routing.shape[0] != s.num_tokens:
+                raise ValueError(f"routing covers {s.routing.shape[0]} tokens, the sample has {s.num_tokens}")
+        routing = torch.cat([s.routing for s in samples])
+    return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES[k]) for k, v in cols.items()}, routing=routing)
+
+
+def shard_sequence(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
+    """The `rank`-th of `size` contiguous chunks of a packed row, every per-token tensor (routing
+    included) cut at the same places: the split a context-parallel trainer applies."""
+    n = mb.input_ids.numel()
+    bounds = [n * i // size for i in range(size + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    return MicroBatch(**{k: None if v is None else v[lo:hi] for k, v in vars(mb).items()})
 
 
 def pack(samples: list[Sample], num_ranks: int, max_tokens: int) -> list[list[MicroBatch]]:

@@ -1,0 +1,148 @@
+"""Rollout routing replay (R3): capture in the engine, replay in the trainer, alignment in transit."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from prl.inference.engine import EngineCore, SamplingParams, Sequence
+from prl.inference.protocol import decode_routing, encode_routing
+from prl.model.routing import FAMILIES, Capture, Replay, routers
+from prl.recipe import RecipeError, load_recipe
+from prl.trainer.loss import token_logprobs
+from prl.transport.batch import Sample, pack, shard_sequence
+
+
+def generate(model, prompts, max_tokens=8):
+    core = EngineCore(model, capture_routing=True)
+    seqs = [Sequence(p, SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=())) for p in prompts]
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return seqs
+
+
+def to_sample(seq) -> Sample:
+    routing = torch.cat([seq.prompt_routing, seq.completion_routing()])
+    return Sample(seq.prompt_ids, seq.out_ids, seq.logprobs, seq.versions, 1.0, routing=routing)
+
+
+def trainer_logprobs(model, mb, replay: Replay | None):
+    with replay.use(mb.routing) if replay else contextlib.nullcontext():
+        out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    return token_logprobs(out.logits[0], mb.target_ids)
+
+
+def test_capture_shapes_and_compact_dtype(tiny_model):
+    [seq] = generate(tiny_model, [[5, 6, 7, 8]], max_tokens=5)
+    layers, k = len(routers(tiny_model)), tiny_model.config.num_experts_per_tok
+    assert seq.prompt_routing.shape == (4, layers, k) and seq.prompt_routing.dtype == torch.uint8
+    assert seq.completion_routing().shape == (4, layers, k)  # 5 tokens, the last is never fed back
+    wire = encode_routing(seq.prompt_routing)
+    assert torch.equal(decode_routing(wire), seq.prompt_routing)
+
+
+def test_replay_in_fp32_matches_engine_logprobs(tiny_model):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [14, 15]]
+    seqs = generate(copy.deepcopy(tiny_model), prompts)  # engine: batched decode with a KV cache
+    [[mb]] = pack([to_sample(s) for s in seqs], 1, 4096)
+    replay = Replay(tiny_model)
+    with torch.no_grad():
+        logp = trainer_logprobs(tiny_model, mb, replay)
+    assert torch.allclose(logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask], atol=1e-5)
+    agreed, total = replay.agreement()
+    assert agreed == total > 0, "fp32 on both sides: the trainer's router agrees with every captured id"
+    shifted = mb.routing.clone()
+    shifted[..., 0] = (shifted[..., 0].long() + 1) % tiny_model.config.n_routed_experts
+    mb.routing = shifted
+    with torch.no_grad():
+        moved = trainer_logprobs(tiny_model, mb, replay)
+    assert not torch.allclose(moved[mb.loss_mask], logp[mb.loss_mask], atol=1e-4), "replayed ids are used"
+    agreed, total = replay.agreement()
+    assert agreed < total
+
+
+def test_replay_changes_gradients_only_through_gating(tiny_model):
+    [seq] = generate(copy.deepcopy(tiny_model), [[5, 6, 7, 8]])
+    [[mb]] = pack([to_sample(seq)], 1, 4096)
+    reference = copy.deepcopy(tiny_model)
+    plain = torch.autograd.grad(trainer_logprobs(reference, mb, None).sum(), list(reference.parameters()), allow_unused=True)
+    replay = Replay(tiny_model)
+    with replay.use(mb.routing):
+        out = tiny_model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    grads = torch.autograd.grad(token_logprobs(out.logits[0], mb.target_ids).sum(), list(tiny_model.parameters()), allow_unused=True)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    for name, a, b in zip(names, plain, grads):
+        assert (a is None) == (b is None), name
+        if a is not None:  # same ids replayed: identical gradients, router weights included
+            assert torch.allclose(a, b, atol=1e-6), name
+    router_grads = [g for n, g in zip(names, grads) if n.endswith("gate.weight")]
+    assert router_grads and all(g is not None and g.abs().sum() > 0 for g in router_grads), "the router still learns"
+    assert all(not r.e_score_correction_bias.requires_grad for r in routers(tiny_model))
+
+
+def test_bias_and_groups_cannot_change_replayed_ids(tiny_model):
+    replay = Replay(tiny_model)
+    router = replay.routers[0]
+    router.e_score_correction_bias.fill_(0)
+    router.e_score_correction_bias[3] = 100.0  # the router's own choice now always includes expert 3
+    h = torch.randn(6, tiny_model.config.hidden_size)
+    ids = torch.tensor([[0, 1]] * 6)
+    replay.routers[0]._prl_ids = ids
+    _, weights, chosen = router(h)
+    assert torch.equal(chosen, ids)
+    expected = torch.sigmoid(h @ router.weight.T).gather(1, ids)
+    assert torch.allclose(weights, expected / expected.sum(-1, keepdim=True) * router.routed_scaling_factor)
+
+
+def test_packing_and_sequence_sharding_keep_routing_aligned():
+    layers, k = 2, 3
+    samples = []
+    for i in range(5):
+        prompt = list(range(10 + i, 14 + i))
+        completion = list(range(40 + i, 43 + i))
+        n = len(prompt) + len(completion) - 1
+        tokens = torch.tensor((prompt + completion)[:-1], dtype=torch.uint8)
+        routing = tokens[:, None, None].expand(n, layers, k).clone()  # routing encodes its token
+        samples.append(Sample(prompt, completion, [0.0] * 3, [0] * 3, routing=routing))
+    for mb in [m for rank in pack(samples, 2, 16) for m in rank]:
+        if mb.routing is None:
+            continue
+        assert torch.equal(mb.routing[:, 0, 0].long(), mb.input_ids)
+        for cp in (2, 3):
+            parts = [shard_sequence(mb, r, cp) for r in range(cp)]
+            assert torch.equal(torch.cat([p.input_ids for p in parts]), mb.input_ids)
+            for p in parts:
+                assert torch.equal(p.routing[:, 1, 2].long(), p.input_ids)
+
+
+def test_router_replay_on_dense_model_is_rejected(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text("[model]\nnum_layers = 2\nfirst_dense_layers = 2\n[trainer]\nrouter_replay = true\n")
+    with pytest.raises(RecipeError, match="trainer.router_replay needs an MoE model"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_replays(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2)
+    kw.update({"qwen3_moe": dict(num_experts=8, head_dim=16),
+               "deepseek_v3": dict(n_routed_experts=8, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+               "glm_moe_dsa": dict(n_routed_experts=8, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2,
+                                   index_head_dim=16, index_topk=64)}[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw)).eval()
+    for r in routers(model):
+        torch.nn.init.normal_(r.weight, std=0.5)
+    seqs = generate(copy.deepcopy(model), [[5, 6, 7], [8, 9]], max_tokens=4)
+    [[mb]] = pack([to_sample(s) for s in seqs], 1, 4096)
+    with torch.no_grad():
+        logp = trainer_logprobs(model, mb, Replay(model))
+    assert torch.allclose(logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask], atol=1e-5)
