@@ -138,8 +138,13 @@ class Replay:
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no MoE router ({fam.router_class}); router replay needs an MoE model")
         for r in self.routers:
-            r.__class__ = type(f"Replay{type(r).__name__}", (_ReplayRouter, type(r)), {})
+            if not isinstance(r, _ReplayRouter):  # installing twice (e.g. on a deepcopy) is a no-op
+                r.__class__ = type(f"Replay{type(r).__name__}", (_ReplayRouter, type(r)), {})
             r._prl_family, r._prl_replay, r._prl_stats = fam, replay, []
+
+    def set_replay(self, replay: bool) -> None:
+        for r in self.routers:
+            r._prl_replay = replay
 
     @contextlib.contextmanager
     def use(self, routing_LNK: torch.Tensor | None):

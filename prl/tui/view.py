@@ -61,7 +61,9 @@ def metrics_table(s: RunState) -> Table:
     t.add_column()
     curve = s.reward_curve()
     t.add_row("reward", f"{fmt(curve[-1] if curve else None)}  {sparkline(curve)}")
-    t.add_row("loss / mismatch KL", f"{fmt(tr.get('loss'), '.4f')} / {fmt(tr.get('mismatch_kl'), '.2e')}")
+    t.add_row("loss / mismatch KL", f"{fmt(tr.get('loss'), '.4f')} / {fmt(tr.get('mismatch_kl'), '.2e')}"
+              f"  extreme tokens {fmt(tr.get('extreme_token_frac'), '.2%')}"
+              f"  routing agreement {fmt(tr.get('routing_agreement'), '.2%')}")
     t.add_row("rollouts in flight", f"{ro.get('inflight', '-')}  buffered {ro.get('buffered', '-')}")
     t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
               f"  stale dropped {o.get('stale_dropped_total', 0)}")
