@@ -16,7 +16,8 @@ from conftest import ROOT, prl_cmd
 
 pytestmark = pytest.mark.slow
 RECIPE = ROOT / "recipes" / "reverse-tiny.toml"
-QUICK = ["--set", "sft.steps=10", "--set", "rl.max_steps=4", "--set", "trainer.checkpoint_every=2"]
+QUICK = ["--set", "sft.steps=10", "--set", "rl.max_steps=4", "--set", "trainer.checkpoint_every=2",
+         "--set", "trainer.router_replay=true"]
 
 
 def prl_run(tmp_path: Path, *args, timeout=240) -> subprocess.CompletedProcess:
@@ -57,7 +58,9 @@ def test_run_trains_and_advances_versions(finished_run):
     steps = events(run_dir, "orch_step")
     assert [e["step"] for e in steps] == [0, 1, 2, 3]
     assert all(0 <= e["off_policy_max"] <= 2 for e in steps), "no trained token older than max_off_policy_steps"
-    assert [e["step"] for e in events(run_dir, "trainer_step") if e["stage"] == "rl"] == [0, 1, 2, 3]
+    rl_steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
+    assert [e["step"] for e in rl_steps] == [0, 1, 2, 3]
+    assert all(0.5 < e["routing_agreement"] <= 1.0 for e in rl_steps), "R3 routing reached the trainer"
     served = [e["version"] for e in events(run_dir, "weights")]
     # batch 3 needs version >= 3 - max_async_level (1) served; the orchestrator stops after it
     assert served == sorted(served) and served[0] == 0 and served[-1] >= 2

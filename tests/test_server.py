@@ -17,7 +17,7 @@ from prl.recipe.schema import Recipe
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    recipe = Recipe()
+    recipe = Recipe.model_validate({"trainer": {"router_replay": True}})  # the server captures routing
     write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
     paths = write_configs(configs, run_dir)
@@ -94,3 +94,20 @@ def test_pause_resume_and_metrics(server):
     client.post("/resume")
     m = client.get("/metrics").json()
     assert m["paused"] is False and m["generated_tokens"] > 0
+
+
+def test_routing_is_returned_once_per_group_and_from_offset(server):
+    from prl.inference.protocol import decode_routing
+
+    client, _, _ = server
+    body = client.post("/generate", json={"prompt_ids": [5, 6, 7, 8, 9], "max_tokens": 4, "stop_token_ids": [],
+                                          "n": 2, "return_routing": True, "routing_start": 2}).json()
+    from prl.inference.protocol import GenerateResponse
+
+    resp = GenerateResponse.model_validate(body)
+    prompt = decode_routing(resp.prompt_routing)
+    assert prompt.shape[0] == 3 and prompt.dtype.itemsize == 1  # positions 2..4 only: the client holds 0..1
+    for c in resp.completions:
+        assert decode_routing(c.routing).shape == (3, prompt.shape[1], prompt.shape[2])
+    plain = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).json()
+    assert plain["prompt_routing"] is None and plain["completions"][0]["routing"] is None
