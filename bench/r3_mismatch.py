@@ -89,6 +89,19 @@ def mismatch(model, mbs, replay: Replay | None, use_ids: bool) -> dict:
             "routing_agreement": agreed / total if total else None, "tokens": d.numel()}
 
 
+def glm5_payload() -> dict:
+    """A 131k-token GLM-5 rollout's routing (75 MoE layers, top-8 of 256): size and codec time."""
+    ids = torch.randint(0, 256, (131072, 75, 8), dtype=torch.uint8)
+    t0 = time.perf_counter()
+    wire = encode_routing(ids)
+    t1 = time.perf_counter()
+    back = decode_routing(wire)
+    t2 = time.perf_counter()
+    assert torch.equal(back, ids)
+    return {"glm5_131k_raw_MB": ids.numel() / 1e6, "glm5_131k_wire_MB": len(wire.data) / 1e6,
+            "glm5_131k_encode_s": t1 - t0, "glm5_131k_decode_s": t2 - t1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
@@ -137,6 +150,7 @@ def main() -> None:
         "routing_bytes_per_token_raw": raw_bytes / tokens,
         "routing_bytes_per_token_wire": wire_bytes / tokens,
         "orchestrator_s_per_sample": per_sample_s,
+        **glm5_payload(),
     }
     for k, v in report.items():
         print(f"{k:34s} {v:.3e}" if isinstance(v, float) else f"{k:34s} {v}")

@@ -62,12 +62,13 @@ def ckpt_export(
     run_dir: Path = typer.Argument(..., help="a run directory"),
     out: Path = typer.Option(..., "--out", help="the Hugging Face folder to write"),
     step: str = typer.Option("latest", "--step", help="a checkpoint step, or 'latest'"),
+    fp8: bool = typer.Option(False, "--fp8", help="block-FP8 weights (DeepSeek-V3 / GLM-5-FP8 layout)"),
 ):
     """Write a checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer)."""
     from prl.model.export import ExportError, export
 
     try:
-        path = export(run_dir, step, out)
+        path = export(run_dir, step, out, fp8=fp8)
     except ExportError as e:
         err.print(f"prl ckpt export: {e}", markup=False, highlight=False)
         raise typer.Exit(1)

@@ -2,7 +2,7 @@
 
 import torch
 
-from prl.inference.engine import EngineCore, SamplingParams, Sequence
+from prl.inference.engine import EngineCore, Policy, SamplingParams, Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -57,7 +57,7 @@ def test_inflight_update_changes_version_and_keeps_kv(tiny_model):
         core.step()
     n = len(seq.out_ids)
     width_before, prefilled = core.batch.width, core.stats.prefill_tokens
-    done = core.stage_weights(perturbed(tiny_model), version=1)
+    done = core.stage_weights(Policy(perturbed(tiny_model), {}, version=1))
     core.step()
     assert done.is_set() and core.version == 1
     assert core.batch.width == width_before + 1, "the running request kept its KV cache"
@@ -73,7 +73,7 @@ def test_prefix_cache_is_salted_by_version(tiny_model):
     core = EngineCore(tiny_model)
     run_all(core, [Sequence([5, 6, 7, 8], GREEDY), Sequence([5, 6, 7, 8], GREEDY)])
     assert core.stats.prefix_hits == 1 and core.stats.prefill_tokens == 4
-    core.stage_weights(perturbed(tiny_model), version=1)
+    core.stage_weights(Policy(perturbed(tiny_model), {}, version=1))
     new = run_all(core, [Sequence([5, 6, 7, 8], GREEDY)])[0]
     assert core.stats.prefix_hits == 1 and core.stats.prefill_tokens == 8, "old-version prefix not reused"
     assert new.versions[0] == 1
@@ -86,8 +86,8 @@ def test_rejected_weights_leave_old_version_serving(tiny_model, tmp_path):
     from prl.model.weights import write_weights
 
     good = write_weights(tmp_path / "v1", perturbed(tiny_model), {"version": 1})
-    state, version = prepare_weights(tiny_model, good)
-    assert version == 1 and state.keys() == tiny_model.state_dict().keys()
+    policy = prepare_weights(tiny_model, good)
+    assert policy.version == 1 and policy.state.keys() == tiny_model.state_dict().keys()
     broken = dict(perturbed(tiny_model))
     broken.pop(next(iter(broken)))
     with pytest.raises(WeightLoadError, match="missing"):

@@ -175,3 +175,24 @@ def test_default_recipe_learns(tmp_path):
     print(f"\nreverse-tiny: {summary}")
     assert summary["last5_reward"] - summary["first5_reward"] >= 0.15, summary
     assert_nothing_left(tmp_path / "reverse-tiny")
+
+
+def test_fp8_on_both_sides(tmp_path):
+    """trainer.fp8 and inference.fp8: the trainer publishes block-FP8 weights, the server serves them."""
+    from safetensors import safe_open
+
+    p = prl_run(tmp_path, "--set", "sft.steps=3", "--set", "rl.max_steps=3", "--set", "trainer.fp8=true",
+                "--set", "inference.fp8=true")
+    assert p.returncode == 0, p.stdout[-4000:]
+    run_dir = tmp_path / "reverse-tiny"
+    [fp8] = events(run_dir, "fp8")
+    assert fp8["backend"] == "reference" and fp8["fp8_layers"] > 0
+    latest = max((run_dir / "weights").glob("v*"), key=lambda d: int(d.name[1:]))
+    with safe_open(latest / "model.safetensors", "pt") as f:
+        assert any(k.endswith("_scale_inv") for k in f.keys())
+    assert [e["version"] for e in events(run_dir, "weights")][-1] >= 1
+    assert "FP8 (reference)" in (run_dir / "logs" / "inference-0.log").read_text()
+    out = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--fp8", "--out", tmp_path / "hf8"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"weight_block_size"' in (tmp_path / "hf8" / "config.json").read_text()

@@ -94,18 +94,18 @@ class EngineCore:
         self.prefix: OrderedDict[tuple, tuple] = OrderedDict()
         self.rng = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
-        self._staged: tuple[dict, int, threading.Event] | None = None
+        self._staged: tuple[Policy, threading.Event] | None = None
 
     # ---- called from any thread ----
     def add(self, seq: Sequence) -> None:
         with self._lock:
             self.waiting.append(seq)
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> threading.Event:
-        """Queue a validated state dict; the returned event is set once it serves."""
+    def stage_weights(self, policy: "Policy") -> threading.Event:
+        """Queue a validated policy; the returned event is set once it serves."""
         done = threading.Event()
         with self._lock:
-            self._staged = (state_dict, version, done)
+            self._staged = (policy, done)
         return done
 
     def has_work(self) -> bool:
@@ -136,12 +136,9 @@ class EngineCore:
             staged, self._staged = self._staged, None
         if staged is None:
             return
-        state_dict, version, done = staged
-        params = dict(self.model.named_parameters())
-        params.update(self.model.named_buffers())
-        for name, tensor in state_dict.items():
-            params[name].copy_(tensor)
-        self.version = version
+        policy, done = staged
+        policy.load_into(self.model)
+        self.version = policy.version
         self.prefix.clear()  # salt: no prefix computed under an older version is reused
         self.stats.weight_loads += 1
         done.set()
@@ -257,22 +254,55 @@ class WeightLoadError(RuntimeError):
     """New weights were rejected before touching the served model; the old version keeps serving."""
 
 
-def prepare_weights(model, path) -> tuple[dict[str, torch.Tensor], int]:
-    """Read, verify and shape-check a published weight folder; returns (state dict, version).
+@dataclass
+class Policy:
+    """A verified policy version: tensors matching the model, FP8 ones with their block scales."""
+
+    state: dict[str, torch.Tensor]
+    scales: dict[str, torch.Tensor]
+    version: int
+
+    @torch.no_grad()
+    def load_into(self, model) -> None:
+        """Copy into the model; FP8 linears take the published FP8 values as they are."""
+        from prl.model.fp8 import BLOCK, Fp8BlockLinear, Quantized
+        from prl.model.fp8_checkpoint import dequantize_entry
+
+        modules = dict(model.named_modules())
+        params = dict(model.named_parameters())
+        params.update(model.named_buffers())
+        for name, t in self.state.items():
+            if name in self.scales:
+                owner = modules.get(name.rsplit(".", 1)[0])
+                if isinstance(owner, Fp8BlockLinear) and name.endswith(".weight"):
+                    owner.load_quantized(Quantized(t, self.scales[name], (BLOCK, BLOCK)))
+                    continue
+                t = dequantize_entry(t, self.scales[name])
+            params[name].copy_(t)
+
+
+def prepare_weights(model, path) -> Policy:
+    """Read, verify and shape-check a published weight folder (plain or block-FP8).
 
     Runs off the engine thread, so decoding continues while a new policy is read."""
     from pathlib import Path
 
+    from prl.model.fp8_checkpoint import SCALE_SUFFIX
     from prl.model.weights import CorruptWeightsError, read_weights
 
     try:
-        state_dict, manifest = read_weights(Path(path))
+        raw, manifest = read_weights(Path(path))
     except (CorruptWeightsError, OSError) as e:
         raise WeightLoadError(str(e)) from None
+    scales = {k.removesuffix(SCALE_SUFFIX): v for k, v in raw.items() if k.endswith(SCALE_SUFFIX)}
+    state = {k: v for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    extra = sorted(set(state_dict) - set(expected))
-    bad = [k for k in expected.keys() & state_dict.keys() if expected[k].shape != state_dict[k].shape]
-    if missing or extra or bad:
-        raise WeightLoadError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}")
-    return {k: v.to(expected[k].dtype) for k, v in state_dict.items()}, int(manifest["version"])
+    missing = sorted(set(expected) - set(state))
+    extra = sorted((set(state) - set(expected)) | (set(scales) - set(state)))
+    bad = [k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape]
+    unscaled = [k for k, v in state.items() if v.dtype == torch.float8_e4m3fn and k not in scales]
+    if missing or extra or bad or unscaled:
+        raise WeightLoadError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}, "
+                              f"FP8 without scales {unscaled[:5]}")
+    state = {k: v if k in scales else v.to(expected[k].dtype) for k, v in state.items()}
+    return Policy(state, scales, int(manifest["version"]))

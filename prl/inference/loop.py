@@ -48,8 +48,8 @@ class EngineLoop:
         self._notify()
         return await fut
 
-    async def load(self, state_dict, version: int) -> None:
-        done = self.core.stage_weights(state_dict, version)
+    async def load(self, policy) -> None:
+        done = self.core.stage_weights(policy)
         self._notify()
         await asyncio.to_thread(done.wait)
 

@@ -60,12 +60,12 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         t0 = time.perf_counter()
         try:
-            state, version = await asyncio.to_thread(prepare_weights, loop.core.model, req.path)
+            policy = await asyncio.to_thread(prepare_weights, loop.core.model, req.path)
         except WeightLoadError as e:
             raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
-        if version != req.version:
-            raise HTTPException(409, f"{req.path} holds v{version}, not v{req.version}")
-        await loop.load(state, version)
+        if policy.version != req.version:
+            raise HTTPException(409, f"{req.path} holds v{policy.version}, not v{req.version}")
+        await loop.load(policy)
         return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0)
 
     @app.post("/pause", dependencies=guarded)
@@ -159,6 +159,11 @@ def main(config_path: str) -> None:
     inf = cfg.recipe.inference
     torch.set_num_threads(inf.threads)
     model = build_model(cfg.model_dir, seed=cfg.recipe.run.seed, dtype=inf.dtype)
+    if inf.fp8:
+        from prl.model.fp8 import apply_fp8, backend
+
+        report = apply_fp8(model)
+        print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
     core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index,
                       capture_routing=cfg.recipe.trainer.router_replay)
     loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))

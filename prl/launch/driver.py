@@ -113,6 +113,8 @@ def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outco
     log = EventLog(run_dir / "metrics.jsonl", "driver")
     log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # a shell may start us with SIGINT ignored (background job); Ctrl-C must still stop the run
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sup.start_all()
         for p in sup.procs.values():

@@ -23,7 +23,7 @@ def find_checkpoint(run_dir: Path, step: str) -> Path:
     return root / f"step_{int(step)}"
 
 
-def export(run_dir: Path, step: str, out: Path) -> Path:
+def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prl.model.build import load_tokenizer
@@ -40,6 +40,38 @@ def export(run_dir: Path, step: str, out: Path) -> Path:
     if missing or unexpected:
         raise ExportError(f"{path}: does not match {model_dir}/config.json (missing {missing[:3]}, extra {unexpected[:3]})")
     out = Path(out)
-    model.save_pretrained(out)
+    if fp8:
+        write_fp8(model, out)
+    else:
+        model.save_pretrained(out)
     load_tokenizer(model_dir).save_pretrained(out)
     return out
+
+
+def write_fp8(model, out: Path) -> None:
+    """A block-FP8 Hugging Face folder in the DeepSeek-V3 / GLM-5-FP8 layout."""
+    from safetensors.torch import save_file
+
+    from prl.model.fp8 import apply_fp8
+    from prl.model.fp8_checkpoint import QUANTIZATION_CONFIG, quantize_state_dict, tensor_names
+
+    report = apply_fp8(model, swap=False)
+    state = quantize_state_dict(model.state_dict(), tensor_names(report["fp8"]))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {**QUANTIZATION_CONFIG, "modules_to_not_convert": report["kept"]}
+    model.config.save_pretrained(out)
+
+
+def read_fp8(folder: Path) -> tuple[dict, dict]:
+    """Read a block-FP8 folder back: (tensors with FP8 weights and their scales, quantization_config)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.get("quantization_config")
+    if not qc or qc.get("weight_block_size") != [128, 128]:
+        raise ExportError(f"{folder}: not a block-FP8 checkpoint (quantization_config {qc})")
+    return load_file(str(folder / "model.safetensors")), qc

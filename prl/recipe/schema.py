@@ -131,6 +131,7 @@ class TrainerCfg(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads: int = Field(1, gt=0)
     router_replay: bool = False  # R3: replay the experts the inference engine chose
+    fp8: bool = False  # block-scaled FP8 for eligible attention/MLP linears and experts
     loss: LossCfg = LossCfg()
 
 
@@ -141,6 +142,7 @@ class InferenceCfg(Section):
     port: int = Field(0, ge=0, le=65535)  # 0: pick free ports at launch
     max_batch_size: int = Field(64, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    fp8: bool = False  # the engine computes with the same block-scaled FP8 weights
     threads: int = Field(1, gt=0)
     prefix_cache_entries: int = Field(256, ge=0)
 

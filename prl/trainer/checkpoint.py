@@ -40,11 +40,16 @@ def full_model_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=FULL)
 
 
-def publish(model, root: Path, version: int, keep: int) -> Path | None:
-    """Seal weights vN for the inference servers; older versions beyond `keep` are pruned."""
+def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None) -> Path | None:
+    """Seal weights vN for the inference servers; older versions beyond `keep` are pruned.
+    With `fp8_names` those tensors are published block-FP8 (engine and trainer both run FP8)."""
     state = full_model_state(model)
     if dist.get_rank() != 0:
         return None
+    if fp8_names:
+        from prl.model.fp8_checkpoint import quantize_state_dict
+
+        state = quantize_state_dict(state, fp8_names)
     path = write_weights(version_dir(root, version), state, {"version": version})
     prune_versions(root, keep)
     return path

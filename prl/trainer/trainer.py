@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from prl.metrics import EventLog
+from prl.model.fp8 import apply_fp8
+from prl.model.fp8 import backend as fp8_backend
+from prl.model.fp8_checkpoint import tensor_names
 from prl.model.routing import Replay, routers
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
@@ -68,6 +71,12 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
         model = build_model(self.cfg.model_dir, seed=self.cfg.recipe.run.seed).to(self.device)
         self.replay = Replay(model, replay=self.tcfg.router_replay) if routers(model) else None
+        self.fp8_names = None
+        if self.tcfg.fp8:
+            report = apply_fp8(model)
+            self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(report["fp8"]), kept=report["kept"])
+            if self.cfg.recipe.inference.fp8:  # the engine takes FP8 weights as published: half the bytes
+                self.fp8_names = tensor_names(report["fp8"])
         self.model = parallelize(model, mesh=make_mesh(self.device))
         self.model.train()
 
@@ -177,7 +186,7 @@ class Trainer:
 
     # ---- outputs ----
     def publish(self, version: int) -> None:
-        publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights)
+        publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names)
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position)
