@@ -32,12 +32,12 @@ def run(
     if resume is None:
         if recipe is None:
             err.print("prl run: give a recipe (prl run recipes/reverse-tiny.toml) or --resume RUN_DIR")
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         try:
             loaded = load_recipe(recipe, set_)
         except RecipeError as e:
             err.print(f"prl run: invalid recipe, nothing was started\n{e}", markup=False, highlight=False)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
     from prl.launch import driver
 
     if dry_run:
@@ -71,7 +71,7 @@ def ckpt_export(
         path = export(run_dir, step, out, fp8=fp8)
     except ExportError as e:
         err.print(f"prl ckpt export: {e}", markup=False, highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     console.print(f"wrote {path}", markup=False)
 
 

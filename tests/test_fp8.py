@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from prl.model.fp8 import (
-    BLOCK,
     E4M3_MAX,
     Fp8BlockLinear,
     apply_fp8,

@@ -8,7 +8,7 @@ import torch
 
 from prl.inference.engine import EngineCore, SamplingParams, Sequence
 from prl.inference.protocol import decode_routing, encode_routing
-from prl.model.routing import FAMILIES, Capture, Replay, routers
+from prl.model.routing import FAMILIES, Replay, routers
 from prl.recipe import RecipeError, load_recipe
 from prl.trainer.loss import token_logprobs
 from prl.transport.batch import Sample, pack, shard_sequence

@@ -63,7 +63,7 @@ class BatchCache:
         self._widen(self.cache, self.width, width)
         self._widen(cache, length, width)
         for mine, theirs in zip(self.cache.layers, cache.layers):
-            for attr, dim in layer_tensors(mine):
+            for attr, _ in layer_tensors(mine):
                 setattr(mine, attr, torch.cat([getattr(mine, attr), getattr(theirs, attr)], dim=0))
         row = torch.zeros(1, width, dtype=torch.bool)
         row[0, width - length :] = True

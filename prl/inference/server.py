@@ -170,5 +170,6 @@ def main(config_path: str) -> None:
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name)
     print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600)
     loop.stop()

@@ -23,13 +23,25 @@ class InferenceClient:
     async def close(self) -> None:
         await self.http.aclose()
 
+    async def post(self, path: str, body: dict, attempts: int = 3) -> httpx.Response:
+        """POST, retrying transport errors (a keep-alive connection closed under us is not a dead
+        server; a dead server fails every attempt and the error surfaces)."""
+        for attempt in range(attempts):
+            try:
+                return await self.http.post(path, json=body)
+            except httpx.TransportError:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        r = await self.http.post("/generate", json=req.model_dump())
+        r = await self.post("/generate", req.model_dump())
         r.raise_for_status()
         return GenerateResponse.model_validate_json(r.content)
 
     async def update_weights(self, path: str, version: int) -> UpdateWeightsResponse:
-        r = await self.http.post("/update_weights", json={"path": path, "version": version})
+        r = await self.post("/update_weights", {"path": path, "version": version})
         if r.status_code == 409:
             raise RuntimeError(f"{self.base_url} rejected weights v{version}: {r.json().get('detail')}")
         r.raise_for_status()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from pathlib import Path
 
 from prl.inference.protocol import GenerateRequest, decode_routing
 from prl.metrics import EventLog

@@ -13,7 +13,6 @@ import contextlib
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
