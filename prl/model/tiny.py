@@ -33,7 +33,7 @@ def char_tokenizer():
 def tiny_config(cfg: ModelCfg, vocab_size: int):
     from transformers import GlmMoeDsaConfig
 
-    head = 16
+    head = cfg.head_dim
     return GlmMoeDsaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
