@@ -49,22 +49,24 @@ def test_saturates_instead_of_overflowing():
     assert torch.isfinite(q.q.float()).all() and q.q.float().abs().max() == E4M3_MAX
 
 
-def test_fp8_linear_forward_backward_against_float64():
+@pytest.mark.parametrize("grad_scale", [1.0, 1e-10])  # gradients of a token-normalised loss are tiny
+def test_fp8_linear_forward_backward_against_float64(grad_scale):
     torch.manual_seed(0)
     x = torch.randn(64, 256, requires_grad=True)
     w = (torch.randn(384, 256) * 0.05).requires_grad_()
-    g = torch.randn(64, 384)
+    g = torch.randn(64, 384) * grad_scale
     y = fp8_linear(x, w)
     y.backward(g)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y64 = x64 @ w64.T
     y64.backward(g.double())
-    # each product carries at most ~2 rounding errors of 2^-4; they average out over K terms
+    # each operand carries E4M3 rounding (uniform, up to 2^-4 relative: ~3.6% rms); the product's
+    # relative error measures ~3.7% whatever the magnitude, since scales follow each tile
     def rel(a, b):
         return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
-    assert rel(y, y64) < 2 * E4M3_REL
-    assert rel(x.grad, x64.grad) < 2 * E4M3_REL
-    assert rel(w.grad, w64.grad) < 2 * E4M3_REL
+    assert rel(y, y64) < 0.05
+    assert rel(x.grad, x64.grad) < 0.05
+    assert rel(w.grad, w64.grad) < 0.05
     assert rel(y, y64) > 1e-4, "the FP8 path really quantises"
 
 

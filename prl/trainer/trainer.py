@@ -84,6 +84,12 @@ class Trainer:
         fn = lr_lambda(self.tcfg.warmup_steps, total_steps, self.tcfg.schedule, self.tcfg.min_lr_ratio)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
+    def resume_schedule(self, step: int) -> None:
+        """Continue the learning-rate schedule at `step` (the restored optimizer keeps its moments)."""
+        self.scheduler.last_epoch = step
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(step)
+
     # ---- the loop ----
     def run(self) -> None:
         self.setup()
@@ -96,7 +102,7 @@ class Trainer:
             self.checkpoint(0)
         else:
             start, self.data_position = meta["step"], meta["data_position"]
-            self.scheduler.last_epoch = start  # the schedule resumes where it stopped
+            self.resume_schedule(start)
             self.log_main("resumed", step=start, path=meta["path"])
         self.publish(start)
         for step in range(start, self.rl.max_steps):
