@@ -30,7 +30,7 @@ class ModelCfg(Section):
     num_layers: int = Field(3, gt=0)
     first_dense_layers: int = Field(1, ge=0)
     num_heads: int = Field(4, gt=0)
-    head_dim: int = Field(16, gt=0, multiple_of=2)  # MLA: qk_nope = v = head_dim, rope = head_dim / 2
+    head_dim: int = Field(32, gt=0, multiple_of=2)  # MLA: qk_nope = v = head_dim, rope = head_dim / 2
     num_experts: int = Field(8, gt=0)
     experts_per_token: int = Field(2, gt=0)
     expert_dim: int = Field(128, gt=0)
