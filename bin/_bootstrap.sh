@@ -4,7 +4,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.prl-installed"
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+WANT="$(cat "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "prl: setting up $VENV (first use)..." >&2
   PY="${PRL_PYTHON:-python3}"
@@ -15,6 +15,6 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   else
     "$VENV/bin/python" -m pip install -q torch==2.13.0 >&2
   fi
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,cluster]" >&2
   echo "$WANT" > "$STAMP"
 fi

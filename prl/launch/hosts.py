@@ -1,0 +1,164 @@
+"""One host interface, two implementations: this machine and a host reached over SSH (fabric).
+
+Operations: run a command; start a long-lived process in its own process group with its log
+captured in a file on that host; read the log from an offset (streaming); stop the process group
+(TERM, then KILL after a grace period); check it is alive; copy files both ways.
+
+Rules: a remote process is started under `setsid`, so its pid is its process-group id and
+stopping it reaches every child (torchrun workers included). SSH host keys are checked against
+known_hosts; an unknown key is refused unless `trust_unknown_hosts` is set. Passwords are never
+used or logged: key files only.
+"""
+
+from __future__ import annotations
+
+import abc
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class HostError(RuntimeError):
+    """A host could not be reached or refused an operation; the message names the host."""
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def _launch_line(cmd: list[str], log: str, env: dict[str, str]) -> str:
+    """Shell line that starts `cmd` as a new session leader with output to `log`, printing its pid."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    inner = f"{exports} exec {shlex.join(cmd)}" if exports else f"exec {shlex.join(cmd)}"
+    # `;` not `&&`: only the setsid command goes to the background, so no subshell keeps the
+    # session's stdout open (an SSH channel would stay open until the process exits)
+    return (f"mkdir -p {shlex.quote(str(Path(log).parent))} || exit 1; "
+            f"setsid sh -c {shlex.quote(inner)} >> {shlex.quote(log)} 2>&1 < /dev/null & echo $!")
+
+
+class Host(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def run(self, command: str, timeout: float = 60) -> Result: ...
+
+    @abc.abstractmethod
+    def put(self, local: str | Path, remote: str) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, remote: str, local: str | Path) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> int:
+        """Start a long-lived process group; returns its pid (== its pgid)."""
+        r = self.run(_launch_line(cmd, log, env or {}))
+        if r.code != 0 or not r.stdout.strip().isdigit():
+            raise HostError(f"{self.name}: could not start {cmd[0]}: {r.stderr.strip() or r.stdout.strip()}")
+        return int(r.stdout.strip())
+
+    def alive(self, pid: int) -> bool:
+        """Any non-zombie process left in the group (a killed process stays a zombie until reaped)."""
+        probe = f"ps -e -o pgid=,stat= | awk -v g={pid} '$1 == g && $2 !~ /^Z/ {{f = 1}} END {{exit !f}}'"
+        return self.run(probe).code == 0
+
+    def stop(self, pid: int, grace_s: float = 5.0) -> None:
+        """TERM the process group, wait up to `grace_s`, then KILL what is left."""
+        self.run(f"kill -s TERM -- -{pid} 2>/dev/null; true")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.alive(pid):
+            time.sleep(0.1)
+        self.run(f"kill -s KILL -- -{pid} 2>/dev/null; true")
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and self.alive(pid):
+            time.sleep(0.05)
+
+    def read_log(self, path: str, offset: int = 0) -> tuple[bytes, int]:
+        """Bytes of `path` from `offset` (for streaming a log back); returns (data, new offset)."""
+        r = self.run(f"tail -c +{offset + 1} {shlex.quote(path)} 2>/dev/null | base64 -w0")
+        import base64
+
+        data = base64.b64decode(r.stdout.strip() or b"")
+        return data, offset + len(data)
+
+
+class LocalHost(Host):
+    def __init__(self, name: str = "localhost"):
+        self.name = name
+
+    def run(self, command: str, timeout: float = 60) -> Result:
+        p = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+        return Result(p.returncode, p.stdout, p.stderr)
+
+    def put(self, local: str | Path, remote: str) -> None:
+        Path(remote).parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", str(local), remote], check=True)
+
+    def get(self, remote: str, local: str | Path) -> None:
+        self.put(remote, str(local))
+
+
+@dataclass
+class SshTarget:
+    address: str
+    user: str = "root"
+    port: int = 22
+    key_file: str | None = None
+    known_hosts: str | None = None  # default: ~/.ssh/known_hosts
+    trust_unknown_hosts: bool = False
+    connect_timeout: float = 10.0
+
+
+class SshHost(Host):
+    def __init__(self, target: SshTarget):
+        from fabric import Connection
+        from paramiko import AutoAddPolicy, RejectPolicy
+
+        self.target = target
+        self.name = f"{target.user}@{target.address}:{target.port}"
+        self.conn = Connection(
+            host=target.address, user=target.user, port=target.port, connect_timeout=target.connect_timeout,
+            connect_kwargs={"key_filename": target.key_file, "look_for_keys": target.key_file is None,
+                            "allow_agent": False, "password": None},
+        )
+        client = self.conn.client
+        client.load_host_keys(target.known_hosts) if target.known_hosts else client.load_system_host_keys()
+        client.set_missing_host_key_policy(AutoAddPolicy() if target.trust_unknown_hosts else RejectPolicy())
+
+    def _connect(self) -> None:
+        import paramiko
+
+        if self.conn.is_connected:
+            return
+        try:
+            self.conn.open()
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise HostError(f"{self.name}: unknown host key (not in {self.target.known_hosts or 'known_hosts'}); "
+                                f"add it with ssh-keyscan, or set trust_unknown_hosts for this host") from None
+            raise HostError(f"{self.name}: ssh failed: {e}") from None
+        except OSError as e:
+            raise HostError(f"{self.name}: unreachable ({e})") from None
+
+    def run(self, command: str, timeout: float = 60) -> Result:
+        self._connect()
+        r = self.conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        return Result(r.exited, r.stdout, r.stderr)
+
+    def put(self, local: str | Path, remote: str) -> None:
+        self._connect()
+        self.run(f"mkdir -p {shlex.quote(str(Path(remote).parent))}")
+        self.conn.put(str(local), remote)
+
+    def get(self, remote: str, local: str | Path) -> None:
+        self._connect()
+        self.conn.get(remote, str(local))
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,75 @@
+"""The host layer against real hosts: this machine, and real sshd servers on loopback addresses."""
+
+import time
+
+import pytest
+
+from prl.launch.hosts import HostError, LocalHost, SshHost, SshTarget
+from sshd_rig import keygen, start_sshd
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ssh")
+    client_key = keygen(root / "client_key")
+    hosts = [start_sshd(root / f"h{i}", f"127.0.0.{i + 2}", root / "client_key.pub") for i in range(2)]
+    known = root / "known_hosts"
+    known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
+    yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root}
+    for h in hosts:
+        h.proc.terminate()
+        h.proc.wait(5)
+
+
+def ssh(rig, i=0, **kw) -> SshHost:
+    h = rig["hosts"][i]
+    return SshHost(SshTarget(h.address, "root", h.port, rig["key"], kw.pop("known", rig["known"]), **kw))
+
+
+@pytest.fixture(params=["local", "ssh"])
+def host(request, rig):
+    h = LocalHost() if request.param == "local" else ssh(rig)
+    yield h
+    h.close()
+
+
+def test_run_and_copy(host, tmp_path):
+    r = host.run("echo hello; echo oops >&2; exit 3")
+    assert (r.code, r.stdout.strip(), r.stderr.strip()) == (3, "hello", "oops")
+    src = tmp_path / "a.txt"
+    src.write_text("payload")
+    host.put(src, str(tmp_path / "remote" / "b.txt"))
+    host.get(str(tmp_path / "remote" / "b.txt"), tmp_path / "c.txt")
+    assert (tmp_path / "c.txt").read_text() == "payload"
+
+
+def test_start_stream_and_stop_a_process_group(host, tmp_path):
+    log = str(tmp_path / "logs" / "p.log")
+    # a parent that ignores TERM and a child: only the group KILL after the grace period ends both
+    pid = host.start(["sh", "-c", "trap '' TERM; echo started $PRL_X; sleep 300 & sleep 300; wait"], log,
+                     env={"PRL_X": "42"})
+    deadline = time.time() + 10
+    data, offset = b"", 0
+    while b"started 42" not in data and time.time() < deadline:
+        chunk, offset = host.read_log(log, offset)
+        data += chunk
+        time.sleep(0.1)
+    assert b"started 42" in data and host.alive(pid)
+    t0 = time.time()
+    host.stop(pid, grace_s=1.0)
+    assert not host.alive(pid) and time.time() - t0 < 5
+    assert host.run(f"ps -e -o pgid=,stat= | awk '$1 == {pid} && $2 !~ /^Z/' | wc -l").stdout.strip() == "0"
+
+
+def test_unknown_host_key_is_refused(rig, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(HostError, match="unknown host key"):
+        ssh(rig, 1, known=str(empty)).run("true")
+    assert ssh(rig, 1, known=str(empty), trust_unknown_hosts=True).run("echo ok").stdout.strip() == "ok"
+
+
+def test_unreachable_host_is_named(rig):
+    target = SshTarget("127.0.0.9", "root", 1, rig["key"], rig["known"], connect_timeout=2)
+    with pytest.raises(HostError, match=r"root@127\.0\.0\.9:1: unreachable"):
+        SshHost(target).run("true")
