@@ -65,7 +65,3 @@ def dequantize_entry(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if q.dim() == 3:
         return torch.stack([dequantize(Quantized(a, b, (BLOCK, BLOCK))) for a, b in zip(q, scale)])
     return dequantize(Quantized(q, scale, (BLOCK, BLOCK)))
-
-
-def is_fp8_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
-    return any(k.endswith(SCALE_SUFFIX) for k in state_dict)

@@ -75,19 +75,14 @@ def routing_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16
 
 
-def routing_shape(model) -> tuple[int, int, int]:
-    """(MoE layers, top-k, experts)."""
-    rs = routers(model)
-    if not rs:
-        return 0, 0, 0
-    return len(rs), rs[0].top_k, rs[0].num_experts
-
-
 class Capture:
     """Forward hooks that record each router's chosen ids during one forward (engine side)."""
 
     def __init__(self, model):
         self.routers = routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router prl knows; routing capture needs an MoE "
+                             f"model of a family in {sorted(FAMILIES)}")
         self.dtype = routing_dtype(self.routers[0].num_experts) if self.routers else torch.uint8
         self._ids: list[torch.Tensor | None] = [None] * len(self.routers)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
