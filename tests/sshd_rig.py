@@ -58,7 +58,7 @@ def start_sshd(root: Path, address: str, client_pub: Path) -> FakeHost:
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"sshd on {address}:{port} did not start: {(root / 'sshd.log').read_text()}")
+                raise RuntimeError(f"sshd on {address}:{port} did not start: {(root / 'sshd.log').read_text()}") from None
             time.sleep(0.05)
     pub = (root / "host_key.pub").read_text().split()
     return FakeHost(address, port, proc, f"{pub[0]} {pub[1]}")

@@ -53,8 +53,8 @@ class Host(abc.ABC):
     @abc.abstractmethod
     def get(self, remote: str, local: str | Path) -> None: ...
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional: only hosts holding a connection override it
+        """Release the connection, if any."""
 
     def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> int:
         """Start a long-lived process group; returns its pid (== its pgid)."""
