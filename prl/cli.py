@@ -47,6 +47,27 @@ def run(
 
 
 @app.command()
+def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] section")):
+    """Check every host of the recipe's [cluster] in parallel; non-zero exit names each failure."""
+    from prl.recipe import RecipeError, load_recipe
+
+    try:
+        loaded = load_recipe(recipe)
+    except RecipeError as e:
+        err.print(f"prl doctor: invalid recipe\n{e}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    if loaded.cluster is None:
+        console.print("prl doctor: no [cluster] in the recipe: it runs on this machine, nothing to check")
+        raise typer.Exit(0)
+    from prl.launch.doctor import check_cluster, report
+
+    failures = report(check_cluster(loaded.cluster, console), console)
+    for line in failures:
+        err.print(f"prl doctor: {line}", markup=False, highlight=False)
+    raise typer.Exit(1 if failures else 0)
+
+
+@app.command()
 def status(
     run_dir: Path = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny"),
     watch: bool = typer.Option(False, "--watch", help="refresh until interrupted"),

@@ -25,3 +25,19 @@ def tiny_model(model_dir):
 
 def prl_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "prl", *map(str, args)]
+
+
+@pytest.fixture(scope="session")
+def rig(tmp_path_factory):
+    """Two real sshd hosts on 127.0.0.2 and 127.0.0.3, a client key, and a known_hosts file."""
+    from sshd_rig import keygen, start_sshd
+
+    root = tmp_path_factory.mktemp("ssh")
+    client_key = keygen(root / "client_key")
+    hosts = [start_sshd(root / f"h{i}", f"127.0.0.{i + 2}", root / "client_key.pub") for i in range(2)]
+    known = root / "known_hosts"
+    known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
+    yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root}
+    for h in hosts:
+        h.proc.terminate()
+        h.proc.wait(5)

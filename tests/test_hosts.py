@@ -5,20 +5,6 @@ import time
 import pytest
 
 from prl.launch.hosts import HostError, LocalHost, SshHost, SshTarget
-from sshd_rig import keygen, start_sshd
-
-
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ssh")
-    client_key = keygen(root / "client_key")
-    hosts = [start_sshd(root / f"h{i}", f"127.0.0.{i + 2}", root / "client_key.pub") for i in range(2)]
-    known = root / "known_hosts"
-    known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
-    yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root}
-    for h in hosts:
-        h.proc.terminate()
-        h.proc.wait(5)
 
 
 def ssh(rig, i=0, **kw) -> SshHost:

@@ -216,6 +216,9 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
             recipe = prepare_resume(run_dir, overrides)
         else:
             run_dir = run_dir_for(recipe)
+            if recipe.cluster is not None:
+                raise RunStopped("multi-host launch ([cluster]) is not built yet; `prl doctor` checks the hosts. "
+                                 "Remove [cluster] to run on this machine. Nothing was started.")
             check_task(recipe)
             prepare_new(recipe, run_dir, force)
     except (RunStopped, RecipeError) as e:

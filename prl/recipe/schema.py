@@ -148,7 +148,31 @@ class InferenceCfg(Section):
     prefix_cache_entries: int = Field(256, ge=0)
 
 
+class HostCfg(Section):
+    """One bare-metal host reached over SSH (key files only; passwords are never used)."""
+
+    address: str
+    user: str = "root"
+    port: int = Field(22, gt=0, le=65535)
+    key_file: str | None = None
+    gpus: int = Field(0, ge=0)  # GPUs the recipe expects `nvidia-smi` to list
+
+
+class ClusterCfg(Section):
+    """Hosts for a multi-host run. Without this section a recipe runs on the local machine."""
+
+    hosts: list[HostCfg] = Field(min_length=1)
+    workdir: str = "/tmp/prl"
+    python: str = "python3"
+    min_python: str = "3.10"
+    min_free_gb: float = Field(1.0, ge=0)
+    known_hosts: str | None = None  # default: ~/.ssh/known_hosts
+    trust_unknown_hosts: bool = False
+    rendezvous_port: int = Field(29500, gt=0, le=65535)
+
+
 class Recipe(Section):
+    cluster: ClusterCfg | None = None
     run: RunCfg = RunCfg()
     model: ModelCfg = ModelCfg()
     task: TaskCfg = TaskCfg()
