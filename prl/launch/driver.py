@@ -123,6 +123,8 @@ def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outco
     except (KeyboardInterrupt, RunStopped) as e:
         outcome = Outcome("interrupted", f"interrupted ({type(e).__name__}); stopping every process", 130)
     finally:
+        for s in previous:  # a second Ctrl-C must not cut the teardown short
+            signal.signal(s, signal.SIG_IGN)
         sup.stop_all()
         for s, h in previous.items():
             signal.signal(s, h)
