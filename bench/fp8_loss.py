@@ -23,7 +23,8 @@ from prl.model.fp8 import apply_fp8, backend
 from prl.model.tiny import EOS_ID, char_tokenizer
 from prl.recipe.schema import TaskCfg
 from prl.tasks import make_task
-from prl.trainer.loss import token_logprobs
+from prl.trainer.loss import mismatch_stats, token_logprobs
+from prl.trainer.trainer import sft_sample
 from prl.transport.batch import Sample, pack
 
 
@@ -46,8 +47,7 @@ def batches(tok, steps: int, size: int = 32):
     task = make_task(TaskCfg(), seed=5)
     for step in range(steps):
         exs = [task.example(step * size + i) for i in range(size)]
-        yield pack([Sample(tok(e["prompt"]).input_ids, tok(e["answer"]).input_ids + [EOS_ID], [], []) for e in exs],
-                   1, 4096)[0][0]
+        yield pack([sft_sample(tok, e) for e in exs], 1, 4096)[0][0]
 
 
 def train(model, tok, steps: int) -> list[float]:
@@ -75,8 +75,8 @@ def mismatch(engine, trainer, tok, prompts: int = 16, group: int = 4) -> float:
         core.step()
     [[mb]] = pack([Sample(s.prompt_ids, s.out_ids, s.logprobs, s.versions) for s in seqs], 1, 8192)
     out = trainer(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
-    d = (token_logprobs(out.logits[0], mb.target_ids) - mb.infer_logprobs)[mb.loss_mask].double()
-    return float((d.exp() - d - 1).mean())
+    stats = mismatch_stats(token_logprobs(out.logits[0], mb.target_ids), mb)
+    return float(stats["mismatch_kl"] / stats["loss_tokens"])
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ from prl.model.routing import Replay
 from prl.model.tiny import EOS_ID, write_model_dir
 from prl.recipe.schema import ModelCfg, TaskCfg
 from prl.tasks import make_task
-from prl.trainer.loss import token_logprobs
+from prl.trainer.loss import mismatch_stats, token_logprobs
+from prl.trainer.trainer import sft_sample
 from prl.transport.batch import Sample, pack
 
 
@@ -40,7 +41,7 @@ def warm_start(model, tok, steps: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
         exs = [task.example(step * 32 + i) for i in range(32)]
-        samples = [Sample(tok(e["prompt"]).input_ids, tok(e["answer"]).input_ids + [EOS_ID], [], []) for e in exs]
+        samples = [sft_sample(tok, e) for e in exs]
         for mb in pack(samples, 1, 4096)[0]:
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
             loss = -token_logprobs(out.logits[0], mb.target_ids)[mb.loss_mask].mean()
@@ -75,18 +76,20 @@ def attach_routing(samples: list[Sample], wires) -> float:
 
 @torch.no_grad()
 def mismatch(model, mbs, replay: Replay | None, use_ids: bool) -> dict:
-    d_all, agreed, total = [], 0.0, 0
+    sums: dict[str, float] = {}
+    agreed, total = 0.0, 0
     for mb in mbs:
         ctx = replay.use(mb.routing) if replay and use_ids else contextlib.nullcontext()
         with ctx:
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
-        d_all.append(token_logprobs(out.logits[0].float(), mb.target_ids)[mb.loss_mask] - mb.infer_logprobs[mb.loss_mask])
+        for k, v in mismatch_stats(token_logprobs(out.logits[0].float(), mb.target_ids), mb).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
         if replay:
             a, t = replay.agreement()
             agreed, total = agreed + a, total + t
-    d = torch.cat(d_all).double()
-    return {"mismatch_kl": float((d.exp() - d - 1).mean()), "extreme_token_frac": float((d.abs() > 0.6931).double().mean()),
-            "routing_agreement": agreed / total if total else None, "tokens": d.numel()}
+    n = sums["loss_tokens"]
+    return {"mismatch_kl": sums["mismatch_kl"] / n, "extreme_token_frac": sums["extreme_tokens"] / n,
+            "routing_agreement": agreed / total if total else None, "tokens": int(n)}
 
 
 def glm5_payload() -> dict:

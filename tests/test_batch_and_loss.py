@@ -5,7 +5,7 @@ import torch
 from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.orchestrator import group_advantages
 from prl.recipe.schema import LossCfg
-from prl.trainer.loss import rl_loss, token_logprobs
+from prl.trainer.loss import mismatch_stats, rl_loss, token_logprobs
 from prl.transport.batch import Sample, pack
 
 
@@ -71,8 +71,17 @@ def test_tis_caps_and_mask_drops():
     loss.backward()
     assert torch.allclose(logp.grad[mb.loss_mask], torch.tensor([0.0, -1.0, -1.0]))
     assert stats["masked_tokens"] == 1
-    d = torch.tensor([2.0, 0.0, 0.0])
+    d = torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64)
     assert torch.isclose(stats["mismatch_kl"], (d.exp() - d - 1).sum())
+
+
+def test_mismatch_kl_keeps_tiny_differences():
+    """exp(d)-d-1 ~ d^2/2: at d = 1e-5 that is 5e-11, which float32 rounds to 0."""
+    mb = _mb([-1.0, -1.0, -1.0], adv=1.0)
+    logp = mb.infer_logprobs.clone()
+    logp[mb.loss_mask] += 1e-5
+    stats = mismatch_stats(logp, mb)
+    assert torch.isclose(stats["mismatch_kl"], torch.tensor(3 * 0.5e-10, dtype=torch.float64), rtol=0.05)
 
 
 def test_positive_advantage_raises_logprob(tiny_model):

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from prl.launch.plan import ProcessSpec, format_plan, make_plan
+from prl.launch.plan import format_plan, make_plan
 from prl.launch.supervisor import Supervisor
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
@@ -102,14 +102,13 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     return recipe
 
 
-def start_run(recipe: Recipe, run_dir: Path) -> tuple[Supervisor, list[ProcessSpec]]:
+def start_run(recipe: Recipe, run_dir: Path) -> Supervisor:
     configs = resolve(recipe, run_dir, write_secret(run_dir))
-    specs = make_plan(configs, write_configs(configs, run_dir), run_dir)
-    return Supervisor(specs), specs
+    return Supervisor(make_plan(configs, write_configs(configs, run_dir), run_dir))
 
 
 def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
-    sup, specs = start_run(recipe, run_dir)
+    sup = start_run(recipe, run_dir)
     log = EventLog(run_dir / "metrics.jsonl", "driver")
     log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}

@@ -13,6 +13,7 @@ used or logged: key files only.
 from __future__ import annotations
 
 import abc
+import base64
 import shlex
 import subprocess
 import time
@@ -82,8 +83,6 @@ class Host(abc.ABC):
     def read_log(self, path: str, offset: int = 0) -> tuple[bytes, int]:
         """Bytes of `path` from `offset` (for streaming a log back); returns (data, new offset)."""
         r = self.run(f"tail -c +{offset + 1} {shlex.quote(path)} 2>/dev/null | base64 -w0")
-        import base64
-
         data = base64.b64decode(r.stdout.strip() or b"")
         return data, offset + len(data)
 

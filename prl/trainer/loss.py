@@ -24,9 +24,11 @@ def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature
 
 
 def mismatch_stats(logp_L: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
-    """Sums over loss tokens: k3 KL estimate exp(d)-d-1 and |d| > ln 2 counts (d = train - infer)."""
+    """Sums over loss tokens: k3 KL estimate exp(d)-d-1 and |d| > ln 2 counts (d = train - infer).
+
+    In float64: exp(d)-d-1 of a tiny d is lost to rounding in float32."""
     mask = mb.loss_mask
-    d = (logp_L.detach() - mb.infer_logprobs)[mask]
+    d = (logp_L.detach().double() - mb.infer_logprobs.double())[mask]
     return {
         "mismatch_kl": (torch.exp(d) - d - 1).sum(),
         "extreme_tokens": (d.abs() > 0.6931).sum().float(),

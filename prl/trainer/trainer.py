@@ -45,6 +45,13 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float):
     return f
 
 
+def sft_sample(tokenizer, example: dict) -> Sample:
+    """A supervised sample: the prompt, then the answer and EOS as loss tokens."""
+    prompt = tokenizer(example["prompt"]).input_ids
+    answer = tokenizer(example["answer"]).input_ids + [tokenizer.eos_token_id]
+    return Sample(prompt, answer, [0.0] * len(answer), [0] * len(answer), advantage=1.0)
+
+
 class Trainer:
     def __init__(self, cfg: ProcessConfig):
         self.cfg, r = cfg, cfg.recipe
@@ -120,17 +127,12 @@ class Trainer:
         task = make_task(self.cfg.recipe.task, self.cfg.recipe.run.seed + SFT_SEED_OFFSET)
         for step in range(sft.steps):
             t0 = time.perf_counter()
-            samples = [self.sft_sample(task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
+            samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
             mbs = pack(samples, self.world, self.tcfg.micro_batch_tokens)[self.rank]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
             self.log_main("trainer_step", stage="sft", step=step, total=sft.steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
-
-    def sft_sample(self, example: dict) -> Sample:
-        prompt = self.tokenizer(example["prompt"]).input_ids
-        answer = self.tokenizer(example["answer"]).input_ids + [self.tokenizer.eos_token_id]
-        return Sample(prompt, answer, [0.0] * len(answer), [0] * len(answer), advantage=1.0)
 
     def rl_step(self, step: int) -> None:
         t0 = time.perf_counter()
