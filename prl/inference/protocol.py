@@ -77,8 +77,8 @@ class CompletionRequest(BaseModel):
 
 
 class UpdateWeightsRequest(Msg):
-    path: str
     version: int
+    path: str | None = None  # a folder this server can read; None: its configured weight source
 
 
 class UpdateWeightsResponse(Msg):

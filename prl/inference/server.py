@@ -26,9 +26,11 @@ from prl.inference.protocol import (
     UpdateWeightsResponse,
     encode_routing,
 )
+from prl.transport.weights import WeightFetchError
 
 
-def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl") -> FastAPI:
+def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None) -> FastAPI:
+    """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path."""
     app = FastAPI(title="prl inference")
     started = time.monotonic()
 
@@ -59,12 +61,15 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     @app.post("/update_weights", dependencies=guarded)
     async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         t0 = time.perf_counter()
+        if req.path is None and weights is None:
+            raise HTTPException(400, "this server has no weight source: give a path")
         try:
-            policy = await asyncio.to_thread(prepare_weights, loop.core.model, req.path)
-        except WeightLoadError as e:
+            path = req.path or await asyncio.to_thread(weights.fetch, req.version)
+            policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
+        except (WeightLoadError, WeightFetchError) as e:
             raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
         if policy.version != req.version:
-            raise HTTPException(409, f"{req.path} holds v{policy.version}, not v{req.version}")
+            raise HTTPException(409, f"{path} holds v{policy.version}, not v{req.version}")
         await loop.load(policy)
         return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0)
 
@@ -145,6 +150,15 @@ def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence
     }
 
 
+def weight_source(cfg):
+    from prl.transport.weights import HttpFetch, SharedFolder
+
+    root = cfg.run_path / "weights"
+    if cfg.shares_trainer_fs:
+        return SharedFolder(root)
+    return HttpFetch(cfg.trainer_url, cfg.secret(), root, keep=cfg.recipe.trainer.keep_weights)
+
+
 def main(config_path: str) -> None:
     import os
     import signal
@@ -168,7 +182,7 @@ def main(config_path: str) -> None:
                       capture_routing=cfg.recipe.trainer.router_replay)
     loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     loop.start()
-    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name)
+    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name, weight_source(cfg))
     print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
     # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600)

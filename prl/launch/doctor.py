@@ -1,8 +1,8 @@
 """`prl doctor recipe.toml`: check every host of a recipe's [cluster], in parallel, before launching.
 
 Per host: reachable over SSH (host key verified), Python version, free disk in the work directory,
-GPUs seen by `nvidia-smi` against what the recipe expects, the rendezvous port free on the first
-host, and the first host reachable from every host on that port. Prints one row per host and
+GPUs seen by `nvidia-smi` against what the recipe expects, every port the plan binds on that host
+free, and the first trainer host reachable from every host on the rendezvous port. Prints one row per host and
 returns the failures as "host: check: detail" lines (empty when all pass).
 """
 
@@ -47,10 +47,11 @@ def basic_checks(host: Host, h: HostCfg, cfg: ClusterCfg) -> list[Check]:
     version = r.stdout.strip()
     ok = r.code == 0 and tuple(map(int, version.split("."))) >= tuple(map(int, cfg.min_python.split(".")))
     out.append(Check("python", ok, version if r.code == 0 else f"{cfg.python} not runnable: {r.stderr.strip()}"))
-    r = host.run(f"mkdir -p {shlex.quote(cfg.workdir)} && df -Pk {shlex.quote(cfg.workdir)} | tail -1")
+    workdir = cfg.workdir_of(h)
+    r = host.run(f"mkdir -p {shlex.quote(workdir)} && df -Pk {shlex.quote(workdir)} | tail -1")
     free_gb = int(r.stdout.split()[3]) / 2**20 if r.code == 0 else 0.0
-    out.append(Check("disk", free_gb >= cfg.min_free_gb, f"{free_gb:.1f} GB free in {cfg.workdir}"
-                     if r.code == 0 else f"cannot use {cfg.workdir}: {r.stderr.strip()}"))
+    out.append(Check("disk", free_gb >= cfg.min_free_gb, f"{free_gb:.1f} GB free in {workdir}"
+                     if r.code == 0 else f"cannot use {workdir}: {r.stderr.strip()}"))
     out.append(gpu_check(host, h))
     return out
 
@@ -61,12 +62,19 @@ def gpu_check(host: Host, h: HostCfg) -> Check:
     return Check("gpus", seen == h.gpus, f"{seen} seen, {h.gpus} expected")
 
 
-def port_check(host: Host, cfg: ClusterCfg) -> Check:
-    # SO_REUSEADDR as the rendezvous store sets it: a port in TIME_WAIT is free for it
-    code = (f"import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(('0.0.0.0', {cfg.rendezvous_port}))")
+def port_check(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int]) -> Check:
+    """Every port the plan binds on this host is free (SO_REUSEADDR, as the servers set it:
+    a port in TIME_WAIT is free for them)."""
+    code = ("import socket, sys\nbusy = []\n"
+            f"for p in {sorted(set(ports))!r}:\n"
+            "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"    try: s.bind(({h.address!r}, p))\n"
+            "    except OSError: busy.append(p)\n"
+            "    s.close()\n"
+            "print(' '.join(map(str, busy))); sys.exit(1 if busy else 0)")
     r = host.run(_py(cfg, code))
-    return Check("port", r.code == 0, f"{cfg.rendezvous_port} free" if r.code == 0 else f"{cfg.rendezvous_port} in use")
+    listed = ",".join(map(str, sorted(set(ports))))
+    return Check("port", r.code == 0, f"{listed} free" if r.code == 0 else f"in use: {r.stdout.strip() or r.stderr.strip()}")
 
 
 def reach_check(host: Host, first: HostCfg, cfg: ClusterCfg) -> Check:
@@ -76,45 +84,51 @@ def reach_check(host: Host, first: HostCfg, cfg: ClusterCfg) -> Check:
     return Check("reach", r.code == 0, f"reaches {where}" if r.code == 0 else f"cannot reach {where}")
 
 
-def listener(cfg: ClusterCfg) -> list[str]:
+def listener(cfg: ClusterCfg, first: HostCfg) -> list[str]:
     code = (f"import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(('0.0.0.0', {cfg.rendezvous_port})); s.listen(64); s.settimeout(60)\n"
+            f"s.bind(({first.address!r}, {cfg.rendezvous_port})); s.listen(64); s.settimeout(60)\n"
             f"while True: s.accept()[0].close()")
     return [cfg.python, "-c", code]
 
 
-def check_cluster(cfg: ClusterCfg, console: Console) -> dict[str, list[Check]]:
-    hosts = {h.address: connect(cfg, h) for h in cfg.hosts}
+def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
+                  first: str | None = None) -> dict[str, list[Check]]:
+    """`ports`: host name -> ports the plan binds there; `first`: the rendezvous host (default: first)."""
+    by_id = cfg.hosts_by_id()
+    hosts = {hid: connect(cfg, h) for hid, h in by_id.items()}
     results: dict[str, list[Check]] = {}
     with Progress(console=console, transient=True) as progress, ThreadPoolExecutor(len(hosts)) as pool:
         task = progress.add_task("checking hosts", total=len(hosts) + 1)
-        futures = {a: pool.submit(basic_checks, hosts[a], h, cfg) for a, h in zip(hosts, cfg.hosts)}
+        futures = {a: pool.submit(host_checks, hosts[a], by_id[a], cfg, (ports or {}).get(a)) for a in hosts}
         for a, f in futures.items():
             results[a] = f.result()
             progress.advance(task)
-        reach_phase(cfg, hosts, results, pool)
+        reach_phase(cfg, hosts, results, pool, first or cfg.hosts[0].id)
         progress.advance(task)
     for host in hosts.values():
         host.close()
     return results
 
 
-def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list[Check]], pool) -> None:
-    """The rendezvous port is free on the first host, and every host reaches it there."""
-    first = cfg.hosts[0]
-    if not results[first.address][0].ok:
+def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None) -> list[Check]:
+    out = basic_checks(host, h, cfg)
+    if out[0].ok and ports:
+        out.append(port_check(host, h, cfg, ports))
+    return out
+
+
+def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list[Check]], pool, first_id: str) -> None:
+    """Every host reaches the rendezvous port on the first trainer host (a listener is started there)."""
+    first = cfg.hosts_by_id()[first_id]
+    if not results[first_id][0].ok or not all(c.ok for c in results[first_id] if c.name == "port"):
         return
-    port = port_check(hosts[first.address], cfg)
-    results[first.address].append(port)
-    if not port.ok:
-        return
-    pid = hosts[first.address].start(listener(cfg), f"{cfg.workdir}/doctor-listener.log")
+    pid = hosts[first_id].start(listener(cfg, first), f"{cfg.workdir_of(first)}/doctor-listener.log")
     try:
         up = [a for a in hosts if results[a][0].ok]
         for a, check in zip(up, pool.map(lambda a: reach_check(hosts[a], first, cfg), up)):
             results[a].append(check)
     finally:
-        hosts[first.address].stop(pid, grace_s=1.0)
+        hosts[first_id].stop(pid, grace_s=1.0)
 
 
 def report(results: dict[str, list[Check]], console: Console) -> list[str]:

@@ -7,6 +7,7 @@ processes are stopped (`Supervisor.stop_all`) before `prl run` returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -20,6 +21,7 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.launch.plan import format_plan, make_plan
+from prl.launch.hosts import KILLED, HostError, LocalHost
 from prl.launch.supervisor import Supervisor
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
@@ -50,12 +52,16 @@ def run_dir_for(recipe: Recipe) -> Path:
 
 def dry_run(recipe: Recipe, console: Console) -> None:
     run_dir = run_dir_for(recipe)
-    configs = resolve(recipe, run_dir, run_dir / "secret")
-    specs = make_plan(configs, {c.name: run_dir / "config" / f"{c.name}.json" for c in configs}, run_dir)
+    if recipe.cluster is None:
+        specs = make_plan(resolve(recipe, run_dir, run_dir / "secret"), run_dir)
+    else:
+        from prl.launch.cluster import dry_run_plan
+
+        specs = dry_run_plan(recipe, run_dir)
     console.print("# resolved recipe", style="bold")
-    console.print(dump_toml(recipe.model_dump()), markup=False, highlight=False)
+    console.print(dump_toml(recipe.model_dump(exclude_none=True)), markup=False, highlight=False)
     console.print()
-    console.print(format_plan(specs), markup=False, highlight=False, soft_wrap=True)
+    console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
 
 
 def check_task(recipe: Recipe) -> None:
@@ -102,13 +108,29 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     return recipe
 
 
-def start_run(recipe: Recipe, run_dir: Path) -> Supervisor:
+def start_run(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
+    """The run's processes bound to their hosts; for a cluster, after checks, provisioning, staging."""
+    if recipe.cluster is not None:
+        from prl.launch.cluster import launch
+
+        return launch(recipe, run_dir, console)
     configs = resolve(recipe, run_dir, write_secret(run_dir))
-    return Supervisor(make_plan(configs, write_configs(configs, run_dir), run_dir))
+    write_configs(configs, run_dir)
+    return Supervisor(make_plan(configs, run_dir), {"local": LocalHost()}, run_dir)
 
 
 def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
-    sup = start_run(recipe, run_dir)
+    try:
+        sup = start_run(recipe, run_dir, console)
+    except (HostError, RuntimeError) as e:  # LaunchError, ProvisionError: nothing was started
+        return Outcome("failed", str(e), 2)
+    try:
+        return supervise(sup, recipe, run_dir, console, tui)
+    finally:
+        sup.close()
+
+
+def supervise(sup: Supervisor, recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
     log = EventLog(run_dir / "metrics.jsonl", "driver")
     log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -121,12 +143,16 @@ def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outco
         outcome = watch(sup, run_dir, log, console, tui)
     except (KeyboardInterrupt, RunStopped) as e:
         outcome = Outcome("interrupted", f"interrupted ({type(e).__name__}); stopping every process", 130)
+    except HostError as e:
+        outcome = Outcome("failed", f"lost a host: {e}; stopping every process", 1)
     finally:
         for s in previous:  # a second Ctrl-C must not cut the teardown short
             signal.signal(s, signal.SIG_IGN)
-        sup.stop_all()
+        problems = sup.stop_all()
         for s, h in previous.items():
             signal.signal(s, h)
+    if problems:
+        outcome.message += "\nteardown problems (check these hosts by hand):\n  " + "\n  ".join(problems)
     for name, p in sup.procs.items():
         if name != outcome.failed:
             log.emit("process", name=name, state="done" if p.poll() == 0 else "stopped")
@@ -142,11 +168,14 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    last_step = -1
+    last_step, last_sync = -1, 0.0
     try:
         if live:
             live.start()
         while True:
+            if sup.remote and time.monotonic() - last_sync > 0.5:
+                sup.sync()
+                last_sync = time.monotonic()
             state.update_from(metrics)
             scan_errors(sup, state, log)
             outcome = check_exits(sup, log)
@@ -187,9 +216,12 @@ def check_exits(sup: Supervisor, log: EventLog) -> Outcome | None:
         if rc == 0 and p.spec.role == "orchestrator":
             continue  # shipped every batch; the trainer finishes the last steps
         log.emit("process", name=name, state="failed", exit_code=rc)
+        with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
+            p.pull_log()
         tail = "\n".join(f"    {ln}" for ln in p.tail(15))
-        why = f"exited with code {rc}" if rc else "exited before the run finished"
-        return Outcome("failed", f"{name} ({p.spec.role}, pid {p.pid}) {why}; last log lines "
+        why = ("was killed (no exit status)" if rc == KILLED else f"exited with code {rc}" if rc
+               else "exited before the run finished")
+        return Outcome("failed", f"{name} ({p.spec.role} on host {p.spec.host}, pid {p.pid}) {why}; last log lines "
                                  f"({p.spec.log}):\n{tail}", 1, failed=name)
     return None
 
@@ -215,11 +247,14 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
         if resume:
             run_dir = Path(resume)
             recipe = prepare_resume(run_dir, overrides)
+            if recipe.cluster is not None:
+                raise RunStopped("--resume of a multi-host run is not supported yet (its checkpoints live on the "
+                                 "trainer host); nothing was started")
         else:
             run_dir = run_dir_for(recipe)
-            if recipe.cluster is not None:
-                raise RunStopped("multi-host launch ([cluster]) is not built yet; `prl doctor` checks the hosts. "
-                                 "Remove [cluster] to run on this machine. Nothing was started.")
+            if recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl":
+                raise RunStopped("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built "
+                                 "yet); use 'http'. `--dry-run` prints the plan. Nothing was started.")
             check_task(recipe)
             prepare_new(recipe, run_dir, force)
     except (RunStopped, RecipeError) as e:

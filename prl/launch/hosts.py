@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import abc
 import base64
+import ctypes
+import os
 import shlex
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class HostError(RuntimeError):
@@ -32,10 +38,19 @@ class Result:
     stderr: str
 
 
+KILLED = -9  # exit status of a process that left no status (killed with its group)
+
+
+def exit_file(log: str) -> str:
+    return f"{log}.exit"
+
+
 def _launch_line(cmd: list[str], log: str, env: dict[str, str]) -> str:
-    """Shell line that starts `cmd` as a new session leader with output to `log`, printing its pid."""
+    """Shell line that starts `cmd` as a new session leader with output to `log`, printing its pid.
+    The leader is a `sh` that waits for `cmd` and writes its exit status next to the log."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    inner = f"{exports} exec {shlex.join(cmd)}" if exports else f"exec {shlex.join(cmd)}"
+    status = shlex.quote(exit_file(log))
+    inner = f"rm -f {status}; {exports} {shlex.join(cmd)}; echo $? > {status}"
     # `;` not `&&`: only the setsid command goes to the background, so no subshell keeps the
     # session's stdout open (an SSH channel would stay open until the process exits)
     return (f"mkdir -p {shlex.quote(str(Path(log).parent))} || exit 1; "
@@ -64,10 +79,20 @@ class Host(abc.ABC):
             raise HostError(f"{self.name}: could not start {cmd[0]}: {r.stderr.strip() or r.stdout.strip()}")
         return int(r.stdout.strip())
 
+    def poll(self, pid: int, log: str) -> int | None:
+        """None while the process group runs; then the exit status (KILLED if it left none)."""
+        status = shlex.quote(exit_file(log))
+        r = self.run(f"{self._group_probe(pid)} && echo running || cat {status} 2>/dev/null || echo {KILLED}")
+        out = r.stdout.strip()
+        return None if out == "running" else int(out) if out.lstrip("-").isdigit() else KILLED
+
+    @staticmethod
+    def _group_probe(pid: int) -> str:
+        return f"ps -e -o pgid=,stat= | awk -v g={pid} '$1 == g && $2 !~ /^Z/ {{f = 1}} END {{exit !f}}'"
+
     def alive(self, pid: int) -> bool:
         """Any non-zombie process left in the group (a killed process stays a zombie until reaped)."""
-        probe = f"ps -e -o pgid=,stat= | awk -v g={pid} '$1 == g && $2 !~ /^Z/ {{f = 1}} END {{exit !f}}'"
-        return self.run(probe).code == 0
+        return self.run(self._group_probe(pid)).code == 0
 
     def stop(self, pid: int, grace_s: float = 5.0) -> None:
         """TERM the process group, wait up to `grace_s`, then KILL what is left."""
@@ -87,9 +112,44 @@ class Host(abc.ABC):
         return data, offset + len(data)
 
 
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the driver's teardown still applies
+        pass
+
+
 class LocalHost(Host):
+    """This machine. Processes are children of the driver: they also get SIGKILL if the driver
+    itself dies (PR_SET_PDEATHSIG), which a remote host cannot offer."""
+
     def __init__(self, name: str = "localhost"):
         self.name = name
+        self.children: dict[int, subprocess.Popen] = {}
+
+    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> int:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **(env or {})}, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
+        self.children[p.pid] = p
+        return p.pid
+
+    def poll(self, pid: int, log: str) -> int | None:
+        if pid not in self.children:
+            return super().poll(pid, log)
+        code = self.children[pid].poll()
+        return code if code is None or code >= 0 else KILLED  # -N: killed by signal N
+
+    def alive(self, pid: int) -> bool:
+        if pid in self.children:
+            self.children[pid].poll()  # reap, so a dead leader is not counted
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return super().alive(pid)  # a group of zombies only is not alive
 
     def run(self, command: str, timeout: float = 60) -> Result:
         p = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=timeout)

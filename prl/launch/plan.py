@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prl.recipe.resolve import ProcessConfig
+from prl.recipe.schema import Recipe
 
 # no process ever downloads: models, tokenizers and data come from the run directory
 BASE_ENV = {
@@ -16,28 +18,41 @@ BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+SHOWN_ENV = ("OMP", "PRL", "CUDA_VISIBLE")
 
 
 @dataclass
 class ProcessSpec:
     name: str
     role: str
-    host: str
+    host: str  # the host it runs on ("local" for a run on this machine)
     cmd: list[str]
-    log: Path
+    log: Path  # the log on the workstation (streamed back from remote hosts)
     env: dict[str, str] = field(default_factory=dict)
+    host_log: str = ""  # the log on its own host (== log for a local run)
+    run_dir: str = ""  # the run directory on its own host
 
     def command_line(self) -> str:
-        env = " ".join(f"{k}={v}" for k, v in self.env.items() if k.startswith(("OMP", "PRL")))
+        env = " ".join(f"{k}={v}" for k, v in self.env.items() if k.startswith(SHOWN_ENV))
         return (env + " " if env else "") + shlex.join(self.cmd)
 
 
-def process_command(cfg: ProcessConfig, config_path: Path, python: str = sys.executable) -> list[str]:
+def trainer_command(cfg: ProcessConfig, python: str) -> list[str]:
+    r = cfg.recipe
+    run = [python, "-m", "torch.distributed.run", f"--nproc-per-node={r.trainer.nproc}"]
+    if r.cluster is None:
+        run.append("--standalone")
+    else:
+        first = r.cluster.hosts_by_id()[r.placement_or_default().trainer[0]]
+        run += [f"--nnodes={len(r.placement_or_default().trainer)}", f"--node-rank={cfg.index}",
+                f"--master-addr={first.address}", f"--master-port={r.cluster.rendezvous_port}"]
+    return [*run, "-m", "prl.trainer", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
+
+
+def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[str]:
     if cfg.role == "trainer":
-        nproc = cfg.recipe.trainer.nproc
-        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "-m", "prl.trainer", "--config", str(config_path)]
-    return [python, "-m", f"prl.{cfg.role}", "--config", str(config_path)]
+        return trainer_command(cfg, python)
+    return [python, "-m", f"prl.{cfg.role}", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
 
 
 def threads_for(cfg: ProcessConfig) -> int:
@@ -45,21 +60,30 @@ def threads_for(cfg: ProcessConfig) -> int:
     return {"trainer": r.trainer.threads, "inference": r.inference.threads}.get(cfg.role, 1)
 
 
-def make_plan(configs: list[ProcessConfig], config_paths: dict[str, Path], run_dir: Path) -> list[ProcessSpec]:
+def make_plan(configs: list[ProcessConfig], run_dir: Path,
+              python_for: Callable[[str], str] = lambda node: sys.executable) -> list[ProcessSpec]:
+    """`python_for(node)`: the interpreter on that host (the run's venv on cluster hosts)."""
     specs = []
     for cfg in configs:
-        env = {**BASE_ENV, "OMP_NUM_THREADS": str(threads_for(cfg)), "PRL_RUN_DIR": str(run_dir)}
+        env = {**BASE_ENV, "OMP_NUM_THREADS": str(threads_for(cfg)), "PRL_RUN_DIR": cfg.run_dir}
+        if cfg.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.gpus))
         specs.append(ProcessSpec(
-            name=cfg.name, role=cfg.role, host="localhost",
-            cmd=process_command(cfg, config_paths[cfg.name]), log=run_dir / "logs" / f"{cfg.name}.log", env=env,
+            name=cfg.name, role=cfg.role, host=cfg.node, cmd=process_command(cfg, python_for(cfg.node)),
+            log=run_dir / "logs" / f"{cfg.name}.log", env=env, host_log=f"{cfg.run_dir}/logs/{cfg.name}.log",
+            run_dir=cfg.run_dir,
         ))
     return specs
 
 
-def format_plan(specs: list[ProcessSpec]) -> str:
-    lines = ["process plan:"]
+def format_plan(specs: list[ProcessSpec], recipe: Recipe | None = None) -> str:
+    hosts = list(dict.fromkeys(s.host for s in specs))
+    lines = [f"process plan: {len(specs)} processes on {len(hosts)} host(s)"]
     for s in specs:
         lines.append(f"  {s.name:<14} role={s.role:<12} host={s.host}")
         lines.append(f"      {s.command_line()}")
-        lines.append(f"      log: {s.log}")
+        lines.append(f"      log: {s.host_log}" + (f" (streamed to {s.log})" if s.host_log != str(s.log) else ""))
+    if recipe is not None and recipe.cluster is not None:
+        lines.append(f"weights: trainer rank 0 -> {sum(s.role == 'inference' for s in specs)} inference servers "
+                     f"over {recipe.cluster.weight_transfer}")
     return "\n".join(lines)

@@ -1,68 +1,49 @@
-"""Start, watch and stop the run's processes on this machine.
+"""Start, watch and stop the run's processes, on this machine or on remote hosts, through `Host`.
 
-Rule: nothing survives the run. Every process is the leader of its own process group (so a
-torchrun and its workers go together), gets SIGKILL if the driver itself dies (PR_SET_PDEATHSIG),
-and `stop_all` sends SIGTERM to every group, waits out a grace period, then SIGKILLs what is left.
+Rule: nothing survives the run. Every process leads its own process group on its host (so a
+torchrun and its workers go together); `stop_all` TERMs every group on every host at once, waits
+out a grace period, then KILLs what is left. Local processes also die with the driver
+(PR_SET_PDEATHSIG, see `LocalHost`). Logs and metrics of remote processes are streamed back into
+the run directory on the workstation (`sync`), so the TUI, `prl status` and error messages read
+the same files for local and remote runs.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import subprocess
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+from prl.launch.hosts import Host, HostError
 from prl.launch.plan import ProcessSpec
 
-PR_SET_PDEATHSIG = 1
 
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the driver's stop_all still applies
-        pass
-
-
-class LocalProcess:
-    def __init__(self, spec: ProcessSpec):
-        self.spec = spec
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+class HostProcess:
+    def __init__(self, host: Host, spec: ProcessSpec):
+        self.host, self.spec = host, spec
+        self.pid: int | None = None
+        self.code: int | None = None  # exit status, once seen
+        self.log_offset = 0
+        self.mirrored = spec.host_log != str(spec.log)
 
     def start(self) -> None:
         self.spec.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spec.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
-            )
+        self.pid = self.host.start(self.spec.cmd, self.spec.host_log, self.spec.env)
 
     def poll(self) -> int | None:
-        return self.proc.poll() if self.proc else None
+        if self.code is None and self.pid is not None:
+            self.code = self.host.poll(self.pid, self.spec.host_log)
+        return self.code
 
-    def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)  # pgid == pid: the process leads its own group
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def group_alive(self) -> bool:
-        if self.proc is None:
-            return False
-        self.proc.poll()
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+    def pull_log(self) -> None:
+        if self.mirrored and self.pid is not None:
+            data, self.log_offset = self.host.read_log(self.spec.host_log, self.log_offset)
+            if data:
+                with open(self.spec.log, "ab") as f:
+                    f.write(data)
 
     def tail(self, n: int = 15) -> list[str]:
         try:
@@ -74,27 +55,89 @@ class LocalProcess:
         return list(deque((ln for ln in lines if ln.strip()), maxlen=n))
 
 
+class MetricsMirror:
+    """Appends complete lines of a host's metrics.jsonl to the workstation's."""
+
+    def __init__(self, host: Host, remote: str, local: Path):
+        self.host, self.remote, self.local, self.offset = host, remote, local, 0
+
+    def pull(self) -> None:
+        data, _ = self.host.read_log(self.remote, self.offset)
+        end = data.rfind(b"\n") + 1
+        if end:
+            fd = os.open(self.local, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data[:end])
+            finally:
+                os.close(fd)
+            self.offset += end
+
+
 class Supervisor:
-    def __init__(self, specs: list[ProcessSpec]):
-        self.procs = {s.name: LocalProcess(s) for s in specs}
+    def __init__(self, specs: list[ProcessSpec], hosts: dict[str, Host], run_dir: Path):
+        self.hosts = hosts
+        self.procs = {s.name: HostProcess(hosts[s.host], s) for s in specs}
+        remote_dirs = {(s.host, s.run_dir) for s in specs if s.host_log != str(s.log)}
+        self.mirrors = [MetricsMirror(hosts[h], f"{d}/metrics.jsonl", run_dir / "metrics.jsonl")
+                        for h, d in sorted(remote_dirs)]
+        self.pool = ThreadPoolExecutor(max(4, len(hosts)))
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.mirrors)
 
     def start_all(self) -> None:
         for p in self.procs.values():
             p.start()
 
     def exited(self) -> dict[str, int]:
-        return {name: rc for name, p in self.procs.items() if (rc := p.poll()) is not None}
+        codes = self.pool.map(lambda p: p.poll(), self.procs.values())
+        return {name: rc for name, rc in zip(self.procs, codes) if rc is not None}
 
-    def stop_all(self, grace_s: float = 5.0) -> None:
-        for p in self.procs.values():
-            p.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.group_alive() for p in self.procs.values()):
-            time.sleep(0.05)
-        for p in self.procs.values():
-            p.signal_group(signal.SIGKILL)
-            if p.proc:
+    def sync(self) -> None:
+        """Stream remote logs and metrics into the workstation's run directory."""
+        jobs = [p.pull_log for p in self.procs.values() if p.mirrored] + [m.pull for m in self.mirrors]
+        for f in [self.pool.submit(j) for j in jobs]:
+            f.result()
+
+    def stop_all(self, grace_s: float = 5.0) -> list[str]:
+        """Stop every process group on every host; returns what could not be stopped (named)."""
+        running = [p for p in self.procs.values() if p.pid is not None]
+        problems = []
+
+        def each(sig: int):
+            def signal_one(p: HostProcess):
                 try:
-                    p.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+                    p.host.run(f"kill -s {signal.Signals(sig).name[3:]} -- -{p.pid} 2>/dev/null; true")
+                except HostError as e:
+                    problems.append(f"{p.spec.name} on {p.spec.host}: {e}")
+            list(self.pool.map(signal_one, running))
+
+        each(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(self.pool.map(_alive, running)):
+            time.sleep(0.1)
+        each(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(self.pool.map(_alive, running)):
+            time.sleep(0.1)
+        problems += [f"{p.spec.name} on {p.spec.host}: still running (pid {p.pid})" for p in running if _alive(p)]
+        for p in running:
+            p.poll()
+        try:
+            self.sync()  # the last log lines and metrics
+        except HostError as e:
+            problems.append(f"could not fetch the last logs: {e}")
+        return sorted(set(problems))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for h in self.hosts.values():
+            h.close()
+
+
+def _alive(p: HostProcess) -> bool:
+    try:
+        return p.host.alive(p.pid)
+    except HostError:
+        return False  # unreachable: reported by the signal step

@@ -7,7 +7,13 @@ import time
 
 import httpx
 
-from prl.inference.protocol import GenerateRequest, GenerateResponse, Health, Metrics, UpdateWeightsResponse
+from prl.inference.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    Health,
+    Metrics,
+    UpdateWeightsResponse,
+)
 
 
 class InferenceClient:
@@ -40,7 +46,8 @@ class InferenceClient:
         r.raise_for_status()
         return GenerateResponse.model_validate_json(r.content)
 
-    async def update_weights(self, path: str, version: int) -> UpdateWeightsResponse:
+    async def update_weights(self, version: int, path: str | None = None) -> UpdateWeightsResponse:
+        """Load `version`: from `path` if given, else from where the server's config says weights come."""
         r = await self.post("/update_weights", {"path": path, "version": version})
         if r.status_code == 409:
             raise RuntimeError(f"{self.base_url} rejected weights v{version}: {r.json().get('detail')}")

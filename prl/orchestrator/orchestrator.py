@@ -5,7 +5,8 @@ Rules:
   s - max_async_level (0 = synchronous); a group whose oldest token is more than
   max_off_policy_steps behind the step that trains it is dropped and counted (`GroupBuffer`);
 - at most max_inflight_rollouts requests are in flight;
-- a new policy is relayed to every server as soon as the trainer seals it.
+- a new policy is relayed to every server as soon as the trainer seals it;
+- batches go to the trainer endpoint (rank 0), which also says where a resumed run starts.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import time
 
 from prl.inference.protocol import GenerateRequest, decode_routing
 from prl.metrics import EventLog
-from prl.model.weights import latest_checkpoint, published_versions, version_dir
 from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.client import InferenceClient
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
 from prl.transport.batch import Sample, TrainBatch, pack
-from prl.transport.rollouts import make_rollout_transport
+from prl.transport.trainer_client import TrainerClient
 
 
 def group_advantages(rewards: list[float], mode: str) -> list[float]:
@@ -53,8 +53,7 @@ class Orchestrator:
         self.task = make_task(r.task, r.run.seed)
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.clients = [InferenceClient(u, cfg.secret(), r.rl.max_inflight_rollouts + 8) for u in cfg.servers]
-        self.transport = make_rollout_transport("filesystem", cfg.run_path)
-        self.weights_root = cfg.run_path / "weights"
+        self.trainer = TrainerClient(cfg.trainer_url, cfg.secret())
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
@@ -62,16 +61,8 @@ class Orchestrator:
         self.served = -1
         self.inflight_groups = 0
         self.error: BaseException | None = None
-        self.start_step, self.next_prompt = self._resume_point()
-        self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
+        self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
         self.tasks: list[asyncio.Task] = []
-
-    def _resume_point(self) -> tuple[int, int]:
-        found = latest_checkpoint(self.cfg.run_path / "checkpoints")
-        if not found:
-            return 0, 0
-        meta = found[1]
-        return meta["step"], meta["data_position"]
 
     # ---- main loop ----
     async def run(self) -> None:
@@ -80,11 +71,14 @@ class Orchestrator:
             for step in range(self.start_step, self.rl.max_steps):
                 t0 = time.perf_counter()
                 groups, dropped = await self.next_groups(step)
-                self.ship(step, groups, dropped, time.perf_counter() - t0)
+                await self.ship(step, groups, dropped, time.perf_counter() - t0)
         finally:
             await self.stop()
 
     async def start(self) -> None:
+        self.log.emit("orchestrator", state="waiting for the trainer")
+        self.start_step, self.next_prompt = await self.trainer.resume_point()
+        self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
         await asyncio.gather(*(c.wait_ready() for c in self.clients))
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         await self.relay_weights(wait_for=self.start_step)
@@ -105,7 +99,7 @@ class Orchestrator:
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(c.close() for c in self.clients), self.trainer.close())
 
     # ---- batches ----
     async def next_groups(self, step: int) -> tuple[list[Group], int]:
@@ -124,15 +118,15 @@ class Orchestrator:
                     return self.buffer.take(self.groups_per_batch), dropped
                 await self.changed.wait()
 
-    def ship(self, step: int, groups: list[Group], dropped: int, wait_s: float) -> None:
+    async def ship(self, step: int, groups: list[Group], dropped: int, wait_s: float) -> None:
         samples = [s for g in groups for s in g.samples]
         tr = self.cfg.recipe.trainer
         batch = TrainBatch(
             step=step,
-            micro_batches=pack(samples, tr.nproc, tr.micro_batch_tokens),
+            micro_batches=pack(samples, self.cfg.trainer_world, tr.micro_batch_tokens),
             data_position=max(g.prompt_index for g in groups) + 1,
         )
-        self.transport.send(batch)
+        await self.trainer.send_batch(batch)
         self.log_step(step, samples, batch.data_position, dropped, wait_s)
 
     def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float) -> None:
@@ -199,18 +193,16 @@ class Orchestrator:
 
     # ---- weights ----
     async def relay_weights(self, wait_for: int | None = None) -> None:
-        """Load the newest sealed version on every server (first waiting until `wait_for` exists)."""
+        """Load the newest sealed version on every server (first waiting until `wait_for` exists).
+        The trainer endpoint long-polls, so a new version is relayed as soon as it is sealed."""
         while True:
-            versions = published_versions(self.weights_root)
-            if versions and versions[-1] > self.served and (wait_for is None or versions[-1] >= wait_for):
+            v = await self.trainer.latest_version(after=self.served)
+            if v > self.served and (wait_for is None or v >= wait_for):
                 break
             if wait_for is None:
                 return
-            await asyncio.sleep(0.05)
-        v = versions[-1]
         t0 = time.perf_counter()
-        path = str(version_dir(self.weights_root, v))
-        await asyncio.gather(*(c.update_weights(path, v) for c in self.clients))
+        await asyncio.gather(*(c.update_weights(v) for c in self.clients))
         async with self.changed:
             self.served = v
             self.changed.notify_all()
@@ -219,7 +211,6 @@ class Orchestrator:
     async def watch_weights(self) -> None:
         while True:
             await self.relay_weights()
-            await asyncio.sleep(0.05)
 
     async def poll_servers(self) -> None:
         while True:

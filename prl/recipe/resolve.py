@@ -30,6 +30,11 @@ class ProcessConfig(BaseModel):
     port: int = 0
     servers: list[str] = []  # inference base URLs, for the orchestrator
     index: int = 0
+    trainer_url: str = ""  # the trainer endpoint on rank 0 (rollouts in, weights out)
+    trainer_world: int = 1  # trainer ranks over all trainer hosts (the orchestrator packs for them)
+    shares_trainer_fs: bool = True  # an inference server on the trainer's host reads weights in place
+    node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
+    gpus: list[int] = []  # GPU indices on its host (inference servers on GPU hosts)
 
     @property
     def run_path(self) -> Path:
@@ -71,10 +76,16 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path) -> list[ProcessCon
         for i, p in enumerate(ports)
     ]
     urls = [f"http://{s.host}:{s.port}" for s in servers]
+    trainer = ProcessConfig(name="trainer", role="trainer", host=inf.host, port=free_port(inf.host),
+                            trainer_world=recipe.trainer.nproc, **common)
+    trainer_url = f"http://{trainer.host}:{trainer.port}"
+    for c in servers:
+        c.trainer_url = trainer_url
     return [
         *servers,
-        ProcessConfig(name="orchestrator", role="orchestrator", servers=urls, **common),
-        ProcessConfig(name="trainer", role="trainer", **common),
+        ProcessConfig(name="orchestrator", role="orchestrator", servers=urls, trainer_url=trainer_url,
+                      trainer_world=recipe.trainer.nproc, **common),
+        trainer,
     ]
 
 

@@ -151,28 +151,54 @@ class InferenceCfg(Section):
 class HostCfg(Section):
     """One bare-metal host reached over SSH (key files only; passwords are never used)."""
 
-    address: str
+    address: str  # how the workstation and the other hosts reach it; its processes bind to it
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")  # used by [placement]; default: address
     user: str = "root"
     port: int = Field(22, gt=0, le=65535)
     key_file: str | None = None
     gpus: int = Field(0, ge=0)  # GPUs the recipe expects `nvidia-smi` to list
+    workdir: str | None = None  # overrides cluster.workdir on this host
+
+    @property
+    def id(self) -> str:
+        return self.name or self.address
 
 
 class ClusterCfg(Section):
     """Hosts for a multi-host run. Without this section a recipe runs on the local machine."""
 
     hosts: list[HostCfg] = Field(min_length=1)
-    workdir: str = "/tmp/prl"
-    python: str = "python3"
+    workdir: str = "/tmp/prl"  # on every host: runs/NAME (the run's files) and venvs/HASH
+    python: str = "python3"  # the interpreter whose packages (torch, CUDA) the run's venv builds on
+    extras: list[str] = []  # extras of this project to install on the hosts (e.g. ["vllm"])
     min_python: str = "3.10"
     min_free_gb: float = Field(1.0, ge=0)
     known_hosts: str | None = None  # default: ~/.ssh/known_hosts
     trust_unknown_hosts: bool = False
-    rendezvous_port: int = Field(29500, gt=0, le=65535)
+    rendezvous_port: int = Field(29500, gt=0, le=65535)  # torchrun, on the first trainer host
+    trainer_port: int = Field(29600, gt=0, le=65535)  # trainer endpoint (rollouts in, weights out) on rank 0
+    inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
+    weight_transfer: Literal["http", "nccl"] = "http"  # nccl: broadcast from rank 0 (GPU backend issue)
+
+    def workdir_of(self, h: HostCfg) -> str:
+        return h.workdir or self.workdir
+
+    def hosts_by_id(self) -> dict[str, HostCfg]:
+        return {h.id: h for h in self.hosts}
+
+
+class PlacementCfg(Section):
+    """Which hosts (by name) run what. Default: trainer on the first host, inference on the others."""
+
+    trainer: list[str] = Field(min_length=1)
+    inference: list[str] = Field(min_length=1)
+    gpus_per_server: int = Field(1, gt=0)  # on GPU hosts: servers per host = gpus // gpus_per_server
+    orchestrator: str | None = None  # a host name or "workstation"; default: the first trainer host
 
 
 class Recipe(Section):
     cluster: ClusterCfg | None = None
+    placement: PlacementCfg | None = None
     run: RunCfg = RunCfg()
     model: ModelCfg = ModelCfg()
     task: TaskCfg = TaskCfg()
@@ -193,6 +219,21 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _placement(self):
+        if self.cluster is None:
+            if self.placement is not None:
+                raise ValueError("[placement] needs a [cluster] section listing the hosts")
+            return self
+        check_placement(self.cluster, self.placement_or_default(), self.trainer.nproc)
+        return self
+
+    def placement_or_default(self) -> PlacementCfg:
+        if self.placement is not None:
+            return self.placement
+        ids = [h.id for h in self.cluster.hosts]
+        return PlacementCfg(trainer=ids[:1], inference=ids[1:] or ids[:1])
+
+    @model_validator(mode="after")
     def _cross(self):
         longest = self.task.max_len * 2 + 8 + self.sampling.max_tokens
         if longest > self.model.max_position_embeddings:
@@ -206,3 +247,26 @@ class Recipe(Section):
                 f"({longest} tokens)"
             )
         return self
+
+
+def check_placement(cluster: ClusterCfg, p: PlacementCfg, trainer_nproc: int) -> None:
+    hosts = {}
+    for h in cluster.hosts:
+        if h.id in hosts:
+            raise ValueError(f"cluster.hosts: two hosts are named {h.id!r}; give each a distinct name")
+        hosts[h.id] = h
+    for key, names in (("trainer", p.trainer), ("inference", p.inference)):
+        unknown = [n for n in names if n not in hosts]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"placement.{key}: {unknown or names} - each entry must be a distinct host name "
+                             f"from cluster.hosts ({', '.join(hosts)})")
+    if p.orchestrator not in (None, "workstation", *hosts):
+        raise ValueError(f"placement.orchestrator = {p.orchestrator!r}: not a host name or 'workstation'")
+    for n in p.trainer:
+        if hosts[n].gpus and trainer_nproc > hosts[n].gpus:
+            raise ValueError(f"trainer.nproc ({trainer_nproc}) ranks per trainer host exceed host {n}'s "
+                             f"{hosts[n].gpus} GPUs")
+    for n in p.inference:
+        if hosts[n].gpus and p.gpus_per_server > hosts[n].gpus:
+            raise ValueError(f"placement.gpus_per_server ({p.gpus_per_server}) exceeds host {n}'s "
+                             f"{hosts[n].gpus} GPUs")

@@ -28,7 +28,7 @@ from prl.trainer.checkpoint import load_checkpoint, publish, save_checkpoint
 from prl.trainer.loss import rl_loss, sft_loss, token_logprobs
 from prl.trainer.parallelize import make_mesh, parallelize
 from prl.transport.batch import MicroBatch, Sample, pack
-from prl.transport.rollouts import make_rollout_transport
+from prl.transport.endpoint import TrainerEndpoint
 
 SFT_SEED_OFFSET = 7919  # warm-start prompts are drawn apart from the RL prompts
 
@@ -59,7 +59,7 @@ class Trainer:
         self.run_dir = cfg.run_path
         self.temperature = r.sampling.temperature or 1.0
         self.log = EventLog(self.run_dir / "metrics.jsonl", "trainer")
-        self.transport = make_rollout_transport("filesystem", self.run_dir)
+        self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -71,6 +71,8 @@ class Trainer:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.rank == 0:
+            self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port).start()
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import build_model, load_tokenizer
 
@@ -111,6 +113,8 @@ class Trainer:
             start, self.data_position = meta["step"], meta["data_position"]
             self.resume_schedule(start)
             self.log_main("resumed", step=start, path=meta["path"])
+        if self.endpoint:
+            self.endpoint.resume = {"step": start, "data_position": self.data_position}
         self.publish(start)
         for step in range(start, self.rl.max_steps):
             self.rl_step(step)
@@ -118,6 +122,8 @@ class Trainer:
                 self.checkpoint(step + 1)
         dist.barrier()
         dist.destroy_process_group()
+        if self.endpoint:
+            self.endpoint.stop()
 
     def warm_start(self) -> None:
         sft = self.cfg.recipe.sft
@@ -136,16 +142,16 @@ class Trainer:
 
     def rl_step(self, step: int) -> None:
         t0 = time.perf_counter()
-        batch = self.transport.receive(step)
+        mbs, data_position = self.receive(step)
         t1 = time.perf_counter()
-        stats = self.forward_backward(batch.micro_batches[self.rank], kind="rl")
+        stats = self.forward_backward(mbs, kind="rl")
         stats["grad_norm"] = self.optimizer_step(self.optimizer, self.scheduler)
         t2 = time.perf_counter()
         self.publish(step + 1)
         t3 = time.perf_counter()
-        self.data_position = batch.data_position
-        if self.rank == 0:
-            self.transport.discard_before(step)
+        self.data_position = data_position
+        if self.endpoint:
+            self.endpoint.inbox.discard_before(step)
         n = max(stats["loss_tokens"], 1)
         self.log_main(
             "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / n,
@@ -156,6 +162,19 @@ class Trainer:
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1,
         )
+
+    def receive(self, step: int) -> tuple[list[MicroBatch], int]:
+        """Rank 0 takes the step's batch from its inbox and scatters each rank its micro-batches
+        (ranks on other hosts need no shared storage)."""
+        parts = None
+        if self.endpoint:
+            batch = self.endpoint.inbox.receive(step)
+            parts = [(mbs, batch.data_position) for mbs in batch.micro_batches]
+            if len(parts) != self.world:
+                raise RuntimeError(f"batch {step} is packed for {len(parts)} ranks, the trainer has {self.world}")
+        out = [None]
+        dist.scatter_object_list(out, parts, src=0)
+        return out[0]
 
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:

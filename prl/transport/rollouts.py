@@ -2,13 +2,16 @@
 
 A small abstract class plus one factory keyed on `type`. The filesystem transport writes one
 file per step under the run directory (temporary name, then rename: a reader sees a whole batch
-or none). A network transport for hosts without shared storage plugs in beside it.
+or none). It is the inbox of trainer rank 0: the orchestrator reaches it over the network through
+the trainer endpoint (`prl.transport.endpoint`, client in `prl.transport.trainer_client`).
 """
 
 from __future__ import annotations
 
 import abc
+import io
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -38,9 +41,13 @@ class FilesystemRolloutTransport(RolloutTransport):
         return self.root / f"step_{step:06d}.pt"
 
     def send(self, batch: TrainBatch) -> None:
-        final = self.path(batch.step)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        torch.save(batch.to_dict(), tmp)
+        self.put_bytes(batch.step, batch_bytes(batch))
+
+    def put_bytes(self, step: int, data: bytes) -> None:
+        """Land a serialised batch by rename: a reader sees all of it or nothing."""
+        final = self.path(step)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_bytes(data)
         os.rename(tmp, final)
 
     def receive(self, step: int, timeout: float | None = None) -> TrainBatch:
@@ -56,6 +63,12 @@ class FilesystemRolloutTransport(RolloutTransport):
         for p in self.root.glob("step_*.pt"):
             if int(p.stem.split("_")[1]) < step:
                 p.unlink(missing_ok=True)
+
+
+def batch_bytes(batch: TrainBatch) -> bytes:
+    buf = io.BytesIO()
+    torch.save(batch.to_dict(), buf)
+    return buf.getvalue()
 
 
 def make_rollout_transport(kind: str, run_dir: Path) -> RolloutTransport:

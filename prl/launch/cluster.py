@@ -1,0 +1,113 @@
+"""Launching a recipe with [cluster]: check, provision, stage, then hand a Supervisor to the driver.
+
+Order (each step fails before the next starts anything): connect and run the `prl doctor`
+checks plus the ports this plan needs; build and install the wheel on every host (parallel);
+copy each host the run files its processes need (model folder, configs, secret; parallel);
+return the plan's processes bound to their hosts. Nothing is shared between hosts.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+
+from prl.launch.doctor import check_cluster, connect, report
+from prl.launch.hosts import Host, HostError, LocalHost
+from prl.launch.placement import WORKSTATION, ports_needed, resolve_cluster
+from prl.launch.plan import ProcessSpec, make_plan
+from prl.launch.provision import provision, venv_dir
+from prl.launch.supervisor import Supervisor
+from prl.recipe.resolve import ProcessConfig, write_configs, write_secret
+from prl.recipe.schema import Recipe
+
+
+class LaunchError(RuntimeError):
+    """A cluster run could not start; nothing is left running. The message names hosts and checks."""
+
+
+def connect_all(recipe: Recipe) -> dict[str, Host]:
+    hosts: dict[str, Host] = {h.id: connect(recipe.cluster, h) for h in recipe.cluster.hosts}
+    hosts[WORKSTATION] = LocalHost(WORKSTATION)
+    return hosts
+
+
+def preflight(recipe: Recipe, configs: list[ProcessConfig], console: Console) -> None:
+    results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe))
+    failures = report(results, console)
+    if failures:
+        raise LaunchError("host checks failed, nothing was started:\n  " + "\n  ".join(failures))
+
+
+def bundle(run_dir: Path, names: list[str]) -> bytes:
+    """The run files one host needs: model folder, recipe, secret, and its processes' configs."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for item in ("model", "recipe.json", "secret"):
+            tar.add(run_dir / item, arcname=item)
+        for name in names:
+            tar.add(run_dir / "config" / f"{name}.json", arcname=f"config/{name}.json")
+    return buf.getvalue()
+
+
+def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str]) -> None:
+    archive = run_dir / "staging" / f"{host.name.replace('/', '_')}.tar.gz"
+    archive.parent.mkdir(exist_ok=True)
+    archive.write_bytes(bundle(run_dir, names))
+    remote_tar = f"{remote_dir}.stage.tar.gz"
+    host.put(archive, remote_tar)
+    q = shlex.quote
+    r = host.run(f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} "
+                 f"&& rm -f {q(remote_tar)}")
+    if r.code:
+        raise HostError(f"{host.name}: could not unpack the run files into {remote_dir}: {r.stderr.strip()}")
+
+
+def write_local(configs: list[ProcessConfig], run_dir: Path) -> None:
+    write_secret(run_dir)
+    write_configs(configs, run_dir)
+
+
+def launch(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
+    configs = resolve_cluster(recipe, run_dir)
+    hosts = connect_all(recipe)
+    pool = ThreadPoolExecutor(max(4, len(hosts)))
+    try:
+        preflight(recipe, configs, console)
+        console.print(f"prl run: provisioning {len(recipe.cluster.hosts)} host(s)", markup=False)
+        done, key = provision(hosts, recipe.cluster, pool)
+        console.print("prl run: " + ", ".join(f"{p.host} {p.state} {p.seconds:.1f}s" for p in done.values()),
+                      markup=False)
+        write_local(configs, run_dir)
+        staged = [(n, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)])
+                  for n, d in dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)]
+        for f in [pool.submit(stage, hosts[n], run_dir, d, names) for n, d, names in staged]:
+            f.result()
+    except Exception:
+        for h in hosts.values():
+            h.close()
+        raise
+    finally:
+        pool.shutdown()
+    by_id = recipe.cluster.hosts_by_id()
+
+    def python_for(node: str) -> str:
+        return str(Path(__import__("sys").executable)) if node == WORKSTATION else \
+            f"{venv_dir(recipe.cluster, by_id[node], key)}/bin/python"
+
+    specs: list[ProcessSpec] = make_plan(configs, run_dir, python_for)
+    return Supervisor(specs, hosts, run_dir)
+
+
+def dry_run_plan(recipe: Recipe, run_dir: Path) -> list[ProcessSpec]:
+    by_id = recipe.cluster.hosts_by_id()
+    configs = resolve_cluster(recipe, run_dir)
+
+    def python_for(node: str) -> str:
+        return "python" if node == WORKSTATION else f"{venv_dir(recipe.cluster, by_id[node], '<wheel-key>')}/bin/python"
+
+    return make_plan(configs, run_dir, python_for)

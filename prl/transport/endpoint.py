@@ -1,0 +1,138 @@
+"""The trainer endpoint: a small HTTP server on trainer rank 0, the one network door of the trainer.
+
+- `PUT /rollouts/{step}`: a packed batch from the orchestrator (bytes of `torch.save`). The whole
+  body must arrive (Content-Length) or it is refused; it lands in the rank-0 inbox by rename, so the
+  trainer sees a whole batch or none. A repeated PUT for a step replaces it (senders retry).
+- `GET /resume`: where the trainer (re)starts: `{"step", "data_position"}` (503 until known).
+- `GET /weights/latest?after=N&wait=S`: the newest sealed weight version, waiting up to S seconds
+  for one newer than N (long poll, so new weights are relayed without a polling delay).
+- `GET /weights/v{N}/{file}`: a file of a sealed version; only names listed in its manifest.
+
+Why an endpoint on rank 0 and not a store: the trainer already owns the batch inbox and the sealed
+weight folders, so no extra service has to be placed, started and kept alive on 28 hosts, and
+rank 0 scatters each step's micro-batches to the other ranks over the trainer's own process group.
+Every request needs `Authorization: Bearer <run secret>`. stdlib only: a thread per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from prl.model.weights import MANIFEST, published_versions, version_dir
+from prl.transport.rollouts import FilesystemRolloutTransport
+
+FILE_RE = re.compile(r"^/weights/v(\d+)/([\w.-]+)$")
+MAX_WAIT_S = 30.0
+
+
+class TrainerEndpoint:
+    def __init__(self, run_dir: Path, secret: str, host: str, port: int):
+        self.inbox = FilesystemRolloutTransport(Path(run_dir) / "rollouts")
+        self.weights_root = Path(run_dir) / "weights"
+        self.secret = secret
+        self.resume: dict | None = None
+        endpoint = self
+
+        class Handler(_Handler):
+            ep = endpoint
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="trainer-endpoint", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def start(self) -> TrainerEndpoint:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def latest(self, after: int, wait_s: float) -> int:
+        deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
+        while True:
+            versions = published_versions(self.weights_root)
+            newest = versions[-1] if versions else -1
+            if newest > after or time.monotonic() >= deadline:
+                return newest
+            time.sleep(0.02)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    ep: TrainerEndpoint
+
+    def log_message(self, format, *args):
+        pass
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {self.ep.secret}":
+            return True
+        self._reply(401, {"detail": "missing or wrong bearer token (the run's secret file)"})
+        return False
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_PUT(self):
+        if not self._authorized():
+            return
+        m = re.match(r"^/rollouts/(\d+)$", self.path)
+        if not m:
+            return self._reply(404, {"detail": f"no such path {self.path}"})
+        length = int(self.headers.get("Content-Length", -1))
+        data = self.rfile.read(length) if length > 0 else b""
+        if length <= 0 or len(data) != length:
+            return self._reply(400, {"detail": f"incomplete body: {len(data)} of {length} bytes"})
+        self.ep.inbox.put_bytes(int(m.group(1)), data)
+        self._reply(200, {"step": int(m.group(1)), "bytes": length})
+
+    def do_GET(self):
+        if not self._authorized():
+            return
+        url = urlparse(self.path)
+        if url.path == "/resume":
+            if self.ep.resume is None:
+                return self._reply(503, {"detail": "trainer still loading"})
+            return self._reply(200, self.ep.resume)
+        if url.path == "/weights/latest":
+            q = parse_qs(url.query)
+            after, wait = int(q.get("after", ["-1"])[0]), float(q.get("wait", ["0"])[0])
+            return self._reply(200, {"version": self.ep.latest(after, wait)})
+        m = FILE_RE.match(url.path)
+        if m:
+            return self._send_file(int(m.group(1)), m.group(2))
+        self._reply(404, {"detail": f"no such path {url.path}"})
+
+    def _send_file(self, version: int, name: str) -> None:
+        folder = version_dir(self.ep.weights_root, version)
+        try:
+            listed = name == MANIFEST or name in json.loads((folder / MANIFEST).read_text())["files"]
+            f = open(folder / name, "rb") if listed else None  # noqa: SIM115 - closed below
+        except (OSError, ValueError):
+            f = None
+        if f is None:
+            return self._reply(404, {"detail": f"v{version}/{name} is not a sealed file (pruned?)"})
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            shutil.copyfileobj(f, self.wfile, 1 << 20)

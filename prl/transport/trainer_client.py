@@ -1,0 +1,62 @@
+"""Async client of the trainer endpoint, used by the orchestrator.
+
+Rule: the trainer endpoint may be not up yet (loading, warm start) or briefly unreachable (a
+reconnect); every call retries transport errors and 5xx answers with backoff until its deadline.
+A batch PUT is idempotent per step, so a retry after a lost reply is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from prl.transport.batch import TrainBatch
+from prl.transport.rollouts import batch_bytes
+
+
+class TrainerUnreachable(RuntimeError):
+    pass
+
+
+class TrainerClient:
+    def __init__(self, base_url: str, secret: str, deadline_s: float = 600.0):
+        self.base_url = base_url
+        self.deadline_s = deadline_s
+        self.http = httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
+                                      timeout=httpx.Timeout(120.0, connect=10.0))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        deadline, delay, last = time.monotonic() + self.deadline_s, 0.1, ""
+        while True:
+            try:
+                r = await self.http.request(method, path, **kw)
+                if r.status_code < 500:
+                    r.raise_for_status()
+                    return r
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() > deadline:
+                raise TrainerUnreachable(f"trainer endpoint {self.base_url}{path} failed for "
+                                         f"{self.deadline_s:.0f}s; last error: {last}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def send_batch(self, batch: TrainBatch) -> None:
+        data = batch_bytes(batch)
+        await self._request("PUT", f"/rollouts/{batch.step}", content=data)
+
+    async def resume_point(self) -> tuple[int, int]:
+        """(first step, data position) the trainer starts from; waits while the trainer loads."""
+        meta = (await self._request("GET", "/resume")).json()
+        return meta["step"], meta["data_position"]
+
+    async def latest_version(self, after: int, wait_s: float = 10.0) -> int:
+        r = await self._request("GET", "/weights/latest", params={"after": after, "wait": wait_s},
+                                timeout=wait_s + 30)
+        return r.json()["version"]

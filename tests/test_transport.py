@@ -1,0 +1,132 @@
+"""The trainer endpoint over real HTTP on loopback: batches in (whole or refused, a late or
+restarted endpoint tolerated), weight versions out (long poll, verified per-host copies)."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from prl.model.weights import write_weights
+from prl.recipe.resolve import free_port
+from prl.transport.batch import Sample, TrainBatch, pack
+from prl.transport.endpoint import TrainerEndpoint
+from prl.transport.trainer_client import TrainerClient
+from prl.transport.weights import HttpFetch, WeightFetchError
+
+SECRET = "s3cret"
+
+
+def a_batch(step: int) -> TrainBatch:
+    samples = [Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [step, step], 0.5, 1.0) for _ in range(4)]
+    return TrainBatch(step, pack(samples, 2, 64), data_position=7)
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    ep = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", 0).start()
+    yield ep
+    ep.stop()
+
+
+def url(ep: TrainerEndpoint) -> str:
+    return f"http://127.0.0.1:{ep.port}"
+
+
+def test_batch_arrives_whole_and_secret_is_required(endpoint):
+    async def go():
+        client = TrainerClient(url(endpoint), SECRET)
+        await client.send_batch(a_batch(3))
+        await client.close()
+        bad = TrainerClient(url(endpoint), "wrong", deadline_s=1)
+        with pytest.raises(Exception, match="401"):
+            await bad.send_batch(a_batch(4))
+        await bad.close()
+
+    asyncio.run(go())
+    got = endpoint.inbox.receive(3, timeout=1)
+    want = a_batch(3)
+    assert got.data_position == 7 and len(got.micro_batches) == 2
+    for a, b in zip(got.micro_batches[0], want.micro_batches[0], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.infer_logprobs, b.infer_logprobs)
+    assert not endpoint.inbox.path(4).exists()
+
+
+def test_truncated_upload_is_refused(endpoint):
+    with socket.create_connection(("127.0.0.1", endpoint.port)) as s:
+        s.sendall(f"PUT /rollouts/5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
+                  f"Content-Length: 1000\r\n\r\n".encode() + b"x" * 10)
+        s.shutdown(socket.SHUT_WR)
+        reply = s.recv(4096).decode()
+    assert " 400 " in reply.splitlines()[0] and "incomplete body" in reply
+    assert not endpoint.inbox.path(5).exists() and not list(endpoint.inbox.root.iterdir())
+
+
+def test_sender_waits_for_a_late_endpoint_and_resume_point(tmp_path):
+    port = free_port()
+    ep = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", port)
+
+    def late():
+        time.sleep(1.0)
+        ep.start()
+        time.sleep(0.5)
+        ep.resume = {"step": 2, "data_position": 40}
+
+    threading.Thread(target=late).start()
+
+    async def go():
+        client = TrainerClient(f"http://127.0.0.1:{port}", SECRET, deadline_s=30)
+        await client.send_batch(a_batch(0))  # refused connections, then accepted
+        point = await client.resume_point()  # 503 while loading, then the point
+        await client.close()
+        return point
+
+    try:
+        assert asyncio.run(go()) == (2, 40)
+        assert ep.inbox.path(0).exists()
+    finally:
+        ep.stop()
+
+
+def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
+    root = endpoint.weights_root
+    state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    write_weights(root / "v1", state, {"version": 1})
+
+    def publish_later():
+        time.sleep(0.5)
+        write_weights(root / "v2", {k: v + 1 for k, v in state.items()}, {"version": 2})
+
+    async def poll():
+        client = TrainerClient(url(endpoint), SECRET)
+        now = await client.latest_version(after=-1, wait_s=5)
+        t0 = time.monotonic()
+        newer = await client.latest_version(after=1, wait_s=10)
+        await client.close()
+        return now, newer, time.monotonic() - t0
+
+    threading.Thread(target=publish_later).start()
+    now, newer, waited = asyncio.run(poll())
+    assert (now, newer) == (1, 2) and 0.3 < waited < 5
+    fetch = HttpFetch(url(endpoint), SECRET, tmp_path / "server_host" / "weights", keep=1)
+    got = fetch.fetch(2)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(got / "model.safetensors"))["w"], state["w"] + 1)
+    assert fetch.fetch(2) == got  # already on this host: no second download
+
+
+def test_corrupt_transfer_is_retried_then_refused(endpoint, tmp_path):
+    root = endpoint.weights_root
+    path = write_weights(root / "v3", {"w": torch.randn(32, 32)}, {"version": 3})
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "model.safetensors").write_bytes(bytes(data))
+    fetch = HttpFetch(url(endpoint), SECRET, tmp_path / "server_host" / "weights")
+    with pytest.raises(WeightFetchError) as e:
+        fetch.fetch(3)
+    assert "attempt 3" in str(e.value) and "sha256" in str(e.value)
+    dest = tmp_path / "server_host" / "weights"
+    assert not dest.exists() or not list(dest.iterdir()), "nothing half-copied is left behind"
