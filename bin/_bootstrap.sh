@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   echo "prl: setting up $VENV (first use)..." >&2
   PY="${PRL_PYTHON:-python3}"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=77" >&2  # setuptools: prl run builds a wheel for cluster hosts
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VENV/bin/python" -m pip install -q torch >&2
   else

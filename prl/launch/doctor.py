@@ -8,6 +8,7 @@ returns the failures as "host: check: detail" lines (empty when all pass).
 
 from __future__ import annotations
 
+import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ class Check:
 
 
 def connect(cfg: ClusterCfg, h: HostCfg) -> SshHost:
-    return SshHost(SshTarget(h.address, h.user, h.port, h.key_file, cfg.known_hosts, cfg.trust_unknown_hosts))
+    key = os.path.expanduser(h.key_file) if h.key_file else None
+    known = os.path.expanduser(cfg.known_hosts) if cfg.known_hosts else None
+    return SshHost(SshTarget(h.address, h.user, h.port, key, known, cfg.trust_unknown_hosts))
 
 
 def _py(cfg: ClusterCfg, code: str) -> str:
@@ -43,10 +46,7 @@ def basic_checks(host: Host, h: HostCfg, cfg: ClusterCfg) -> list[Check]:
     except HostError as e:
         return [Check("reachable", False, str(e))]
     out = [Check("reachable", True, "ssh ok")]
-    r = host.run(_py(cfg, "import sys; print('%d.%d' % sys.version_info[:2])"))
-    version = r.stdout.strip()
-    ok = r.code == 0 and tuple(map(int, version.split("."))) >= tuple(map(int, cfg.min_python.split(".")))
-    out.append(Check("python", ok, version if r.code == 0 else f"{cfg.python} not runnable: {r.stderr.strip()}"))
+    out.append(python_check(host, cfg))
     workdir = cfg.workdir_of(h)
     r = host.run(f"mkdir -p {shlex.quote(workdir)} && df -Pk {shlex.quote(workdir)} | tail -1")
     free_gb = int(r.stdout.split()[3]) / 2**20 if r.code == 0 else 0.0
@@ -54,6 +54,22 @@ def basic_checks(host: Host, h: HostCfg, cfg: ClusterCfg) -> list[Check]:
                      if r.code == 0 else f"cannot use {workdir}: {r.stderr.strip()}"))
     out.append(gpu_check(host, h))
     return out
+
+
+def python_check(host: Host, cfg: ClusterCfg) -> Check:
+    """The interpreter runs, is new enough, and has torch: the run's venv builds on its packages
+    (torch is never installed by prl: it must match the host's CUDA)."""
+    r = host.run(_py(cfg, "import sys; print('%d.%d' % sys.version_info[:2]); import torch; print(torch.__version__)"))
+    lines = r.stdout.split()
+    if not lines:
+        return Check("python", False, f"{cfg.python} not runnable: {r.stderr.strip()[-200:]}")
+    new_enough = tuple(map(int, lines[0].split("."))) >= tuple(map(int, cfg.min_python.split(".")))
+    if not new_enough:
+        return Check("python", False, f"{lines[0]} < {cfg.min_python}")
+    if r.code != 0 or len(lines) < 2:
+        return Check("python", False, f"{cfg.python} ({lines[0]}) has no torch; point cluster.python at the "
+                                      f"host's Python with torch installed")
+    return Check("python", True, f"{lines[0]}, torch {lines[1]}")
 
 
 def gpu_check(host: Host, h: HostCfg) -> Check:

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.launch.plan import format_plan, make_plan
-from prl.launch.hosts import KILLED, HostError, LocalHost
+from prl.launch.hosts import NO_STATUS, HostError, LocalHost
 from prl.launch.supervisor import Supervisor
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
@@ -219,11 +219,20 @@ def check_exits(sup: Supervisor, log: EventLog) -> Outcome | None:
         with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
             p.pull_log()
         tail = "\n".join(f"    {ln}" for ln in p.tail(15))
-        why = ("was killed (no exit status)" if rc == KILLED else f"exited with code {rc}" if rc
-               else "exited before the run finished")
+        why = exit_reason(rc)
         return Outcome("failed", f"{name} ({p.spec.role} on host {p.spec.host}, pid {p.pid}) {why}; last log lines "
                                  f"({p.spec.log}):\n{tail}", 1, failed=name)
     return None
+
+
+def exit_reason(rc: int) -> str:
+    if rc == NO_STATUS:
+        return "was killed (no exit status)"
+    if rc == 0:
+        return "exited before the run finished"
+    sig = -rc if rc < 0 else rc - 128 if rc > 128 else 0
+    names = {s.value: s.name for s in signal.Signals}
+    return f"exited with code {rc}" + (f" (killed by {names[sig]})" if sig in names else "")
 
 
 def finish(run_dir: Path, outcome: Outcome, console: Console, wall_s: float) -> None:

@@ -38,7 +38,7 @@ class Result:
     stderr: str
 
 
-KILLED = -9  # exit status of a process that left no status (killed with its group)
+NO_STATUS = -255  # a remote process that left no exit status (killed together with its group)
 
 
 def exit_file(log: str) -> str:
@@ -80,11 +80,11 @@ class Host(abc.ABC):
         return int(r.stdout.strip())
 
     def poll(self, pid: int, log: str) -> int | None:
-        """None while the process group runs; then the exit status (KILLED if it left none)."""
+        """None while the process group runs; then the exit status (NO_STATUS if it left none)."""
         status = shlex.quote(exit_file(log))
-        r = self.run(f"{self._group_probe(pid)} && echo running || cat {status} 2>/dev/null || echo {KILLED}")
+        r = self.run(f"{self._group_probe(pid)} && echo running || cat {status} 2>/dev/null || echo {NO_STATUS}")
         out = r.stdout.strip()
-        return None if out == "running" else int(out) if out.lstrip("-").isdigit() else KILLED
+        return None if out == "running" else int(out) if out.lstrip("-").isdigit() else NO_STATUS
 
     @staticmethod
     def _group_probe(pid: int) -> str:
@@ -139,8 +139,7 @@ class LocalHost(Host):
     def poll(self, pid: int, log: str) -> int | None:
         if pid not in self.children:
             return super().poll(pid, log)
-        code = self.children[pid].poll()
-        return code if code is None or code >= 0 else KILLED  # -N: killed by signal N
+        return self.children[pid].poll()  # -N: killed by signal N
 
     def alive(self, pid: int) -> bool:
         if pid in self.children:

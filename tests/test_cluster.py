@@ -1,0 +1,132 @@
+"""Multi-host runs against real sshd hosts (the `rig`: 127.0.0.2 = host a, 127.0.0.3 = host b).
+
+Each host has its own work directory and the workstation its own run directory: nothing is
+shared, so batches and weights must travel over the network. Also the 28-host plan (dry run)."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, prl_cmd
+from sshd_rig import free_port
+
+pytestmark = pytest.mark.slow
+QUICK = ["--set", "sft.steps=5", "--set", "trainer.checkpoint_every=0"]
+
+
+def two_host_recipe(tmp_path: Path, rig, steps: int) -> Path:
+    a, b = rig["hosts"]
+    text = (ROOT / "recipes" / "reverse-tiny.toml").read_text()
+    text = text.replace("[run]\n", f"[run]\noutput_dir = '{tmp_path}/workstation'\n")
+    text += "\n".join([
+        "[cluster]", f"python = '{sys.executable}'", f"known_hosts = '{rig['known']}'", "min_free_gb = 0.01",
+        f"rendezvous_port = {free_port('127.0.0.2')}", f"trainer_port = {free_port('127.0.0.2')}",
+        f"inference_port = {free_port('127.0.0.3')}",
+        "[[cluster.hosts]]", "name = 'a'", f"address = '{a.address}'", f"port = {a.port}",
+        f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_a'",
+        "[[cluster.hosts]]", "name = 'b'", f"address = '{b.address}'", f"port = {b.port}",
+        f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_b'",
+        "[placement]", "trainer = ['a']", "inference = ['b']",
+    ]) + "\n"
+    text = re.sub(r"max_steps = \d+", f"max_steps = {steps}", text)
+    path = tmp_path / "two-hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def events(path: Path, kind: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+
+
+def leftovers(tmp_path: Path) -> str:
+    """Processes of this test's hosts still running (their command lines name the host workdirs)."""
+    p = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True)
+    return "\n".join(ln for ln in p.stdout.splitlines() if f"{tmp_path}/host_" in ln and "ps -eo" not in ln)
+
+
+def test_two_host_run_without_shared_storage(rig, tmp_path):
+    recipe = two_host_recipe(tmp_path, rig, steps=4)  # step 3 needs v2 served (max_async_level 1)
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    ws = tmp_path / "workstation" / "reverse-tiny"
+    host_a, host_b = tmp_path / "host_a" / "runs" / "reverse-tiny", tmp_path / "host_b" / "runs" / "reverse-tiny"
+    metrics = ws / "metrics.jsonl"
+    assert [e["step"] for e in events(metrics, "orch_step")] == [0, 1, 2, 3]
+    assert [e["step"] for e in events(metrics, "trainer_step") if e["stage"] == "rl"] == [0, 1, 2, 3]
+    procs = {e["name"]: e["host"] for e in events(metrics, "process") if "host" in e}
+    assert procs == {"inference-0": "b", "orchestrator": "a", "trainer": "a"}
+    # the served policy advanced on b, from b's own verified copies of the weights
+    served = [e["version"] for e in events(metrics, "weights")]  # relayed: b answered "loaded vN"
+    assert served == sorted(served) and served[0] == 0 and served[-1] >= 2, served
+    assert {e["name"] for e in events(metrics, "server")} == {"inference-0"}
+    assert sorted(int(d.name[1:]) for d in (host_b / "weights").glob("v*"))[-1] >= 2
+    assert not (host_b / "checkpoints").exists() and (host_a / "checkpoints").exists()
+    # logs streamed back to the workstation
+    for name in ("trainer", "orchestrator", "inference-0"):
+        assert (ws / "logs" / f"{name}.log").stat().st_size > 0
+    assert "serving on http://127.0.0.3" in (ws / "logs" / "inference-0.log").read_text()
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    status = subprocess.run(prl_cmd("status", ws), capture_output=True, text=True, timeout=60,
+                            env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+    assert status.returncode == 0 and "inference-0" in status.stdout and "done" in status.stdout
+
+
+def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
+    recipe = two_host_recipe(tmp_path, rig, steps=500)
+    proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not any(e["stage"] == "rl" for e in events(metrics, "trainer_step")):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.5)
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    pids = [ln.split()[0] for ln in ps  # the server's python, not the `sh` that records its exit status
+            if f"-m prl.inference --config {tmp_path}/host_b" in ln and ln.split()[1] != "sh"]
+    assert len(pids) == 1, ps
+    subprocess.run(["kill", "-9", *pids], check=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-4000:]
+    assert re.search(r"inference-0 \(inference on host b, pid \d+\) exited with code 137 \(killed by SIGKILL\)", out), out[-4000:]
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+def test_unreachable_host_stops_the_run_before_anything_starts(rig, tmp_path):
+    recipe = two_host_recipe(tmp_path, rig, steps=3)
+    recipe.write_text(recipe.read_text().replace(f"port = {rig['hosts'][1].port}", "port = 1"))
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "b: reachable:" in p.stdout and "unreachable" in p.stdout
+    assert not (tmp_path / "host_a" / "runs").exists() and not leftovers(tmp_path)
+
+
+def test_28_host_plan():
+    p = subprocess.run(prl_cmd("run", ROOT / "recipes" / "glm5-131k-28xh200.toml", "--dry-run"),
+                       capture_output=True, text=True, timeout=60, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr
+    plan = p.stdout[p.stdout.index("process plan:"):]
+    assert "process plan: 29 processes on 28 host(s)" in plan
+    hosts = set(re.findall(r"host=(h\d\d)", plan))
+    assert hosts == {f"h{i:02d}" for i in range(28)}
+    ranks = re.findall(r"--nnodes=16 --node-rank=(\d+) --master-addr=10\.0\.0\.11 --master-port=29500", plan)
+    assert sorted(map(int, ranks)) == list(range(16))
+    servers = re.findall(r"inference-(\d+) +role=inference +host=(h\d\d)", plan)
+    assert [h for _, h in servers] == [f"h{i}" for i in range(16, 28)]
+    assert plan.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 12
+    assert re.search(r"orchestrator +role=orchestrator +host=h00", plan)
+    assert "trainer rank 0 -> 12 inference servers over nccl" in plan
+
+
+def test_placement_errors_name_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster]\n[[cluster.hosts]]\naddress = '10.0.0.1'\nname = 'a'\n"
+                   "[placement]\ntrainer = ['a']\ninference = ['zz']\n")
+    p = subprocess.run(prl_cmd("run", bad, "--dry-run"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "placement.inference" in p.stderr and "zz" in p.stderr
