@@ -46,9 +46,9 @@ def main() -> None:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         qw = quantize_blocks(w)
         flops = 2 * m * n * k
-        fp8_s = timed(lambda: gemm_nt(quantize_tiles(x), qw, torch.bfloat16), args.repeats if gpu else 2)
+        fp8_s = timed(lambda x=x, qw=qw: gemm_nt(quantize_tiles(x), qw, torch.bfloat16), args.repeats if gpu else 2)
         if gpu:
-            bf16_s = timed(lambda: x @ w.t(), args.repeats)
+            bf16_s = timed(lambda x=x, w=w: x @ w.t(), args.repeats)
             print(f"{name:14s} N={n} K={k}: bf16 {flops / bf16_s / 1e12:7.1f} TFLOP/s   "
                   f"fp8 {flops / fp8_s / 1e12:7.1f} TFLOP/s   ratio {bf16_s / fp8_s:.2f}x")
         else:

@@ -8,7 +8,10 @@ Phases, as `prl run` does them for a [cluster] recipe:
   provision copy the wheel and build the venv on every host (parallel); warm = marker check only
   stage     copy each host its run files: model folder, configs, secret (parallel)
   start     start one process per host that imports the inference stack, wait for all (parallel)
-Cold = empty work directories; warm = the same hosts again with an unchanged wheel.
+Cold = empty work directories; warm = the same hosts again with an unchanged wheel; serial = warm
+again with one host at a time (the parallel steps' speed-up is warm serial / warm).
+All simulated hosts share this machine's CPUs, so CPU-bound steps (importing torch in `check` and
+`start`, pip in `provision`) cannot overlap beyond the core count here; real hosts each have their own.
 """
 
 from __future__ import annotations
@@ -83,9 +86,9 @@ def main() -> None:
             hosts = [{"name": f"h{i}", "address": h.address, "port": h.port, "key_file": str(key),
                       "workdir": str(root / f"work{n}" / f"h{i}")} for i, h in enumerate(rig[:n])]
             cluster = ClusterCfg(hosts=hosts, python=sys.executable, known_hosts=str(known))
-            with ThreadPoolExecutor(max(4, n)) as pool:
-                for label in ("cold", "warm"):
-                    t = one_round(cluster, run_dir, pool)
+            with ThreadPoolExecutor(max(4, n)) as pool, ThreadPoolExecutor(1) as one:
+                for label, p in (("cold", pool), ("warm", pool), ("serial", one)):  # serial: warm, one host at a time
+                    t = one_round(cluster, run_dir, p)
                     total = sum(v for k, v in t.items() if k != "states")
                     rows.append((n, label, t, total))
                     print(f"N={n} {label:<4} total {total:6.2f}s  " + "  ".join(
@@ -97,7 +100,8 @@ def main() -> None:
     by = {(n, lab): tot for n, lab, _, tot in rows}
     small = min(args.hosts)
     for n in args.hosts:
-        print(f"N={n}: cold/warm {by[(n, 'cold')] / by[(n, 'warm')]:.1f}x; cold vs N={small}: "
+        print(f"N={n}: cold/warm {by[(n, 'cold')] / by[(n, 'warm')]:.1f}x; warm serial/parallel "
+              f"{by[(n, 'serial')] / by[(n, 'warm')]:.2f}x; cold vs N={small}: "
               f"{by[(n, 'cold')] / by[(small, 'cold')]:.2f}x time for {n / small:.0f}x hosts")
 
 

@@ -29,15 +29,14 @@ def prl_cmd(*args) -> list[str]:
 
 @pytest.fixture(scope="session")
 def rig(tmp_path_factory):
-    """Two real sshd hosts on 127.0.0.2 and 127.0.0.3, a client key, and a known_hosts file."""
-    from sshd_rig import keygen, start_sshd
+    """Two real sshd hosts (own network namespace each, else own loopback address), a client key,
+    and a known_hosts file."""
+    from sshd_rig import keygen, start_hosts, stop_hosts
 
     root = tmp_path_factory.mktemp("ssh")
     client_key = keygen(root / "client_key")
-    hosts = [start_sshd(root / f"h{i}", f"127.0.0.{i + 2}", root / "client_key.pub") for i in range(2)]
+    hosts, net = start_hosts(root, 2, root / "client_key.pub")
     known = root / "known_hosts"
     known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
-    yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root}
-    for h in hosts:
-        h.proc.terminate()
-        h.proc.wait(5)
+    yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root, "netns": net is not None}
+    stop_hosts(hosts, net)

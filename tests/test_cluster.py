@@ -1,4 +1,5 @@
-"""Multi-host runs against real sshd hosts (the `rig`: 127.0.0.2 = host a, 127.0.0.3 = host b).
+"""Multi-host runs against real sshd hosts (the `rig`: host a and host b, each in its own network
+namespace where this machine allows it, else on its own loopback address).
 
 Each host has its own work directory and the workstation its own run directory: nothing is
 shared, so batches and weights must travel over the network. Also the 28-host plan (dry run)."""
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, prl_cmd
-from sshd_rig import free_port
+from sshd_rig import host_port
 
 pytestmark = pytest.mark.slow
 QUICK = ["--set", "sft.steps=5", "--set", "trainer.checkpoint_every=0"]
@@ -25,8 +26,7 @@ def two_host_recipe(tmp_path: Path, rig, steps: int) -> Path:
     text = text.replace("[run]\n", f"[run]\noutput_dir = '{tmp_path}/workstation'\n")
     text += "\n".join([
         "[cluster]", f"python = '{sys.executable}'", f"known_hosts = '{rig['known']}'", "min_free_gb = 0.01",
-        f"rendezvous_port = {free_port('127.0.0.2')}", f"trainer_port = {free_port('127.0.0.2')}",
-        f"inference_port = {free_port('127.0.0.3')}",
+        f"rendezvous_port = {host_port(a)}", f"trainer_port = {host_port(a)}", f"inference_port = {host_port(b)}",
         "[[cluster.hosts]]", "name = 'a'", f"address = '{a.address}'", f"port = {a.port}",
         f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_a'",
         "[[cluster.hosts]]", "name = 'b'", f"address = '{b.address}'", f"port = {b.port}",
@@ -52,6 +52,7 @@ def leftovers(tmp_path: Path) -> str:
 
 
 def test_two_host_run_without_shared_storage(rig, tmp_path):
+    a, b = rig["hosts"]
     recipe = two_host_recipe(tmp_path, rig, steps=4)  # step 3 needs v2 served (max_async_level 1)
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
@@ -71,7 +72,7 @@ def test_two_host_run_without_shared_storage(rig, tmp_path):
     # logs streamed back to the workstation
     for name in ("trainer", "orchestrator", "inference-0"):
         assert (ws / "logs" / f"{name}.log").stat().st_size > 0
-    assert "serving on http://127.0.0.3" in (ws / "logs" / "inference-0.log").read_text()
+    assert f"serving on http://{b.address}" in (ws / "logs" / "inference-0.log").read_text()
     assert not leftovers(tmp_path), leftovers(tmp_path)
     status = subprocess.run(prl_cmd("status", ws), capture_output=True, text=True, timeout=60,
                             env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
@@ -100,7 +101,10 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
 
 def test_unreachable_host_stops_the_run_before_anything_starts(rig, tmp_path):
     recipe = two_host_recipe(tmp_path, rig, steps=3)
-    recipe.write_text(recipe.read_text().replace(f"port = {rig['hosts'][1].port}", "port = 1"))
+    b = rig["hosts"][1]
+    text = recipe.read_text()
+    assert f"address = '{b.address}'\nport = {b.port}\n" in text
+    recipe.write_text(text.replace(f"address = '{b.address}'\nport = {b.port}\n", "address = '127.0.0.9'\nport = 1\n"))
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "b: reachable:" in p.stdout and "unreachable" in p.stdout

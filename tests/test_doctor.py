@@ -4,12 +4,13 @@ import subprocess
 import sys
 
 from conftest import prl_cmd
+from sshd_rig import host_port
 
 
 def cluster_recipe(tmp_path, rig, extra_hosts="", known=None):
     lines = ["[cluster]", f"workdir = '{tmp_path}/work'", f"known_hosts = '{known or rig['known']}'",
              f"python = '{sys.executable}'",
-             "rendezvous_port = 29731", "min_free_gb = 0.01"]
+             f"rendezvous_port = {host_port(rig['hosts'][0])}", "min_free_gb = 0.01"]
     for h in rig["hosts"]:
         lines += ["[[cluster.hosts]]", f"address = '{h.address}'", f"port = {h.port}", f"key_file = '{rig['key']}'"]
     path = tmp_path / "cluster.toml"
@@ -23,8 +24,9 @@ def test_doctor_names_the_unreachable_host(rig, tmp_path):
                        timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin:/usr/sbin"})
     assert p.returncode == 1, p.stdout + p.stderr
     assert "127.0.0.9: reachable:" in p.stderr and "unreachable" in p.stderr
-    assert "127.0.0.2:" not in p.stderr and "127.0.0.3:" not in p.stderr, p.stderr
-    assert "reaches 127.0.0.2:29731" in p.stdout
+    a, b = rig["hosts"]
+    assert f"{a.address}:" not in p.stderr and f"{b.address}:" not in p.stderr, p.stderr
+    assert f"reaches {a.address}:" in p.stdout
 
 
 def test_doctor_passes_on_good_hosts_and_refuses_unknown_keys(rig, tmp_path):
