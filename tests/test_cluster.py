@@ -99,6 +99,32 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
+def test_remote_processes_stop_when_the_driver_dies(rig, tmp_path):
+    """SIGKILL the driver (no teardown possible): the watchdogs on a and b see no heartbeat and stop
+    their process groups; `prl status` says the driver is gone."""
+    recipe = two_host_recipe(tmp_path, rig, steps=500)
+    recipe.write_text(recipe.read_text().replace("[cluster]\n", "[cluster]\nheartbeat_timeout_s = 10\n"))
+    proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ws = tmp_path / "workstation" / "reverse-tiny"
+    deadline = time.time() + 300
+    while not any(e["stage"] == "rl" for e in events(ws / "metrics.jsonl", "trainer_step")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    assert leftovers(tmp_path)
+    proc.kill()
+    proc.wait()
+    status = subprocess.run(prl_cmd("status", ws), capture_output=True, text=True, timeout=60,
+                            env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+    assert "driver gone" in status.stdout, status.stdout
+    deadline = time.time() + 60
+    while leftovers(tmp_path) and time.time() < deadline:
+        time.sleep(1)
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    log = (tmp_path / "host_b" / "runs" / "reverse-tiny" / "logs" / "inference-0.log").read_text()
+    assert "no heartbeat from the driver for 10s" in log
+
+
 def test_unreachable_host_stops_the_run_before_anything_starts(rig, tmp_path):
     recipe = two_host_recipe(tmp_path, rig, steps=3)
     b = rig["hosts"][1]

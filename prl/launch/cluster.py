@@ -100,7 +100,7 @@ def launch(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
             f"{venv_dir(recipe.cluster, by_id[node], key)}/bin/python"
 
     specs: list[ProcessSpec] = make_plan(configs, run_dir, python_for)
-    return Supervisor(specs, hosts, run_dir)
+    return Supervisor(specs, hosts, run_dir, heartbeat_s=recipe.cluster.heartbeat_timeout_s)
 
 
 def dry_run_plan(recipe: Recipe, run_dir: Path) -> list[ProcessSpec]:

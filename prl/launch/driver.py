@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -132,7 +133,8 @@ def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outco
 
 def supervise(sup: Supervisor, recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
     log = EventLog(run_dir / "metrics.jsonl", "driver")
-    log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps)
+    log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps,
+             pid=os.getpid(), hosts=sorted({p.spec.host for p in sup.procs.values()}))
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     # a shell may start us with SIGINT ignored (background job); Ctrl-C must still stop the run
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)

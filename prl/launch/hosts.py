@@ -45,12 +45,25 @@ def exit_file(log: str) -> str:
     return f"{log}.exit"
 
 
-def _launch_line(cmd: list[str], log: str, env: dict[str, str]) -> str:
+def _watchdog(heartbeat: str, timeout_s: int) -> str:
+    """A loop in the process group that stops the group (TERM, then KILL) once `heartbeat` is older
+    than `timeout_s`: remote processes do not outlive a driver that died or lost its network.
+    It ignores TERM only once it acts, so a normal teardown stops it with everything else."""
+    hb = shlex.quote(heartbeat)
+    return (f"( while sleep 2; do now=$(date +%s); t=$(stat -c %Y {hb} 2>/dev/null || echo $now); "
+            f"if [ $((now - t)) -gt {timeout_s} ]; then trap '' TERM; "
+            f"echo 'prl: no heartbeat from the driver for {timeout_s}s; stopping'; "
+            f"kill -s TERM -- -$$; sleep 10; kill -s KILL -- -$$; fi; done ) & wd=$!; ")
+
+
+def _launch_line(cmd: list[str], log: str, env: dict[str, str], heartbeat: tuple[str, int] | None = None) -> str:
     """Shell line that starts `cmd` as a new session leader with output to `log`, printing its pid.
-    The leader is a `sh` that waits for `cmd` and writes its exit status next to the log."""
+    The leader is a `sh` that waits for `cmd` and writes its exit status next to the log; with
+    `heartbeat` (file, timeout) a watchdog stops the group when the driver stops touching the file."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     status = shlex.quote(exit_file(log))
-    inner = f"rm -f {status}; {exports} {shlex.join(cmd)}; echo $? > {status}"
+    guard, unguard = (_watchdog(*heartbeat), "kill $wd 2>/dev/null; ") if heartbeat else ("", "")
+    inner = f"rm -f {status}; {guard}{exports} {shlex.join(cmd)}; rc=$?; {unguard}echo $rc > {status}"
     # `;` not `&&`: only the setsid command goes to the background, so no subshell keeps the
     # session's stdout open (an SSH channel would stay open until the process exits)
     return (f"mkdir -p {shlex.quote(str(Path(log).parent))} || exit 1; "
@@ -72,9 +85,11 @@ class Host(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: only hosts holding a connection override it
         """Release the connection, if any."""
 
-    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> int:
-        """Start a long-lived process group; returns its pid (== its pgid)."""
-        r = self.run(_launch_line(cmd, log, env or {}))
+    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None,
+              heartbeat: tuple[str, int] | None = None) -> int:
+        """Start a long-lived process group; returns its pid (== its pgid). `heartbeat`: (file,
+        timeout s) - the group stops itself when the file is not touched for that long."""
+        r = self.run(_launch_line(cmd, log, env or {}, heartbeat))
         if r.code != 0 or not r.stdout.strip().isdigit():
             raise HostError(f"{self.name}: could not start {cmd[0]}: {r.stderr.strip() or r.stdout.strip()}")
         return int(r.stdout.strip())
@@ -127,7 +142,9 @@ class LocalHost(Host):
         self.name = name
         self.children: dict[int, subprocess.Popen] = {}
 
-    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> int:
+    def start(self, cmd: list[str], log: str, env: dict[str, str] | None = None,
+              heartbeat: tuple[str, int] | None = None) -> int:
+        """`heartbeat` is not needed here: children die with the driver (PR_SET_PDEATHSIG)."""
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

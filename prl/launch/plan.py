@@ -65,7 +65,8 @@ def make_plan(configs: list[ProcessConfig], run_dir: Path,
     """`python_for(node)`: the interpreter on that host (the run's venv on cluster hosts)."""
     specs = []
     for cfg in configs:
-        env = {**BASE_ENV, "OMP_NUM_THREADS": str(threads_for(cfg)), "PRL_RUN_DIR": cfg.run_dir}
+        cluster_env = cfg.recipe.cluster.env if cfg.recipe.cluster else {}
+        env = {**BASE_ENV, "OMP_NUM_THREADS": str(threads_for(cfg)), "PRL_RUN_DIR": cfg.run_dir, **cluster_env}
         if cfg.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.gpus))
         specs.append(ProcessSpec(

@@ -11,6 +11,7 @@ the same files for local and remote runs.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 from collections import deque
@@ -29,9 +30,10 @@ class HostProcess:
         self.log_offset = 0
         self.mirrored = spec.host_log != str(spec.log)
 
-    def start(self) -> None:
+    def start(self, heartbeat_s: int | None) -> None:
         self.spec.log.parent.mkdir(parents=True, exist_ok=True)
-        self.pid = self.host.start(self.spec.cmd, self.spec.host_log, self.spec.env)
+        beat = (heartbeat_file(self.spec.run_dir), heartbeat_s) if self.mirrored and heartbeat_s else None
+        self.pid = self.host.start(self.spec.cmd, self.spec.host_log, self.spec.env, beat)
 
     def poll(self) -> int | None:
         if self.code is None and self.pid is not None:
@@ -73,13 +75,21 @@ class MetricsMirror:
             self.offset += end
 
 
+def heartbeat_file(run_dir: str) -> str:
+    return f"{run_dir}/.driver-heartbeat"
+
+
 class Supervisor:
-    def __init__(self, specs: list[ProcessSpec], hosts: dict[str, Host], run_dir: Path):
-        self.hosts = hosts
+    def __init__(self, specs: list[ProcessSpec], hosts: dict[str, Host], run_dir: Path,
+                 heartbeat_s: int | None = None):
+        """`heartbeat_s`: remote processes stop themselves when the driver has not touched their
+        host's heartbeat file for that long (the driver died or lost the network)."""
+        self.hosts, self.heartbeat_s, self.last_beat = hosts, heartbeat_s, 0.0
         self.procs = {s.name: HostProcess(hosts[s.host], s) for s in specs}
         remote_dirs = {(s.host, s.run_dir) for s in specs if s.host_log != str(s.log)}
+        self.remote_dirs = sorted(remote_dirs)
         self.mirrors = [MetricsMirror(hosts[h], f"{d}/metrics.jsonl", run_dir / "metrics.jsonl")
-                        for h, d in sorted(remote_dirs)]
+                        for h, d in self.remote_dirs]
         self.pool = ThreadPoolExecutor(max(4, len(hosts)))
 
     @property
@@ -87,8 +97,19 @@ class Supervisor:
         return bool(self.mirrors)
 
     def start_all(self) -> None:
+        self.beat()
         for p in self.procs.values():
-            p.start()
+            p.start(self.heartbeat_s)
+
+    def beat(self) -> None:
+        """Touch every remote host's heartbeat file (at most every heartbeat_s / 5 seconds)."""
+        if not self.heartbeat_s or time.monotonic() - self.last_beat < self.heartbeat_s / 5:
+            return
+        jobs = [self.pool.submit(self.hosts[h].run, f"touch {shlex.quote(heartbeat_file(d))}")
+                for h, d in self.remote_dirs]
+        for f in jobs:
+            f.result()
+        self.last_beat = time.monotonic()
 
     def exited(self) -> dict[str, int]:
         codes = self.pool.map(lambda p: p.poll(), self.procs.values())
@@ -96,6 +117,7 @@ class Supervisor:
 
     def sync(self) -> None:
         """Stream remote logs and metrics into the workstation's run directory."""
+        self.beat()
         jobs = [p.pull_log for p in self.procs.values() if p.mirrored] + [m.pull for m in self.mirrors]
         for f in [self.pool.submit(j) for j in jobs]:
             f.result()

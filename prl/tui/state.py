@@ -9,6 +9,9 @@ from pathlib import Path
 from prl.metrics import read_events
 
 
+LOCAL_HOSTS = ("local", "workstation")  # pids of processes on other hosts mean nothing here
+
+
 @dataclass
 class RunState:
     run: dict = field(default_factory=dict)
@@ -50,10 +53,21 @@ class RunState:
         return [self.rewards[k] for k in sorted(self.rewards)]
 
     def mark_dead_processes(self) -> None:
-        """For `prl status`: a process the log calls running whose pid is gone is shown as gone."""
+        """For `prl status`: a local process the log calls running whose pid is gone is shown as
+        gone; a run whose driver is gone is marked so, and its remote processes as stopping (their
+        watchdog stops them once the driver's heartbeat is missed)."""
+        driver = self.run.get("pid")
+        driver_gone = self.run.get("state") == "running" and driver is not None and not pid_alive(driver)
+        if driver_gone:
+            self.run["state"] = "driver gone"
         for p in self.processes.values():
-            if p.get("state") == "running" and p.get("pid") and not pid_alive(p["pid"]):
-                p["state"] = "gone"
+            if p.get("state") != "running" or not p.get("pid"):
+                continue
+            if p.get("host", "local") in LOCAL_HOSTS:
+                if not pid_alive(p["pid"]):
+                    p["state"] = "gone"
+            elif driver_gone:
+                p["state"] = "stopping (driver gone)"
 
 
 def pid_alive(pid: int) -> bool:
