@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+IFNAME = "prl0"  # each namespaced host's interface (GLOO_SOCKET_IFNAME for trainers across hosts)
 
 
 @dataclass
@@ -100,10 +101,11 @@ class Network:
         self.ip("netns", "add", ns, undo=["netns", "del", ns])
         self.ip("link", "add", veth, "type", "veth", "peer", "name", peer, undo=["link", "del", veth])
         self.ip("link", "set", peer, "netns", ns)
+        self.ip("-n", ns, "link", "set", peer, "name", IFNAME)  # the same name on every host, like eth0
         self.ip("link", "set", veth, "master", self.bridge)
         self.ip("link", "set", veth, "up")
-        self.ip("-n", ns, "addr", "add", f"{address}/24", "dev", peer)
-        self.ip("-n", ns, "link", "set", peer, "up")
+        self.ip("-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME)
+        self.ip("-n", ns, "link", "set", IFNAME, "up")
         self.ip("-n", ns, "link", "set", "lo", "up")
         return ns, address
 

@@ -6,6 +6,7 @@ shared, so batches and weights must travel over the network. Also the 28-host pl
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, prl_cmd
-from sshd_rig import host_port
+from sshd_rig import IFNAME, host_port
 
 pytestmark = pytest.mark.slow
 QUICK = ["--set", "sft.steps=5", "--set", "trainer.checkpoint_every=0"]
 
 
-def two_host_recipe(tmp_path: Path, rig, steps: int) -> Path:
+def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']") -> Path:
     a, b = rig["hosts"]
     text = (ROOT / "recipes" / "reverse-tiny.toml").read_text()
     text = text.replace("[run]\n", f"[run]\noutput_dir = '{tmp_path}/workstation'\n")
@@ -31,8 +32,10 @@ def two_host_recipe(tmp_path: Path, rig, steps: int) -> Path:
         f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_a'",
         "[[cluster.hosts]]", "name = 'b'", f"address = '{b.address}'", f"port = {b.port}",
         f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_b'",
-        "[placement]", "trainer = ['a']", "inference = ['b']",
+        "[placement]", f"trainer = {trainer}", "inference = ['b']",
     ]) + "\n"
+    if rig["netns"]:  # gloo must use the namespace's interface: the hostname resolves to loopback here
+        text = text.replace("[cluster]\n", f"[cluster]\nenv = {{ GLOO_SOCKET_IFNAME = '{IFNAME}' }}\n")
     text = re.sub(r"max_steps = \d+", f"max_steps = {steps}", text)
     path = tmp_path / "two-hosts.toml"
     path.write_text(text)
@@ -79,8 +82,27 @@ def test_two_host_run_without_shared_storage(rig, tmp_path):
     assert status.returncode == 0 and "inference-0" in status.stdout and "done" in status.stdout
 
 
-def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
+def test_trainer_across_two_hosts(rig, tmp_path):
+    """One torchrun per trainer host (--nnodes 2, rendezvous on a); rank 0 on a scatters each step's
+    micro-batches to rank 1 on b over gloo; only a holds checkpoints."""
+    recipe = two_host_recipe(tmp_path, rig, steps=3, trainer="['a', 'b']")
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    ws = tmp_path / "workstation" / "reverse-tiny"
+    procs = {e["name"]: e["host"] for e in events(ws / "metrics.jsonl", "process") if "host" in e}
+    assert procs == {"inference-0": "b", "orchestrator": "a", "trainer-0": "a", "trainer-1": "b"}
+    rl = [e for e in events(ws / "metrics.jsonl", "trainer_step") if e["stage"] == "rl"]
+    assert [e["step"] for e in rl] == [0, 1, 2]
+    assert "rank 1 of 2" in (ws / "logs" / "trainer-1.log").read_text()  # streamed back from b
+    assert (tmp_path / "host_a" / "runs" / "reverse-tiny" / "checkpoints").exists()
+    assert not (tmp_path / "host_b" / "runs" / "reverse-tiny" / "checkpoints").exists()
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+def start_long_run(tmp_path: Path, rig, heartbeat_s: int = 60) -> subprocess.Popen:
+    """A 500-step two-host run in the background, returned once its first RL step is done."""
     recipe = two_host_recipe(tmp_path, rig, steps=500)
+    recipe.write_text(recipe.read_text().replace("[cluster]\n", f"[cluster]\nheartbeat_timeout_s = {heartbeat_s}\n"))
     proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
@@ -88,6 +110,21 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
     while not any(e["stage"] == "rl" for e in events(metrics, "trainer_step")):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
         time.sleep(0.5)
+    return proc
+
+
+def test_ctrl_c_stops_every_host(rig, tmp_path):
+    proc = start_long_run(tmp_path, rig)
+    assert leftovers(tmp_path)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
+    assert time.time() - t0 < 30 and not leftovers(tmp_path), leftovers(tmp_path)
+
+
+def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
+    proc = start_long_run(tmp_path, rig)
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     pids = [ln.split()[0] for ln in ps  # the server's python, not the `sh` that records its exit status
             if f"-m prl.inference --config {tmp_path}/host_b" in ln and ln.split()[1] != "sh"]
@@ -102,15 +139,8 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
 def test_remote_processes_stop_when_the_driver_dies(rig, tmp_path):
     """SIGKILL the driver (no teardown possible): the watchdogs on a and b see no heartbeat and stop
     their process groups; `prl status` says the driver is gone."""
-    recipe = two_host_recipe(tmp_path, rig, steps=500)
-    recipe.write_text(recipe.read_text().replace("[cluster]\n", "[cluster]\nheartbeat_timeout_s = 10\n"))
-    proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_long_run(tmp_path, rig, heartbeat_s=10)
     ws = tmp_path / "workstation" / "reverse-tiny"
-    deadline = time.time() + 300
-    while not any(e["stage"] == "rl" for e in events(ws / "metrics.jsonl", "trainer_step")):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.5)
     assert leftovers(tmp_path)
     proc.kill()
     proc.wait()

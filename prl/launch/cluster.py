@@ -59,7 +59,10 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str]) -> None:
     archive.parent.mkdir(exist_ok=True)
     archive.write_bytes(bundle(run_dir, names))
     remote_tar = f"{remote_dir}.stage.tar.gz"
-    host.put(archive, remote_tar)
+    try:
+        host.put(archive, remote_tar)
+    finally:
+        archive.unlink()
     q = shlex.quote
     r = host.run(f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} "
                  f"&& rm -f {q(remote_tar)}")

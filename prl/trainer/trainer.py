@@ -73,6 +73,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port).start()
+        print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import build_model, load_tokenizer
 
