@@ -136,6 +136,28 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
+def test_dropped_ssh_sessions_are_reopened(rig, tmp_path):
+    """Killing the driver's SSH sessions to b mid-run (an SSH hiccup) neither stops b's processes
+    nor the run: the driver reconnects."""
+    recipe = two_host_recipe(tmp_path, rig, steps=8)
+    proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not any(e["stage"] == "rl" for e in events(metrics, "trainer_step")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    listener = str(rig["hosts"][1].proc.pid)
+    ps = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+    sessions = [ln.split()[0] for ln in ps if ln.split() and ln.split()[1] == listener]
+    assert sessions
+    subprocess.run(["kill", "-9", *sessions], check=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert [e["step"] for e in events(metrics, "orch_step")] == list(range(8))
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
 def test_remote_processes_stop_when_the_driver_dies(rig, tmp_path):
     """SIGKILL the driver (no teardown possible): the watchdogs on a and b see no heartbeat and stop
     their process groups; `prl status` says the driver is gone."""

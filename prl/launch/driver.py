@@ -170,17 +170,26 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    last_step, last_sync = -1, 0.0
+    last_step, last_sync, lost_since = -1, 0.0, None
     try:
         if live:
             live.start()
         while True:
-            if sup.remote and time.monotonic() - last_sync > 0.5:
-                sup.sync()
-                last_sync = time.monotonic()
+            try:
+                if sup.remote and time.monotonic() - last_sync > 0.5:
+                    sup.sync()
+                    last_sync = time.monotonic()
+                outcome = check_exits(sup, log)
+                lost_since = None
+            except HostError as e:  # an SSH hiccup: retry until the hosts' watchdogs would give up
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    log.emit("error", name="driver", line=f"host not answering, retrying: {e}")
+                if time.monotonic() - lost_since > (sup.heartbeat_s or 0):
+                    raise
+                outcome = None
             state.update_from(metrics)
             scan_errors(sup, state, log)
-            outcome = check_exits(sup, log)
             if live:
                 live.update(render(state))
             elif state.trainer.get("step", -1) != last_step:

@@ -97,9 +97,14 @@ class Host(abc.ABC):
     def poll(self, pid: int, log: str) -> int | None:
         """None while the process group runs; then the exit status (NO_STATUS if it left none)."""
         status = shlex.quote(exit_file(log))
-        r = self.run(f"{self._group_probe(pid)} && echo running || cat {status} 2>/dev/null || echo {NO_STATUS}")
-        out = r.stdout.strip()
-        return None if out == "running" else int(out) if out.lstrip("-").isdigit() else NO_STATUS
+        r = self.run(f"if {self._group_probe(pid)}; then echo running; elif [ -s {status} ]; "
+                     f"then echo exit $(cat {status}); else echo gone; fi")
+        out = r.stdout.split()
+        if r.code != 0 or not out or out[0] not in ("running", "exit", "gone"):  # a cut-off answer
+            raise HostError(f"{self.name}: no clear answer about pid {pid} (code {r.code}: {r.stdout!r})")
+        if out[0] == "running":
+            return None
+        return int(out[1]) if out[0] == "exit" and out[1:] and out[1].lstrip("-").isdigit() else NO_STATUS
 
     @staticmethod
     def _group_probe(pid: int) -> str:
@@ -222,8 +227,17 @@ class SshHost(Host):
             raise HostError(f"{self.name}: unreachable ({e})") from None
 
     def run(self, command: str, timeout: float = 60) -> Result:
+        import paramiko
+        from invoke.exceptions import CommandTimedOut
+
         self._connect()
-        r = self.conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        try:
+            r = self.conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        except CommandTimedOut:
+            raise HostError(f"{self.name}: command timed out after {timeout}s") from None
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            self.conn.close()  # the next call reconnects
+            raise HostError(f"{self.name}: connection lost ({type(e).__name__}: {e})") from None
         return Result(r.exited, r.stdout, r.stderr)
 
     def put(self, local: str | Path, remote: str) -> None:
