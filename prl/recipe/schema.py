@@ -171,6 +171,7 @@ class ClusterCfg(Section):
     workdir: str = "/tmp/prl"  # on every host: runs/NAME (the run's files) and venvs/HASH
     python: str = "python3"  # the interpreter whose packages (torch, CUDA) the run's venv builds on
     extras: list[str] = []  # extras of this project to install on the hosts (e.g. ["vllm"])
+    venv: str | None = None  # an environment to use (created if missing); default: one per wheel in workdir/venvs
     min_python: str = "3.10"
     min_free_gb: float = Field(1.0, ge=0)
     known_hosts: str | None = None  # default: ~/.ssh/known_hosts
