@@ -54,7 +54,7 @@ def leftovers(tmp_path: Path) -> str:
     return "\n".join(ln for ln in p.stdout.splitlines() if f"{tmp_path}/host_" in ln and "ps -eo" not in ln)
 
 
-def test_two_host_run_without_shared_storage(rig, tmp_path):
+def test_two_host_run_without_shared_storage_and_resume(rig, tmp_path):
     a, b = rig["hosts"]
     recipe = two_host_recipe(tmp_path, rig, steps=4)  # step 3 needs v2 served (max_async_level 1)
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
@@ -80,6 +80,14 @@ def test_two_host_run_without_shared_storage(rig, tmp_path):
     status = subprocess.run(prl_cmd("status", ws), capture_output=True, text=True, timeout=60,
                             env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
     assert status.returncode == 0 and "inference-0" in status.stdout and "done" in status.stdout
+    # resume: rank 0 on a reads its checkpoint; b refetches the republished weights
+    before = len(events(metrics, "orch_step"))
+    p = subprocess.run(prl_cmd("run", "--resume", ws, "--no-tui", "--set", "rl.max_steps=6"), capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert [e["step"] for e in events(metrics, "orch_step")[before:]] == [4, 5]
+    assert events(metrics, "resumed")[-1]["step"] == 4
+    assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
 def test_trainer_across_two_hosts(rig, tmp_path):

@@ -54,7 +54,10 @@ def bundle(run_dir: Path, names: list[str]) -> bytes:
     return buf.getvalue()
 
 
-def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str]) -> None:
+def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: bool = False) -> None:
+    """Copy and unpack the host's run files. A new run starts from an empty directory; a resumed
+    one keeps only `checkpoints/` (logs and metrics were streamed to the workstation already, and
+    weight versions are republished from the checkpoint)."""
     archive = run_dir / "staging" / f"{host.name.replace('/', '_')}.tar.gz"
     archive.parent.mkdir(exist_ok=True)
     archive.write_bytes(bundle(run_dir, names))
@@ -64,8 +67,9 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str]) -> None:
     finally:
         archive.unlink()
     q = shlex.quote
-    r = host.run(f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} "
-                 f"&& rm -f {q(remote_tar)}")
+    clear = (f"mkdir -p {q(remote_dir)} && find {q(remote_dir)} -mindepth 1 -maxdepth 1 ! -name checkpoints "
+             f"-exec rm -rf {{}} +" if resume else f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)}")
+    r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}")
     if r.code:
         raise HostError(f"{host.name}: could not unpack the run files into {remote_dir}: {r.stderr.strip()}")
 
@@ -75,12 +79,23 @@ def write_local(configs: list[ProcessConfig], run_dir: Path) -> None:
     write_configs(configs, run_dir)
 
 
-def launch(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
+def check_resumable(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[str, Host]) -> None:
+    """A resumed cluster run needs a sealed checkpoint on the first trainer host (rank 0 reads it)."""
+    rank0 = next(c for c in configs if c.role == "trainer" and c.index == 0)
+    r = hosts[rank0.node].run(f"ls {shlex.quote(rank0.run_dir)}/checkpoints/*/MANIFEST.json 2>/dev/null")
+    if not r.stdout.strip():
+        raise LaunchError(f"cannot resume: no sealed checkpoint in {rank0.run_dir}/checkpoints on host {rank0.node} "
+                          f"(the first trainer host); nothing was started")
+
+
+def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False) -> Supervisor:
     configs = resolve_cluster(recipe, run_dir)
     hosts = connect_all(recipe)
     pool = ThreadPoolExecutor(max(4, len(hosts)))
     try:
         preflight(recipe, configs, console)
+        if resume:
+            check_resumable(recipe, configs, hosts)
         console.print(f"prl run: provisioning {len(recipe.cluster.hosts)} host(s)", markup=False)
         done, key = provision(hosts, recipe.cluster, pool)
         console.print("prl run: " + ", ".join(f"{p.host} {p.state} {p.seconds:.1f}s" for p in done.values()),
@@ -88,7 +103,7 @@ def launch(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
         write_local(configs, run_dir)
         staged = [(n, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)])
                   for n, d in dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)]
-        for f in [pool.submit(stage, hosts[n], run_dir, d, names) for n, d, names in staged]:
+        for f in [pool.submit(stage, hosts[n], run_dir, d, names, resume) for n, d, names in staged]:
             f.result()
     except Exception:
         for h in hosts.values():

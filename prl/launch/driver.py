@@ -109,20 +109,20 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     return recipe
 
 
-def start_run(recipe: Recipe, run_dir: Path, console: Console) -> Supervisor:
+def start_run(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False) -> Supervisor:
     """The run's processes bound to their hosts; for a cluster, after checks, provisioning, staging."""
     if recipe.cluster is not None:
         from prl.launch.cluster import launch
 
-        return launch(recipe, run_dir, console)
+        return launch(recipe, run_dir, console, resume)
     configs = resolve(recipe, run_dir, write_secret(run_dir))
     write_configs(configs, run_dir)
     return Supervisor(make_plan(configs, run_dir), {"local": LocalHost()}, run_dir)
 
 
-def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
+def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool, resume: bool = False) -> Outcome:
     try:
-        sup = start_run(recipe, run_dir, console)
+        sup = start_run(recipe, run_dir, console, resume)
     except (HostError, RuntimeError) as e:  # LaunchError, ProvisionError: nothing was started
         return Outcome("failed", str(e), 2)
     try:
@@ -267,9 +267,6 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
         if resume:
             run_dir = Path(resume)
             recipe = prepare_resume(run_dir, overrides)
-            if recipe.cluster is not None:
-                raise RunStopped("--resume of a multi-host run is not supported yet (its checkpoints live on the "
-                                 "trainer host); nothing was started")
         else:
             run_dir = run_dir_for(recipe)
             if recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl":
@@ -281,6 +278,6 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
     console.print(f"prl run: {recipe.run.name} -> {run_dir}  (logs in {run_dir / 'logs'})", markup=False)
-    outcome = execute(recipe, run_dir, console, tui and sys.stdout.isatty())
+    outcome = execute(recipe, run_dir, console, tui and sys.stdout.isatty(), resume=resume is not None)
     finish(run_dir, outcome, console, time.time() - t0)
     return outcome.code

@@ -68,7 +68,24 @@ def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int)
 
 
 def load_checkpoint(model, optimizer, root: Path) -> dict | None:
-    """Restore the newest checkpoint into (model, optimizer); returns its meta or None."""
+    """Restore the newest checkpoint into (model, optimizer); returns its meta or None.
+
+    Only rank 0 reads the disk (trainer hosts share no storage): it picks the checkpoint, sends
+    its meta to the other ranks, and the state is broadcast from rank 0 into every rank's shards."""
+    loaded = _read_checkpoint(root) if dist.get_rank() == 0 else None
+    info = [loaded[2] if loaded else None]
+    dist.broadcast_object_list(info, src=0)
+    if info[0] is None:
+        return None
+    model_state, optim_state = loaded[:2] if loaded else ({}, {})
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+    return info[0]
+
+
+def _read_checkpoint(root: Path) -> tuple[dict, dict, dict] | None:
+    """(model state, optimizer state, meta) of the newest checkpoint under `root`, or None."""
     found = latest_checkpoint(root)
     if not found:
         return None
@@ -80,6 +97,5 @@ def load_checkpoint(model, optimizer, root: Path) -> dict | None:
         raise
     except Exception as e:  # noqa: BLE001 - unreadable despite a matching manifest
         raise CorruptWeightsError(f"{path}: unreadable checkpoint ({e})") from None
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
-    return {"step": manifest["step"], "data_position": manifest["data_position"], "path": str(path)}
+    return model_state, optim_state, {"step": manifest["step"], "data_position": manifest["data_position"],
+                                      "path": str(path)}
