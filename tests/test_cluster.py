@@ -121,8 +121,24 @@ def start_long_run(tmp_path: Path, rig, heartbeat_s: int = 60) -> subprocess.Pop
     return proc
 
 
-def test_ctrl_c_stops_every_host(rig, tmp_path):
+def rl_steps(tmp_path: Path) -> int:
+    metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
+    return sum(e["stage"] == "rl" for e in events(metrics, "trainer_step"))
+
+
+def test_ssh_hiccup_is_survived_and_ctrl_c_stops_every_host(rig, tmp_path):
+    """Killing the driver's SSH sessions to b mid-run neither stops b's processes nor the run (the
+    driver reconnects); then Ctrl-C stops everything on both hosts."""
     proc = start_long_run(tmp_path, rig)
+    listener = str(rig["hosts"][1].proc.pid)
+    ps = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+    sessions = [ln.split()[0] for ln in ps if ln.split() and ln.split()[1] == listener]
+    assert sessions
+    subprocess.run(["kill", "-9", *sessions], check=True)
+    done, deadline = rl_steps(tmp_path), time.time() + 120
+    while rl_steps(tmp_path) < done + 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.5)
     assert leftovers(tmp_path)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
@@ -141,28 +157,6 @@ def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out[-4000:]
     assert re.search(r"inference-0 \(inference on host b, pid \d+\) exited with code 137 \(killed by SIGKILL\)", out), out[-4000:]
-    assert not leftovers(tmp_path), leftovers(tmp_path)
-
-
-def test_dropped_ssh_sessions_are_reopened(rig, tmp_path):
-    """Killing the driver's SSH sessions to b mid-run (an SSH hiccup) neither stops b's processes
-    nor the run: the driver reconnects."""
-    recipe = two_host_recipe(tmp_path, rig, steps=8)
-    proc = subprocess.Popen(prl_cmd("run", recipe, "--no-tui", *QUICK), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not any(e["stage"] == "rl" for e in events(metrics, "trainer_step")):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.5)
-    listener = str(rig["hosts"][1].proc.pid)
-    ps = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
-    sessions = [ln.split()[0] for ln in ps if ln.split() and ln.split()[1] == listener]
-    assert sessions
-    subprocess.run(["kill", "-9", *sessions], check=True)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    assert [e["step"] for e in events(metrics, "orch_step")] == list(range(8))
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
