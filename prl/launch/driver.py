@@ -170,24 +170,12 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    last_step, last_sync, lost_since = -1, 0.0, None
+    last_step, poll = -1, Poll()
     try:
         if live:
             live.start()
         while True:
-            try:
-                if sup.remote and time.monotonic() - last_sync > 0.5:
-                    sup.sync()
-                    last_sync = time.monotonic()
-                outcome = check_exits(sup, log)
-                lost_since = None
-            except HostError as e:  # an SSH hiccup: retry until the hosts' watchdogs would give up
-                if lost_since is None:
-                    lost_since = time.monotonic()
-                    log.emit("error", name="driver", line=f"host not answering, retrying: {e}")
-                if time.monotonic() - lost_since > (sup.heartbeat_s or 0):
-                    raise
-                outcome = None
+            outcome = poll_exits(sup, log, poll)
             state.update_from(metrics)
             scan_errors(sup, state, log)
             if live:
@@ -201,6 +189,32 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     finally:
         if live:
             live.stop()
+
+
+@dataclass
+class Poll:
+    last: float = 0.0
+    lost_since: float | None = None  # when the hosts stopped answering
+
+
+def poll_exits(sup: Supervisor, log: EventLog, poll: Poll) -> Outcome | None:
+    """Stream remote logs and metrics and look for exited processes. Remote hosts are asked at most
+    twice a second; an SSH hiccup is retried until the hosts' watchdogs would give up."""
+    if sup.remote and time.monotonic() - poll.last < 0.5:
+        return None
+    try:
+        if sup.remote:
+            sup.sync()
+        outcome = check_exits(sup, log)
+    except HostError as e:
+        if poll.lost_since is None:
+            poll.lost_since = time.monotonic()
+            log.emit("error", name="driver", line=f"host not answering, retrying: {e}")
+        if time.monotonic() - poll.lost_since > (sup.heartbeat_s or 0):
+            raise
+        return None
+    poll.last, poll.lost_since = time.monotonic(), None
+    return outcome
 
 
 def step_line(s: RunState) -> str:
