@@ -60,11 +60,11 @@ def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] se
         console.print("prl doctor: no [cluster] in the recipe: it runs on this machine, nothing to check")
         raise typer.Exit(0)
     from prl.launch.doctor import check_cluster, report
-    from prl.launch.placement import ports_needed, resolve_cluster
+    from prl.launch.placement import links_needed, ports_needed, resolve_cluster
 
     configs = resolve_cluster(loaded, Path(loaded.run.output_dir) / loaded.run.name)
-    first = loaded.placement_or_default().trainer[0]
-    failures = report(check_cluster(loaded.cluster, console, ports_needed(configs, loaded), first), console)
+    results = check_cluster(loaded.cluster, console, ports_needed(configs, loaded), links_needed(configs, loaded))
+    failures = report(results, console)
     for line in failures:
         err.print(f"prl doctor: {line}", markup=False, highlight=False)
     raise typer.Exit(1 if failures else 0)

@@ -38,3 +38,24 @@ def test_doctor_passes_on_good_hosts_and_refuses_unknown_keys(rig, tmp_path):
     p = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig, known=empty)), capture_output=True,
                        text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin:/usr/sbin"})
     assert p.returncode == 1 and "unknown host key" in p.stderr
+
+
+def test_reach_check_names_what_it_cannot_reach():
+    """The connect probe on a real host: a listening port passes, a closed one is named."""
+    import socket
+
+    from prl.launch.doctor import reach_check
+    from prl.launch.hosts import LocalHost
+    from prl.launch.placement import Link
+    from prl.recipe.schema import ClusterCfg
+
+    cfg = ClusterCfg(hosts=[{"address": "127.0.0.1"}], python=sys.executable)
+    with socket.socket() as open_, socket.socket() as closed:
+        open_.bind(("127.0.0.1", 0))
+        open_.listen(1)
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        ok, bad = open_.getsockname()[1], closed.getsockname()[1]
+        good = reach_check(LocalHost(), [Link("a", "b", "127.0.0.1", ok)], cfg)
+        fail = reach_check(LocalHost(), [Link("a", "b", "127.0.0.1", ok), Link("a", "c", "127.0.0.1", bad)], cfg)
+    assert good.ok and f"127.0.0.1:{ok}" in good.detail
+    assert not fail.ok and fail.detail.startswith(f"cannot reach 127.0.0.1:{bad}") and f":{ok}" not in fail.detail

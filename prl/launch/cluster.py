@@ -18,7 +18,7 @@ from rich.console import Console
 
 from prl.launch.doctor import check_cluster, connect, report
 from prl.launch.hosts import Host, HostError, LocalHost
-from prl.launch.placement import WORKSTATION, ports_needed, resolve_cluster
+from prl.launch.placement import WORKSTATION, links_needed, ports_needed, resolve_cluster
 from prl.launch.plan import ProcessSpec, make_plan
 from prl.launch.provision import provision, venv_dir
 from prl.launch.supervisor import Supervisor
@@ -37,7 +37,7 @@ def connect_all(recipe: Recipe) -> dict[str, Host]:
 
 
 def preflight(recipe: Recipe, configs: list[ProcessConfig], console: Console) -> None:
-    results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe))
+    results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe), links_needed(configs, recipe))
     failures = report(results, console)
     if failures:
         raise LaunchError("host checks failed, nothing was started:\n  " + "\n  ".join(failures))

@@ -2,7 +2,9 @@
 
 Per host: reachable over SSH (host key verified), Python version, free disk in the work directory,
 GPUs seen by `nvidia-smi` against what the recipe expects, every port the plan binds on that host
-free, and the first trainer host reachable from every host on the rendezvous port. Prints one row per host and
+free, and every connection the plan makes open (trainer ranks to the rendezvous, orchestrator to the
+trainer endpoint and the servers, remote servers to the trainer endpoint; listeners are started for
+the check). Prints one row per host and
 returns the failures as "host: check: detail" lines (empty when all pass).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from prl.launch.hosts import Host, HostError, SshHost, SshTarget
+from prl.launch.placement import Link
 from prl.recipe.schema import ClusterCfg, HostCfg
 
 CHECKS = ("reachable", "python", "disk", "gpus", "port", "reach")
@@ -93,23 +97,35 @@ def port_check(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int]) -> Che
     return Check("port", r.code == 0, f"{listed} free" if r.code == 0 else f"in use: {r.stdout.strip() or r.stderr.strip()}")
 
 
-def reach_check(host: Host, first: HostCfg, cfg: ClusterCfg) -> Check:
-    code = f"import socket; socket.create_connection(({first.address!r}, {cfg.rendezvous_port}), 5).close()"
+def reach_check(host: Host, links: list[Link], cfg: ClusterCfg) -> Check:
+    targets = sorted({(ln.address, ln.port) for ln in links})
+    code = ("import socket\nbad = []\n"
+            f"for a, p in {targets!r}:\n"
+            "    try: socket.create_connection((a, p), 5).close()\n"
+            "    except OSError: bad.append(f'{a}:{p}')\n"
+            "print(' '.join(bad))")
     r = host.run(_py(cfg, code))
-    where = f"{first.address}:{cfg.rendezvous_port}"
-    return Check("reach", r.code == 0, f"reaches {where}" if r.code == 0 else f"cannot reach {where}")
+    where = ", ".join(f"{a}:{p}" for a, p in targets)
+    if r.code == 0 and not r.stdout.strip():
+        return Check("reach", True, f"reaches {where}")
+    return Check("reach", False, f"cannot reach {r.stdout.strip() or where} (firewall? wrong address?)")
 
 
-def listener(cfg: ClusterCfg, first: HostCfg) -> list[str]:
-    code = (f"import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(({first.address!r}, {cfg.rendezvous_port})); s.listen(64); s.settimeout(60)\n"
-            f"while True: s.accept()[0].close()")
+def listener(cfg: ClusterCfg, address: str, ports: list[int]) -> list[str]:
+    """A process listening on `address` at every port in `ports` for a minute, accepting and closing."""
+    code = ("import select, socket, time\nsocks = []\n"
+            f"for p in {sorted(set(ports))!r}:\n"
+            "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"    s.bind(({address!r}, p)); s.listen(64); socks.append(s)\n"
+            "end = time.time() + 60\n"
+            "while time.time() < end:\n"
+            "    for s in select.select(socks, [], [], 1)[0]: s.accept()[0].close()")
     return [cfg.python, "-c", code]
 
 
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
-                  first: str | None = None) -> dict[str, list[Check]]:
-    """`ports`: host name -> ports the plan binds there; `first`: the rendezvous host (default: first)."""
+                  links: list[Link] | None = None) -> dict[str, list[Check]]:
+    """`ports`: host name -> ports the plan binds there; `links`: connections the plan makes."""
     by_id = cfg.hosts_by_id()
     hosts = {hid: connect(cfg, h) for hid, h in by_id.items()}
     results: dict[str, list[Check]] = {}
@@ -119,7 +135,7 @@ def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]]
         for a, f in futures.items():
             results[a] = f.result()
             progress.advance(task)
-        reach_phase(cfg, hosts, results, pool, first or cfg.hosts[0].id)
+        reach_phase(cfg, hosts, results, pool, links or [])
         progress.advance(task)
     for host in hosts.values():
         host.close()
@@ -133,18 +149,25 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
     return out
 
 
-def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list[Check]], pool, first_id: str) -> None:
-    """Every host reaches the rendezvous port on the first trainer host (a listener is started there)."""
-    first = cfg.hosts_by_id()[first_id]
-    if not results[first_id][0].ok or not all(c.ok for c in results[first_id] if c.name == "port"):
-        return
-    pid = hosts[first_id].start(listener(cfg, first), f"{cfg.workdir_of(first)}/doctor-listener.log")
+def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list[Check]], pool,
+                links: list[Link]) -> None:
+    """Listeners on every planned (address, port) of healthy hosts; each host connects to its targets."""
+    healthy = {a for a, checks in results.items() if all(c.ok for c in checks if c.name in ("reachable", "port"))}
+    links = [ln for ln in links if ln.src in healthy and ln.dst in healthy]
+    listening = {}
     try:
-        up = [a for a in hosts if results[a][0].ok]
-        for a, check in zip(up, pool.map(lambda a: reach_check(hosts[a], first, cfg), up)):
+        for dst in sorted({ln.dst for ln in links}):
+            mine = [ln for ln in links if ln.dst == dst]
+            listening[dst] = hosts[dst].start(listener(cfg, mine[0].address, [ln.port for ln in mine]),
+                                              f"{cfg.workdir_of(cfg.hosts_by_id()[dst])}/doctor-listener.log")
+        time.sleep(0.5 if listening else 0)  # the listeners bind
+        sources = sorted({ln.src for ln in links})
+        checks = pool.map(lambda a: reach_check(hosts[a], [ln for ln in links if ln.src == a], cfg), sources)
+        for a, check in zip(sources, checks):
             results[a].append(check)
     finally:
-        hosts[first_id].stop(pid, grace_s=1.0)
+        for dst, pid in listening.items():
+            hosts[dst].stop(pid, grace_s=1.0)
 
 
 def report(results: dict[str, list[Check]], console: Console) -> list[str]:

@@ -11,6 +11,7 @@ Rules (the local counterpart is `prl.recipe.resolve.resolve`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from prl.recipe.resolve import ProcessConfig
@@ -65,3 +66,27 @@ def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list
         if c.role == "trainer" and c.index == 0:
             out[c.node].append(recipe.cluster.rendezvous_port)
     return out
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connection the run will make: from host `src` to `address:port`, listened on by host `dst`."""
+
+    src: str
+    dst: str
+    address: str
+    port: int
+
+
+def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
+    """Trainer ranks -> rendezvous; orchestrator -> trainer endpoint and every server; servers on other
+    hosts than rank 0 -> trainer endpoint (weight downloads). The workstation is not checked."""
+    rank0 = next(c for c in configs if c.role == "trainer" and c.index == 0)
+    orch = next(c for c in configs if c.role == "orchestrator")
+    endpoint = (rank0.node, rank0.host, rank0.port)
+    links = [Link(c.node, rank0.node, rank0.host, recipe.cluster.rendezvous_port)
+             for c in configs if c.role == "trainer" and c.index > 0]
+    links.append(Link(orch.node, *endpoint))
+    links += [Link(orch.node, s.node, s.host, s.port) for s in configs if s.role == "inference"]
+    links += [Link(s.node, *endpoint) for s in configs if s.role == "inference" and not s.shares_trainer_fs]
+    return [ln for ln in dict.fromkeys(links) if WORKSTATION not in (ln.src, ln.dst)]
