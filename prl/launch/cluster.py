@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import shlex
+import sys
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,6 +89,21 @@ def check_resumable(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[st
                           f"(the first trainer host); nothing was started")
 
 
+def stage_all(configs: list[ProcessConfig], hosts: dict[str, Host], run_dir: Path, pool, resume: bool) -> None:
+    """Stage every remote (host, run directory) with the configs of the processes placed there."""
+    places = dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)
+    jobs = [pool.submit(stage, hosts[n], run_dir, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)],
+                        resume) for n, d in places]
+    for f in jobs:
+        f.result()
+
+
+def python_for(recipe: Recipe, key: str):
+    """node -> the interpreter its processes run with: the run's venv on a host, ours on the workstation."""
+    by_id = recipe.cluster.hosts_by_id()
+    return lambda node: sys.executable if node == WORKSTATION else f"{venv_dir(recipe.cluster, by_id[node], key)}/bin/python"
+
+
 def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False) -> Supervisor:
     configs = resolve_cluster(recipe, run_dir)
     hosts = connect_all(recipe)
@@ -101,31 +117,16 @@ def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False
         console.print("prl run: " + ", ".join(f"{p.host} {p.state} {p.seconds:.1f}s" for p in done.values()),
                       markup=False)
         write_local(configs, run_dir)
-        staged = [(n, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)])
-                  for n, d in dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)]
-        for f in [pool.submit(stage, hosts[n], run_dir, d, names, resume) for n, d, names in staged]:
-            f.result()
+        stage_all(configs, hosts, run_dir, pool, resume)
     except Exception:
         for h in hosts.values():
             h.close()
         raise
     finally:
         pool.shutdown()
-    by_id = recipe.cluster.hosts_by_id()
-
-    def python_for(node: str) -> str:
-        return str(Path(__import__("sys").executable)) if node == WORKSTATION else \
-            f"{venv_dir(recipe.cluster, by_id[node], key)}/bin/python"
-
-    specs: list[ProcessSpec] = make_plan(configs, run_dir, python_for)
+    specs = make_plan(configs, run_dir, python_for(recipe, key))
     return Supervisor(specs, hosts, run_dir, heartbeat_s=recipe.cluster.heartbeat_timeout_s)
 
 
 def dry_run_plan(recipe: Recipe, run_dir: Path) -> list[ProcessSpec]:
-    by_id = recipe.cluster.hosts_by_id()
-    configs = resolve_cluster(recipe, run_dir)
-
-    def python_for(node: str) -> str:
-        return "python" if node == WORKSTATION else f"{venv_dir(recipe.cluster, by_id[node], '<wheel-key>')}/bin/python"
-
-    return make_plan(configs, run_dir, python_for)
+    return make_plan(resolve_cluster(recipe, run_dir), run_dir, python_for(recipe, "<wheel-key>"))
