@@ -145,4 +145,13 @@ def stop_hosts(hosts: list[FakeHost], net: Network | None) -> None:
 
 def host_port(host: FakeHost) -> int:
     """A port free on that host, for a test's plan (any port is free in a fresh namespace)."""
-    return random.randint(20000, 40000) if host.netns else free_port(host.address)
+    while True:  # below the ephemeral range (32768+), where outgoing connections could take it meanwhile
+        port = random.randint(20000, 32000)
+        if host.netns:
+            return port
+        with socket.socket() as s:
+            try:
+                s.bind((host.address, port))
+                return port
+            except OSError:
+                continue

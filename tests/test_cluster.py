@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 QUICK = ["--set", "sft.steps=5", "--set", "trainer.checkpoint_every=0"]
 
 
-def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']") -> Path:
+def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']", orchestrator: str = "a") -> Path:
     a, b = rig["hosts"]
     text = (ROOT / "recipes" / "reverse-tiny.toml").read_text()
     text = text.replace("[run]\n", f"[run]\noutput_dir = '{tmp_path}/workstation'\n")
@@ -32,7 +32,7 @@ def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']") -> 
         f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_a'",
         "[[cluster.hosts]]", "name = 'b'", f"address = '{b.address}'", f"port = {b.port}",
         f"key_file = '{rig['key']}'", f"workdir = '{tmp_path}/host_b'",
-        "[placement]", f"trainer = {trainer}", "inference = ['b']",
+        "[placement]", f"trainer = {trainer}", "inference = ['b']", f"orchestrator = '{orchestrator}'",
     ]) + "\n"
     if rig["netns"]:  # gloo must use the namespace's interface: the hostname resolves to loopback here
         text = text.replace("[cluster]\n", f"[cluster]\nenv = {{ GLOO_SOCKET_IFNAME = '{IFNAME}' }}\n")
@@ -90,15 +90,16 @@ def test_two_host_run_without_shared_storage_and_resume(rig, tmp_path):
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
-def test_trainer_across_two_hosts(rig, tmp_path):
+def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_path):
     """One torchrun per trainer host (--nnodes 2, rendezvous on a); rank 0 on a scatters each step's
-    micro-batches to rank 1 on b over gloo; only a holds checkpoints."""
-    recipe = two_host_recipe(tmp_path, rig, steps=3, trainer="['a', 'b']")
+    micro-batches to rank 1 on b over gloo; only a holds checkpoints. The orchestrator runs on the
+    workstation and reaches a and b over the network."""
+    recipe = two_host_recipe(tmp_path, rig, steps=3, trainer="['a', 'b']", orchestrator="workstation")
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     ws = tmp_path / "workstation" / "reverse-tiny"
     procs = {e["name"]: e["host"] for e in events(ws / "metrics.jsonl", "process") if "host" in e}
-    assert procs == {"inference-0": "b", "orchestrator": "a", "trainer-0": "a", "trainer-1": "b"}
+    assert procs == {"inference-0": "b", "orchestrator": "workstation", "trainer-0": "a", "trainer-1": "b"}
     rl = [e for e in events(ws / "metrics.jsonl", "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in rl] == [0, 1, 2]
     assert "rank 1 of 2" in (ws / "logs" / "trainer-1.log").read_text()  # streamed back from b
