@@ -209,9 +209,13 @@ def test_28_host_plan():
     assert "trainer rank 0 -> 12 inference servers over nccl" in plan
 
 
-def test_placement_errors_name_the_key(tmp_path):
+@pytest.mark.parametrize("extra, words", [
+    ("[placement]\ntrainer = ['a']\ninference = ['zz']\n", ["placement.inference", "zz"]),
+    ("[inference]\nnum_servers = 2\n", ["inference.num_servers", "not used with [cluster]"]),
+    ("[trainer]\nnproc = 16\n", ["trainer.nproc (16)", "8 GPUs"]),
+])
+def test_placement_errors_name_the_key(tmp_path, extra, words):
     bad = tmp_path / "bad.toml"
-    bad.write_text("[cluster]\n[[cluster.hosts]]\naddress = '10.0.0.1'\nname = 'a'\n"
-                   "[placement]\ntrainer = ['a']\ninference = ['zz']\n")
+    bad.write_text("[cluster]\n[[cluster.hosts]]\naddress = '10.0.0.1'\nname = 'a'\ngpus = 8\n" + extra)
     p = subprocess.run(prl_cmd("run", bad, "--dry-run"), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "placement.inference" in p.stderr and "zz" in p.stderr
+    assert p.returncode == 2 and all(w in p.stderr for w in words), p.stderr
