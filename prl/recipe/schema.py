@@ -228,7 +228,8 @@ class Recipe(Section):
                 raise ValueError("[placement] needs a [cluster] section listing the hosts")
             return self
         check_placement(self.cluster, self.placement_or_default(), self.trainer.nproc)
-        ignored = sorted(self.inference.model_fields_set & {"num_servers", "host", "port"})
+        inf = self.inference
+        ignored = sorted(k for k in ("num_servers", "host", "port") if getattr(inf, k) != type(inf).model_fields[k].default)
         if ignored:
             raise ValueError(f"inference.{', inference.'.join(ignored)}: not used with [cluster]; servers come from "
                              f"[placement] (gpus_per_server), bind their host's address, and use "
