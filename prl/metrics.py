@@ -20,11 +20,16 @@ class EventLog:
 
     def emit(self, kind: str, **fields) -> None:
         line = json.dumps({"t": round(time.time(), 3), "src": self.source, "kind": kind, **fields}) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        append_lines(self.path, line.encode())
+
+
+def append_lines(path: str | Path, data: bytes) -> None:
+    """Whole lines in one O_APPEND write: writers in other processes never interleave with them."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:

@@ -12,7 +12,7 @@ from prl.model.weights import read_weights
 from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.transport.batch import Sample, TrainBatch, pack
-from prl.transport.rollouts import make_rollout_transport
+from prl.transport.rollouts import FilesystemRolloutTransport
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def run_trainer(run_dir, nproc: int, steps: int, extra=()):
         write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
     path = write_configs(configs, run_dir)["trainer"]
-    transport = make_rollout_transport("filesystem", run_dir)
+    transport = FilesystemRolloutTransport(run_dir / "rollouts")
     for step in range(steps):
         transport.send(TrainBatch(step, pack(samples(step), nproc, 40), data_position=8 * (step + 1)))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -37,8 +37,9 @@ def connect_all(recipe: Recipe) -> dict[str, Host]:
     return hosts
 
 
-def preflight(recipe: Recipe, configs: list[ProcessConfig], console: Console) -> None:
-    results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe), links_needed(configs, recipe))
+def preflight(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[str, Host], console: Console) -> None:
+    results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe), links_needed(configs, recipe),
+                            hosts)
     failures = report(results, console)
     if failures:
         raise LaunchError("host checks failed, nothing was started:\n  " + "\n  ".join(failures))
@@ -109,7 +110,7 @@ def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False
     hosts = connect_all(recipe)
     pool = ThreadPoolExecutor(max(4, len(hosts)))
     try:
-        preflight(recipe, configs, console)
+        preflight(recipe, configs, hosts, console)
         if resume:
             check_resumable(recipe, configs, hosts)
         console.print(f"prl run: provisioning {len(recipe.cluster.hosts)} host(s)", markup=False)

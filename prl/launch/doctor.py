@@ -124,10 +124,12 @@ def listener(cfg: ClusterCfg, address: str, ports: list[int]) -> list[str]:
 
 
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
-                  links: list[Link] | None = None) -> dict[str, list[Check]]:
-    """`ports`: host name -> ports the plan binds there; `links`: connections the plan makes."""
+                  links: list[Link] | None = None, hosts: dict[str, Host] | None = None) -> dict[str, list[Check]]:
+    """`ports`: host name -> ports the plan binds there; `links`: connections the plan makes;
+    `hosts`: open connections to reuse (the caller keeps and closes them), else opened and closed here."""
     by_id = cfg.hosts_by_id()
-    hosts = {hid: connect(cfg, h) for hid, h in by_id.items()}
+    owned = hosts is None
+    hosts = {hid: connect(cfg, h) for hid, h in by_id.items()} if owned else {hid: hosts[hid] for hid in by_id}
     results: dict[str, list[Check]] = {}
     with Progress(console=console, transient=True) as progress, ThreadPoolExecutor(len(hosts)) as pool:
         task = progress.add_task("checking hosts", total=len(hosts) + 1)
@@ -137,8 +139,9 @@ def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]]
             progress.advance(task)
         reach_phase(cfg, hosts, results, pool, links or [])
         progress.advance(task)
-    for host in hosts.values():
-        host.close()
+    if owned:
+        for host in hosts.values():
+            host.close()
     return results
 
 

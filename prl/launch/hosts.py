@@ -114,13 +114,17 @@ class Host(abc.ABC):
         """Any non-zombie process left in the group (a killed process stays a zombie until reaped)."""
         return self.run(self._group_probe(pid)).code == 0
 
+    def signal(self, pid: int, sig: str) -> None:
+        """Send `sig` ("TERM", "KILL") to the process group `pid`; a group already gone is fine."""
+        self.run(f"kill -s {sig} -- -{pid} 2>/dev/null; true")
+
     def stop(self, pid: int, grace_s: float = 5.0) -> None:
         """TERM the process group, wait up to `grace_s`, then KILL what is left."""
-        self.run(f"kill -s TERM -- -{pid} 2>/dev/null; true")
+        self.signal(pid, "TERM")
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self.alive(pid):
             time.sleep(0.1)
-        self.run(f"kill -s KILL -- -{pid} 2>/dev/null; true")
+        self.signal(pid, "KILL")
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and self.alive(pid):
             time.sleep(0.05)

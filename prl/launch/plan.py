@@ -43,8 +43,9 @@ def trainer_command(cfg: ProcessConfig, python: str) -> list[str]:
     if r.cluster is None:
         run.append("--standalone")
     else:
-        first = r.cluster.hosts_by_id()[r.placement_or_default().trainer[0]]
-        run += [f"--nnodes={len(r.placement_or_default().trainer)}", f"--node-rank={cfg.index}",
+        trainers = r.placement_or_default().trainer
+        first = r.cluster.hosts_by_id()[trainers[0]]
+        run += [f"--nnodes={len(trainers)}", f"--node-rank={cfg.index}",
                 f"--master-addr={first.address}", f"--master-port={r.cluster.rendezvous_port}"]
     return [*run, "-m", "prl.trainer", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
 

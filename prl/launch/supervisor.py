@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from prl.launch.hosts import Host, HostError
 from prl.launch.plan import ProcessSpec
+from prl.metrics import append_lines
 
 
 class HostProcess:
@@ -67,11 +67,7 @@ class MetricsMirror:
         data, _ = self.host.read_log(self.remote, self.offset)
         end = data.rfind(b"\n") + 1
         if end:
-            fd = os.open(self.local, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data[:end])
-            finally:
-                os.close(fd)
+            append_lines(self.local, data[:end])
             self.offset += end
 
 
@@ -127,19 +123,19 @@ class Supervisor:
         running = [p for p in self.procs.values() if p.pid is not None]
         problems = []
 
-        def each(sig: int):
+        def each(sig: str):
             def signal_one(p: HostProcess):
                 try:
-                    p.host.run(f"kill -s {signal.Signals(sig).name[3:]} -- -{p.pid} 2>/dev/null; true")
+                    p.host.signal(p.pid, sig)
                 except HostError as e:
                     problems.append(f"{p.spec.name} on {p.spec.host}: {e}")
             list(self.pool.map(signal_one, running))
 
-        each(signal.SIGTERM)
+        each("TERM")
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(self.pool.map(_alive, running)):
             time.sleep(0.1)
-        each(signal.SIGKILL)
+        each("KILL")
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(self.pool.map(_alive, running)):
             time.sleep(0.1)

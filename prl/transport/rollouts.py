@@ -1,14 +1,11 @@
-"""Rollout transport: how packed batches get from the orchestrator to every trainer rank.
-
-A small abstract class plus one factory keyed on `type`. The filesystem transport writes one
-file per step under the run directory (temporary name, then rename: a reader sees a whole batch
-or none). It is the inbox of trainer rank 0: the orchestrator reaches it over the network through
-the trainer endpoint (`prl.transport.endpoint`, client in `prl.transport.trainer_client`).
+"""The batch inbox of trainer rank 0: one file per step under the run directory (temporary name,
+then rename: a reader sees a whole batch or none). The orchestrator reaches it over the network
+through the trainer endpoint (`prl.transport.endpoint`, client in `prl.transport.trainer_client`);
+rank 0 scatters each batch to the other ranks.
 """
 
 from __future__ import annotations
 
-import abc
 import io
 import os
 import threading
@@ -20,18 +17,7 @@ import torch
 from prl.transport.batch import MicroBatch, TrainBatch
 
 
-class RolloutTransport(abc.ABC):
-    @abc.abstractmethod
-    def send(self, batch: TrainBatch) -> None: ...
-
-    @abc.abstractmethod
-    def receive(self, step: int, timeout: float | None = None) -> TrainBatch: ...
-
-    @abc.abstractmethod
-    def discard_before(self, step: int) -> None: ...
-
-
-class FilesystemRolloutTransport(RolloutTransport):
+class FilesystemRolloutTransport:
     def __init__(self, root: Path, poll_s: float = 0.01):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -71,10 +57,4 @@ def batch_bytes(batch: TrainBatch) -> bytes:
     return buf.getvalue()
 
 
-def make_rollout_transport(kind: str, run_dir: Path) -> RolloutTransport:
-    if kind == "filesystem":
-        return FilesystemRolloutTransport(Path(run_dir) / "rollouts")
-    raise ValueError(f"unknown rollout transport {kind!r}; known: filesystem")
-
-
-__all__ = ["MicroBatch", "RolloutTransport", "TrainBatch", "make_rollout_transport"]
+__all__ = ["FilesystemRolloutTransport", "MicroBatch", "TrainBatch", "batch_bytes"]
