@@ -41,8 +41,7 @@ def run(
     from prl.launch import driver
 
     if dry_run:
-        driver.dry_run(loaded, console)
-        raise typer.Exit(0)
+        raise typer.Exit(driver.dry_run(loaded, console))
     raise typer.Exit(driver.run(loaded, resume=resume, overrides=set_, force=force, tui=not no_tui, console=console))
 
 

@@ -79,6 +79,7 @@ class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
                  capture_routing: bool = False):
         self.model = model.eval()
+        self.cache_kw = cache_kwarg(model)
         self.capture = None
         if capture_routing:
             from prl.model.routing import Capture
@@ -173,6 +174,7 @@ class EngineCore:
             return clone_cache(cache), logits
         ids = torch.tensor([seq.prompt_ids])
         out = self.model(input_ids=ids, use_cache=True)
+        out.cache = cache_of(out)
         logits = out.logits[0, -1].float()
         seq.prompt_routing = self.capture.take() if self.capture else None
         self.stats.prefill_tokens += seq.length
@@ -189,10 +191,10 @@ class EngineCore:
             input_ids=ids,
             attention_mask=self.batch.step_mask().long(),
             position_ids=pos,
-            cache=self.batch.cache,
             use_cache=True,
+            **{self.cache_kw: self.batch.cache},
         )
-        self.batch.cache = out.cache
+        self.batch.cache = cache_of(out)
         self.batch.advance()
         routing = self.capture.take() if self.capture else None
         for i, s in enumerate(self.running):
@@ -222,6 +224,18 @@ class EngineCore:
 
     def _sample(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         return sample(logits_BV, [s.params for s in seqs], [s.generator or self.rng for s in seqs])
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed the forward's `past_key_values` to `cache` (5.2x); speak both."""
+    import inspect
+
+    return "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
+
+
+def cache_of(out):
+    cache = getattr(out, "past_key_values", None)
+    return cache if cache is not None else out.cache
 
 
 def sample(logits_BV: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]):

@@ -51,7 +51,12 @@ def run_dir_for(recipe: Recipe) -> Path:
     return Path(recipe.run.output_dir) / recipe.run.name
 
 
-def dry_run(recipe: Recipe, console: Console) -> None:
+def dry_run(recipe: Recipe, console: Console) -> int:
+    try:
+        preflight(recipe)
+    except RecipeError as e:
+        console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
+        return 2
     run_dir = run_dir_for(recipe)
     if recipe.cluster is None:
         specs = make_plan(resolve(recipe, run_dir, run_dir / "secret"), run_dir)
@@ -63,6 +68,34 @@ def dry_run(recipe: Recipe, console: Console) -> None:
     console.print(dump_toml(recipe.model_dump(exclude_none=True)), markup=False, highlight=False)
     console.print()
     console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def check_model(recipe: Recipe) -> None:
+    """A pretrained `model.path` is read (headers only) now, so a broken folder fails before any process."""
+    from prl.model.pretrained import PretrainedError, check_pretrained
+    from prl.model.families import ROUTER_CLASSES as FAMILIES
+
+    m = recipe.model
+    if not m.path:
+        return
+    try:
+        info = check_pretrained(m.path)
+    except PretrainedError as e:
+        raise RecipeError(f"model.path: {e}; nothing was started") from None
+    longest = recipe.task.max_len * 2 + 8 + recipe.sampling.max_tokens
+    if info.max_position_embeddings and longest > info.max_position_embeddings:
+        raise RecipeError(f"model.path: {m.path} holds {info.max_position_embeddings} positions, shorter than the "
+                          f"longest sample ({longest} tokens); lower sampling.max_tokens")
+    if recipe.trainer.router_replay and info.model_type not in FAMILIES:
+        raise RecipeError(f"trainer.router_replay: model_type {info.model_type!r} of {m.path} has no routing "
+                          f"adapter (known: {sorted(FAMILIES)}); set trainer.router_replay = false")
+
+
+def preflight(recipe: Recipe) -> None:
+    """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
+    check_model(recipe)
+    check_task(recipe)
 
 
 def check_task(recipe: Recipe) -> None:
@@ -286,7 +319,7 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
             if recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl":
                 raise RunStopped("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built "
                                  "yet); use 'http'. `--dry-run` prints the plan. Nothing was started.")
-            check_task(recipe)
+            preflight(recipe)
             prepare_new(recipe, run_dir, force)
     except (RunStopped, RecipeError) as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)

@@ -1,4 +1,5 @@
-"""Build a model from a run's model folder (config.json + tokenizer) and load weights into it."""
+"""Build a model from a run's model folder: its weights when it has them (a pretrained `model.path`,
+linked in), else random init from config.json with the run's seed (the tiny models)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_model(model_dir: str | Path, seed: int = 0, dtype: str = "float32"):
-    """Random-init model from the config in `model_dir` (same seed -> same weights on every rank)."""
+    """The folder's weights, or random init (same seed -> same weights on every rank and server)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from prl.model.pretrained import has_weights, load_pretrained
+
+    if has_weights(model_dir):
+        return load_pretrained(Path(model_dir), DTYPES[dtype])
     config = AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    return model
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
 
 
 def load_tokenizer(model_dir: str | Path):

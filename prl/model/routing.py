@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from prl.model.families import ROUTER_CLASSES
+
 
 def _sigmoid_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     w = logits.float().sigmoid().gather(1, ids)
@@ -45,11 +47,8 @@ class RouterFamily:
     weights_at: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-FAMILIES = {
-    "glm_moe_dsa": RouterFamily("GlmMoeDsaTopkRouter", _sigmoid_weights),
-    "deepseek_v3": RouterFamily("DeepseekV3TopkRouter", _sigmoid_weights),
-    "qwen3_moe": RouterFamily("Qwen3MoeTopKRouter", _softmax_weights),
-}
+_WEIGHTS = {"glm_moe_dsa": _sigmoid_weights, "deepseek_v3": _sigmoid_weights, "qwen3_moe": _softmax_weights}
+FAMILIES = {family: RouterFamily(cls, _WEIGHTS[family]) for family, cls in ROUTER_CLASSES.items()}
 
 
 def family_of(model) -> RouterFamily:

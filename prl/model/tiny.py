@@ -1,4 +1,5 @@
-"""Tiny models of the GLM-5 architecture (random init) and a character tokenizer built locally.
+"""Tiny models (random init) of the GLM-5 or the Qwen3-MoE architecture, and a character tokenizer
+built locally; or a pretrained folder, whose weights are linked in place (never copied).
 
 Nothing is downloaded: the config comes from transformers' `GlmMoeDsaConfig`, the tokenizer from
 the `tokenizers` package. `index_topk` defaults above the longest sample, so the DSA indexer runs
@@ -31,6 +32,37 @@ def char_tokenizer():
 
 
 def tiny_config(cfg: ModelCfg, vocab_size: int):
+    return {"glm_moe_dsa": glm_config, "qwen3_moe": qwen3_moe_config}[cfg.arch](cfg, vocab_size)
+
+
+def qwen3_moe_config(cfg: ModelCfg, vocab_size: int):
+    """Qwen3-MoE: GQA attention with q/k norms, softmax top-k router, every layer MoE after the
+    first `first_dense_layers` (`mlp_only_layers`). vLLM serves this family on CPU."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.dense_dim,
+        moe_intermediate_size=cfg.expert_dim,
+        num_hidden_layers=cfg.num_layers,
+        mlp_only_layers=list(range(min(cfg.first_dense_layers, cfg.num_layers))),
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=max(1, cfg.num_heads // 2),
+        head_dim=cfg.head_dim,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        norm_topk_prob=True,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+
+
+def glm_config(cfg: ModelCfg, vocab_size: int):
     from transformers import GlmMoeDsaConfig
 
     head = cfg.head_dim
@@ -67,14 +99,14 @@ def tiny_config(cfg: ModelCfg, vocab_size: int):
 
 
 def write_model_dir(cfg: ModelCfg, out: Path) -> Path:
-    """Write config.json and the tokenizer (no weights) into `out`; every process builds from it."""
+    """The run's model folder, from which every process builds: config.json and the tokenizer, plus
+    (pretrained `path`) symlinks to the folder's weight files. Without weights, processes random-init
+    with the run's seed."""
     out.mkdir(parents=True, exist_ok=True)
     if cfg.path:
-        from transformers import AutoConfig, AutoTokenizer
+        from prl.model.pretrained import link_pretrained
 
-        AutoConfig.from_pretrained(cfg.path).save_pretrained(out)
-        AutoTokenizer.from_pretrained(cfg.path).save_pretrained(out)
-        return out
+        return link_pretrained(Path(cfg.path), out)
     tok = char_tokenizer()
     tok.save_pretrained(out)
     tiny_config(cfg, len(tok)).save_pretrained(out)

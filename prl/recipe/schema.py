@@ -22,10 +22,13 @@ class RunCfg(Section):
 
 
 class ModelCfg(Section):
-    """A tiny model built from a transformers config with random init, or a local HF folder."""
+    """A tiny model built from a transformers config with random init, or a pretrained local HF folder.
 
-    arch: Literal["glm_moe_dsa"] = "glm_moe_dsa"
-    path: str | None = None  # a local Hugging Face folder; overrides the tiny config below
+    With `path`, every process loads that folder's weights (`model.safetensors`, or shards listed in
+    `model.safetensors.index.json`); the tiny-model keys below are then unused."""
+
+    arch: Literal["glm_moe_dsa", "qwen3_moe"] = "glm_moe_dsa"
+    path: str | None = None  # a local Hugging Face folder with weights; on a cluster, at this path on every host
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(3, gt=0)
     first_dense_layers: int = Field(1, ge=0)
@@ -67,9 +70,16 @@ class TaskCfg(Section):
 
 
 class SftCfg(Section):
-    """Supervised warm start run by the trainer before RL (steps = 0 skips it)."""
+    """Supervised warm start run by the trainer before RL (steps = 0 skips it).
 
-    steps: int = Field(40, ge=0)
+    Unset, it is 40 steps for a tiny random-init model and off for a pretrained `model.path`."""
+
+    steps: int | None = Field(None, ge=0)
+
+    def steps_for(self, model: "ModelCfg") -> int:
+        if self.steps is not None:
+            return self.steps
+        return 0 if model.path else 40
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
 

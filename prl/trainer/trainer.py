@@ -128,18 +128,19 @@ class Trainer:
 
     def warm_start(self) -> None:
         sft = self.cfg.recipe.sft
-        if not sft.steps:
+        steps = sft.steps_for(self.cfg.recipe.model)
+        if not steps:
             return
-        opt, sched = self.make_optimizer(sft.lr, sft.steps)
+        opt, sched = self.make_optimizer(sft.lr, steps)
         task = make_task(self.cfg.recipe.task, self.cfg.recipe.run.seed + SFT_SEED_OFFSET)
-        for step in range(sft.steps):
+        for step in range(steps):
             t0 = time.perf_counter()
             samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
             mbs = pack(samples, self.world, self.tcfg.micro_batch_tokens)[self.rank]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
-            self.log_main("trainer_step", stage="sft", step=step, total=sft.steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
+            self.log_main("trainer_step", stage="sft", step=step, total=steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
 
     def rl_step(self, step: int) -> None:
         t0 = time.perf_counter()
