@@ -150,15 +150,6 @@ def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence
     }
 
 
-def weight_source(cfg):
-    from prl.transport.weights import HttpFetch, SharedFolder
-
-    root = cfg.run_path / "weights"
-    if cfg.shares_trainer_fs:
-        return SharedFolder(root)
-    return HttpFetch(cfg.trainer_url, cfg.secret(), root, keep=cfg.recipe.trainer.keep_weights)
-
-
 def main(config_path: str) -> None:
     import os
     import signal
@@ -168,6 +159,7 @@ def main(config_path: str) -> None:
 
     from prl.model.build import build_model, load_tokenizer
     from prl.recipe.resolve import load_process_config
+    from prl.transport.weights import weight_source
 
     cfg = load_process_config(config_path)
     inf = cfg.recipe.inference

@@ -41,6 +41,7 @@ def qwen3_moe_config(cfg: ModelCfg, vocab_size: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.dense_dim,
@@ -67,6 +68,7 @@ def glm_config(cfg: ModelCfg, vocab_size: int):
 
     head = cfg.head_dim
     return GlmMoeDsaConfig(
+        architectures=["GlmMoeDsaForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.dense_dim,

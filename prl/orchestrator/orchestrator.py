@@ -18,7 +18,7 @@ import time
 from prl.inference.protocol import GenerateRequest, decode_routing
 from prl.metrics import EventLog
 from prl.orchestrator.buffer import Group, GroupBuffer
-from prl.orchestrator.client import InferenceClient
+from prl.inference.backend import InferenceBackend, make_backend
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
 from prl.transport.batch import Sample, TrainBatch, pack
@@ -52,7 +52,7 @@ class Orchestrator:
         self.rl, self.sampling = r.rl, r.sampling
         self.task = make_task(r.task, r.run.seed)
         self.tokenizer = load_tokenizer(cfg.model_dir)
-        self.clients = [InferenceClient(u, cfg.secret(), r.rl.max_inflight_rollouts + 8) for u in cfg.servers]
+        self.servers: list[InferenceBackend] = [self.backend(u) for u in cfg.servers]
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret())
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
@@ -63,6 +63,11 @@ class Orchestrator:
         self.error: BaseException | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
         self.tasks: list[asyncio.Task] = []
+
+    def backend(self, url: str) -> InferenceBackend:
+        inf, conns = self.cfg.recipe.inference, self.rl.max_inflight_rollouts + 8
+        options = {"eos_token_id": self.tokenizer.eos_token_id} if inf.backend == "vllm" else {}
+        return make_backend(inf.backend, url, self.cfg.secret(), conns, **options)
 
     # ---- main loop ----
     async def run(self) -> None:
@@ -79,7 +84,8 @@ class Orchestrator:
         self.log.emit("orchestrator", state="waiting for the trainer")
         self.start_step, self.next_prompt = await self.trainer.resume_point()
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
-        await asyncio.gather(*(c.wait_ready() for c in self.clients))
+        timeout = self.cfg.recipe.inference.startup_timeout_s
+        await asyncio.gather(*(s.wait_ready(timeout) for s in self.servers))
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         await self.relay_weights(wait_for=self.start_step)
         self.tasks = [asyncio.create_task(self.guard(t)) for t in (self.produce(), self.watch_weights(), self.poll_servers())]
@@ -99,7 +105,7 @@ class Orchestrator:
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self.clients), self.trainer.close())
+        await asyncio.gather(*(s.close() for s in self.servers), self.trainer.close())
 
     # ---- batches ----
     async def next_groups(self, step: int) -> tuple[list[Group], int]:
@@ -179,8 +185,8 @@ class Orchestrator:
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
             return_routing=self.cfg.recipe.trainer.router_replay,
         )
-        client = self.clients[index % len(self.clients)]  # one server per group: its prefix cache hits
-        resp = await client.generate(req)
+        server = self.servers[index % len(self.servers)]  # one server per group: its prefix cache hits
+        resp = await server.generate(req)
         outs = resp.completions
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         rewards = [self.task.reward(t, example) for t in texts]
@@ -202,11 +208,11 @@ class Orchestrator:
             if wait_for is None:
                 return
         t0 = time.perf_counter()
-        await asyncio.gather(*(c.update_weights(v) for c in self.clients))
+        paused = await asyncio.gather(*(s.load_weights(v) for s in self.servers))
         async with self.changed:
             self.served = v
             self.changed.notify_all()
-        self.log.emit("weights", version=v, relay_s=round(time.perf_counter() - t0, 4))
+        self.log.emit("weights", version=v, relay_s=round(time.perf_counter() - t0, 4), pause_s=round(max(paused), 4))
 
     async def watch_weights(self) -> None:
         while True:
@@ -214,8 +220,8 @@ class Orchestrator:
 
     async def poll_servers(self) -> None:
         while True:
-            for i, c in enumerate(self.clients):
-                m = await c.metrics()
+            for i, server in enumerate(self.servers):
+                m = await server.metrics()
                 self.log.emit("server", name=f"inference-{i}", **m.model_dump())
             self.log.emit("rollouts", inflight=self.inflight_groups * self.rl.group_size, buffered=len(self.buffer),
                           served_version=self.served)

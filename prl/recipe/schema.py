@@ -6,7 +6,7 @@ rewrite the config (derived values live in `prl.recipe.resolve`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -146,8 +146,19 @@ class TrainerCfg(Section):
     loss: LossCfg = LossCfg()
 
 
+# vLLM arguments prl sets itself (`prl.inference.vllm.launch`): the recipe key that controls each
+VLLM_OWN_ARGS = {
+    "model": "model.path", "served_model_name": "run.name", "host": "placement / inference.host",
+    "port": "cluster.inference_port / inference.port", "dtype": "inference.dtype", "seed": "run.seed",
+    "max_num_seqs": "inference.max_batch_size", "enable_scale_out": "(always on)",
+    "logprobs_mode": "(always processed_logprobs)", "generation_config": "(always vllm)",
+    "weight_transfer_config": "(always prl)", "middleware": "(prl's bearer check)", "api_key": "the run's secret",
+    "load_format": "model.path", "enable_return_routed_experts": "trainer.router_replay",
+}
+
+
 class InferenceCfg(Section):
-    backend: Literal["embedded"] = "embedded"
+    backend: Literal["embedded", "vllm"] = "embedded"
     num_servers: int = Field(1, gt=0)
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick free ports at launch
@@ -156,6 +167,22 @@ class InferenceCfg(Section):
     fp8: bool = False  # the engine computes with the same block-scaled FP8 weights
     threads: int = Field(1, gt=0)
     prefix_cache_entries: int = Field(256, ge=0)
+    startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
+    vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
+
+    @model_validator(mode="after")
+    def _vllm_args(self):
+        own = sorted(k for k in self.vllm if k.replace("-", "_") in VLLM_OWN_ARGS)
+        if own:
+            k = own[0]
+            raise ValueError(f"inference.vllm.{k}: prl sets --{k.replace('_', '-')} itself (from "
+                             f"{VLLM_OWN_ARGS[k.replace('-', '_')]}); remove it")
+        if self.vllm and self.backend != "vllm":
+            raise ValueError("inference.vllm: only used with inference.backend = 'vllm'")
+        if self.backend == "vllm" and self.fp8:
+            raise ValueError("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM "
+                             "is not built yet; use the embedded engine or inference.fp8 = false")
+        return self
 
 
 class HostCfg(Section):
@@ -251,6 +278,14 @@ class Recipe(Section):
             return self.placement
         ids = [h.id for h in self.cluster.hosts]
         return PlacementCfg(trainer=ids[:1], inference=ids[1:] or ids[:1])
+
+    @model_validator(mode="after")
+    def _vllm_sampling(self):
+        if self.inference.backend == "vllm" and self.sampling.top_p < 1:
+            raise ValueError(f"sampling.top_p = {self.sampling.top_p} with inference.backend = 'vllm': vLLM reports "
+                             f"logprobs after top-p truncation, not the temperature-scaled ones the trainer "
+                             f"recomputes; use top_p = 1")
+        return self
 
     @model_validator(mode="after")
     def _cross(self):

@@ -40,17 +40,25 @@ def full_model_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=FULL)
 
 
-def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None) -> Path | None:
+def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None,
+            hf_format: bool = False) -> Path | None:
     """Seal weights vN for the inference servers; older versions beyond `keep` are pruned.
-    With `fp8_names` those tensors are published block-FP8 (engine and trainer both run FP8)."""
+    With `fp8_names` those tensors are published block-FP8 (engine and trainer both run FP8).
+    With `hf_format` in Hugging Face checkpoint names and layouts (what vLLM's `load_weights` reads);
+    else in the model's in-memory names (what the embedded engine copies in)."""
     state = full_model_state(model)
     if dist.get_rank() != 0:
         return None
+    meta = {"version": version, "format": "hf" if hf_format else "memory"}
+    if hf_format:
+        from prl.model.hf_format import to_checkpoint_format
+
+        state = to_checkpoint_format(model, state)
     if fp8_names:
         from prl.model.fp8_checkpoint import quantize_state_dict
 
         state = quantize_state_dict(state, fp8_names)
-    path = write_weights(version_dir(root, version), state, {"version": version})
+    path = write_weights(version_dir(root, version), state, meta)
     prune_versions(root, keep)
     return path
 

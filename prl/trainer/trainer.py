@@ -214,7 +214,8 @@ class Trainer:
 
     # ---- outputs ----
     def publish(self, version: int) -> None:
-        publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names)
+        publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names,
+                hf_format=self.cfg.recipe.inference.backend == "vllm")
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position)

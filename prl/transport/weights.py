@@ -97,3 +97,12 @@ class HttpFetch(WeightSource):
             with open(path, "wb") as f:
                 f.writelines(r.iter_bytes(1 << 20))
         return path
+
+
+def weight_source(cfg) -> WeightSource:
+    """Where an inference server (a `ProcessConfig`) reads published versions: in place on the
+    trainer's host, else downloaded and verified from the trainer endpoint."""
+    root = cfg.run_path / "weights"
+    if cfg.shares_trainer_fs:
+        return SharedFolder(root)
+    return HttpFetch(cfg.trainer_url, cfg.secret(), root, keep=cfg.recipe.trainer.keep_weights)

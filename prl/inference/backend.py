@@ -1,0 +1,106 @@
+"""The inference-backend seam: what the orchestrator needs from one server, whatever engine runs it.
+
+Rules every backend keeps:
+- `generate` returns, per completion, every token's logprob (temperature-scaled, before top-p: what
+  the trainer recomputes), the policy version that produced it, and (when asked) the experts it
+  was routed to, in prl's wire types (`prl.inference.protocol`);
+- `load_weights(v)` is an in-flight update: running requests keep their KV and continue under v;
+  requests started after it never reuse prefix KV computed under an older version; a rejected
+  version raises `WeightsRejected` and the old one keeps serving;
+- a server that died or stopped answering raises `BackendError` naming it, never hangs.
+
+Backends: `embedded` (prl's own engine and HTTP API, `prl.inference.embedded_client`) and `vllm`
+(a vLLM OpenAI server and its RL API, `prl.inference.vllm.client`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+
+import httpx
+
+from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics
+
+
+class BackendError(RuntimeError):
+    """A server failed a request or stopped answering; the message names the server."""
+
+
+class WeightsRejected(BackendError):
+    """A server refused a weights version; it keeps serving the version it had."""
+
+
+class InferenceBackend(abc.ABC):
+    """One inference server, reached over HTTP with the run's bearer secret."""
+
+    def __init__(self, base_url: str, secret: str, max_connections: int = 128):
+        self.base_url = base_url
+        self.http = httpx.AsyncClient(
+            base_url=base_url,
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=httpx.Timeout(600.0, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self.version = -1  # the policy version this server serves, as far as this client knows
+
+    @abc.abstractmethod
+    async def wait_ready(self, timeout: float) -> None:
+        """Return once the server answers requests (raise `BackendError` after `timeout`)."""
+
+    @abc.abstractmethod
+    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+
+    @abc.abstractmethod
+    async def load_weights(self, version: int) -> float:
+        """Load `version` in flight; returns the seconds the server was paused for it."""
+
+    @abc.abstractmethod
+    async def metrics(self) -> Metrics: ...
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def post(self, path: str, body: dict | None = None, attempts: int = 3, **kw) -> httpx.Response:
+        """POST, retrying transport errors (a keep-alive connection closed under us is not a dead
+        server; a dead server fails every attempt and the error surfaces, naming it)."""
+        for attempt in range(attempts):
+            try:
+                return await self.http.post(path, json=body, **kw)
+            except httpx.TransportError as e:
+                if attempt == attempts - 1:
+                    raise BackendError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def poll_health(self, timeout: float, path: str = "/health") -> None:
+        """Wait until `path` answers 200; transport errors mean the server is still starting."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r = await self.http.get(path)
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise BackendError(f"inference server {self.base_url} not healthy after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+
+    def check(self, r: httpx.Response, what: str) -> httpx.Response:
+        if r.status_code >= 400:
+            raise BackendError(f"{self.base_url}: {what} answered {r.status_code}: {r.text[:300]}")
+        return r
+
+
+def make_backend(kind: str, base_url: str, secret: str, max_connections: int = 128, **options) -> InferenceBackend:
+    if kind == "embedded":
+        from prl.inference.embedded_client import EmbeddedBackend
+
+        return EmbeddedBackend(base_url, secret, max_connections)
+    if kind == "vllm":
+        from prl.inference.vllm.client import VllmBackend
+
+        return VllmBackend(base_url, secret, max_connections, **options)
+    raise ValueError(f"inference.backend = {kind!r}: unknown (embedded, vllm)")

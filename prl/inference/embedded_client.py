@@ -1,0 +1,42 @@
+"""The embedded engine as an `InferenceBackend`: a client of prl's own inference HTTP API."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from prl.inference.backend import BackendError, InferenceBackend, WeightsRejected
+from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, UpdateWeightsResponse
+
+
+class EmbeddedBackend(InferenceBackend):
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        await self.poll_health(timeout)
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        r = self.check(await self.post("/generate", req.model_dump()), "/generate")
+        return GenerateResponse.model_validate_json(r.content)
+
+    async def load_weights(self, version: int) -> float:
+        """The engine applies a verified version between two decode steps: no pause is needed."""
+        t0 = time.perf_counter()
+        await self.update_weights(version)
+        return time.perf_counter() - t0
+
+    async def update_weights(self, version: int, path: str | None = None) -> UpdateWeightsResponse:
+        """Load `version`: from `path` if given, else from where the server's config says weights come."""
+        r = await self.post("/update_weights", {"path": path, "version": version})
+        if r.status_code == 409:
+            raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {r.json().get('detail')}")
+        self.check(r, "/update_weights")
+        out = UpdateWeightsResponse.model_validate_json(r.content)
+        self.version = out.version
+        return out
+
+    async def metrics(self) -> Metrics:
+        try:
+            r = await self.http.get("/metrics")
+        except httpx.TransportError as e:
+            raise BackendError(f"{self.base_url}/metrics: {type(e).__name__}: {e}") from None
+        return Metrics.model_validate_json(self.check(r, "/metrics").content)

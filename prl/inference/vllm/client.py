@@ -1,0 +1,188 @@
+"""A vLLM OpenAI server as an `InferenceBackend`, through vLLM's own RL API (no patches).
+
+- Rollouts: `POST /inference/v1/generate` (token ids in and out, the sampled token's logprob,
+  `weight_versions` spans, `routed_experts`). The server runs with `--logprobs-mode
+  processed_logprobs`, which is log_softmax(logits / temperature) as long as no top-p/top-k/min-p
+  or penalty is applied (the recipe refuses `sampling.top_p < 1` with this backend).
+- In-flight update of version N: stage (the prl weight-transfer engine in every worker fetches
+  and verifies vN while decoding continues), `/pause?mode=keep` (running requests keep their KV),
+  load the staged tensors, `/finish_weight_update` with weight version "vN", `/resume`. A version
+  that fails verification is refused before any tensor is touched: the old one keeps serving.
+- Prefix KV: every request carries `cache_salt = "prl-v{N}"`, N the newest version this client has
+  started loading, so a request sent after an update began never hits blocks computed under an
+  older version (a request sent before it keeps running under the new weights, like any
+  in-flight request).
+- A dead engine: vLLM's `/health` may answer 200 for a few seconds after its engine core died,
+  and requests then fail with 500; any 5xx or transport error is raised as `BackendError`
+  naming the server, so the run stops (or, with restarts, the server is replaced) at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+from prl.inference.backend import BackendError, InferenceBackend, WeightsRejected
+from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing
+
+# vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
+STARTUP_VERSION = -1
+# the first request after startup must not be tiny: see `warm_up`
+WARM_UP_PROMPT = list(range(3, 19))
+
+
+def version_label(version: int) -> str:
+    return f"v{version}"
+
+
+def parse_version(label: str) -> int:
+    if label.startswith("v") and label[1:].isdigit():
+        return int(label[1:])
+    return STARTUP_VERSION
+
+
+class VllmBackend(InferenceBackend):
+    def __init__(self, base_url: str, secret: str, max_connections: int = 128, eos_token_id: int | None = None):
+        super().__init__(base_url, secret, max_connections)
+        self.eos = eos_token_id
+        self.salt_version = STARTUP_VERSION
+        self._rate: list[tuple[float, float]] = []
+
+    # ---- start ----
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        await self.poll_health(timeout)
+        await self.warm_up()
+        self.check(await self.post("/init_weight_transfer_engine", {"init_info": {}}), "/init_weight_transfer_engine")
+        r = self.check(await self.http.get("/weight_info"), "/weight_info")
+        self.version = self.salt_version = parse_version(str(r.json().get("weight_version") or ""))
+
+    async def warm_up(self) -> None:
+        """One short generation before any real request, so the engine's first forward is not a
+        tiny prompt (see the README, "vLLM on CPU")."""
+        body = {"token_ids": WARM_UP_PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+        self.check(await self.post("/inference/v1/generate", body), "warm-up /inference/v1/generate")
+
+    # ---- rollouts ----
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        r = await self.post("/inference/v1/generate", self.request_body(req))
+        self.check(r, "/inference/v1/generate")
+        return self.parse_response(r.json(), req)
+
+    def request_body(self, req: GenerateRequest) -> dict:
+        params = {
+            "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_tokens,
+            "seed": req.seed, "logprobs": 0,
+            # prl's rule: explicit stop ids replace the tokenizer's EOS (an empty list: no stop at all)
+            "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.stop_token_ids is not None,
+        }
+        if req.stop_token_ids is None and self.eos is not None:
+            params["stop_token_ids"] = [self.eos]
+        if req.return_routing:
+            params["routed_experts_prompt_start"] = req.routing_start
+        return {"token_ids": req.prompt_ids, "sampling_params": params,
+                "cache_salt": f"prl-{version_label(self.salt_version)}"}
+
+    def parse_response(self, body: dict, req: GenerateRequest) -> GenerateResponse:
+        completions, prompt_routing = [], None
+        n_prompt = len(req.prompt_ids) - req.routing_start
+        for choice in sorted(body["choices"], key=lambda c: c["index"]):
+            tokens = choice["token_ids"]
+            logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            if len(logprobs) != len(tokens):
+                raise BackendError(f"{self.base_url}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+            routing = None
+            if req.return_routing:
+                if choice.get("routed_experts") is None:
+                    raise BackendError(f"{self.base_url}: no routed_experts (start vLLM with "
+                                       f"--enable-return-routed-experts)")
+                rows = decode_npy(choice["routed_experts"])
+                prompt_routing = prompt_routing or to_routing(rows[:n_prompt])
+                routing = to_routing(rows[n_prompt:])
+            completions.append(Completion(
+                token_ids=tokens, logprobs=logprobs, versions=token_versions(choice["weight_versions"], len(tokens)),
+                finish_reason=choice["finish_reason"] or "length", routing=routing,
+            ))
+        return GenerateResponse(completions=completions, prompt_routing=prompt_routing)
+
+    # ---- weights ----
+    async def load_weights(self, version: int) -> float:
+        await self.weight_call("/start_weight_update")
+        await self.update(version, "stage")  # fetch + verify while decoding goes on
+        self.salt_version = max(self.salt_version, version)  # requests from now on: the new salt
+        t0 = time.perf_counter()
+        self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
+        try:
+            await self.update(version, "load")
+            await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
+        finally:
+            self.check(await self.post("/resume"), "/resume")
+        self.version = version
+        return time.perf_counter() - t0
+
+    async def update(self, version: int, action: str) -> None:
+        r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})
+        if r.status_code >= 400:
+            await self.post("/finish_weight_update")  # vLLM ended the session already; harmless if so
+            raise WeightsRejected(f"{self.base_url} rejected weights v{version} ({action}): {r.text[:400]}")
+
+    async def weight_call(self, path: str, body: dict | None = None) -> None:
+        self.check(await self.post(path, body), path)
+
+    # ---- metrics ----
+    async def metrics(self) -> Metrics:
+        r = self.check(await self.http.get("/metrics"), "/metrics")
+        m = prometheus_values(r.text)
+        generated = int(m.get("vllm:generation_tokens_total", 0))
+        paused = self.check(await self.http.get("/is_paused"), "/is_paused").json().get("is_paused", False)
+        return Metrics(
+            version=self.version, running=int(m.get("vllm:num_requests_running", 0)),
+            waiting=int(m.get("vllm:num_requests_waiting", 0)), paused=bool(paused), generated_tokens=generated,
+            prompt_tokens=int(m.get("vllm:prompt_tokens_total", 0)),
+            prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)),
+            prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
+            tokens_per_s=self.rate(generated), busy_frac=0.0, busy_s=0.0,
+        )
+
+    def rate(self, total: float) -> float:
+        now = time.monotonic()
+        self._rate = [(t, n) for t, n in self._rate if now - t < 10][-32:] + [(now, total)]
+        t0, n0 = self._rate[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+
+def token_versions(spans: list[dict] | None, n: int) -> list[int]:
+    """vLLM's half-open `weight_versions` spans over output tokens -> one version per token."""
+    out = [STARTUP_VERSION] * n
+    for span in spans or []:
+        for i in range(span["start"], min(span["end"], n)):
+            out[i] = parse_version(str(span["version"]))
+    return out
+
+
+def decode_npy(data: str):
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+
+
+def to_routing(rows) -> Routing:
+    import numpy as np
+
+    arr = np.ascontiguousarray(rows.astype(np.uint8 if rows.max(initial=0) < 256 else np.int16))
+    return Routing(data=base64.b64encode(arr.tobytes()).decode(), shape=list(arr.shape), dtype=str(arr.dtype))
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """Sum of every sample of each metric (labels dropped) from Prometheus text format."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,90 @@
+"""Start a vLLM OpenAI server for one inference slot of a run.
+
+`vllm_args(cfg)` is the full vLLM command line (shown by `--dry-run`); the process prl starts is
+`python -m prl.inference.vllm.launch --config CFG -- python -m vllm.entrypoints.openai.api_server ARGS`,
+which puts the run's secret into `VLLM_API_KEY` (never on a command line), turns on the RL routes
+(`VLLM_SERVER_DEV_MODE=1`), tells the weight-transfer plugin its config (`PRL_CONFIG`), and
+replaces itself with vLLM (`exec`: same pid, same process group, so prl's teardown reaches every
+vLLM child).
+
+prl sets the arguments that the rest of the run depends on; `[inference.vllm]` passes any other
+vLLM argument through (`max_num_seqs = 32` -> `--max-num-seqs 32`, `true` -> a bare flag, `false`
+-> `--no-...`); setting one of prl's own is refused when the recipe is validated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from prl.recipe.resolve import ProcessConfig
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+WEIGHT_ENGINE = json.dumps({"backend": "prl"}, separators=(",", ":"))
+AUTH_MIDDLEWARE = "prl.inference.vllm.auth.require_bearer"
+
+
+def option_flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def passthrough(options: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in options.items():
+        if value is True:
+            out.append(option_flag(key))
+        elif value is False:
+            out.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            out += [option_flag(key), json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, list):
+            out += [option_flag(key), *map(str, value)]
+        else:
+            out += [option_flag(key), str(value)]
+    return out
+
+
+def vllm_args(cfg: ProcessConfig) -> list[str]:
+    """Everything after `python -m vllm.entrypoints.openai.api_server`."""
+
+    r, inf = cfg.recipe, cfg.recipe.inference
+    args = [
+        "--model", str(cfg.model_dir), "--served-model-name", r.run.name,
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--dtype", inf.dtype, "--seed", str(r.run.seed + 1000 * cfg.index),
+        "--max-num-seqs", str(inf.max_batch_size),
+        "--enable-scale-out",  # /inference/v1/generate: token ids in and out
+        "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): what the trainer recomputes
+        "--generation-config", "vllm",  # the folder's sampling defaults (penalties) would change logprobs
+        "--weight-transfer-config", WEIGHT_ENGINE,
+        "--middleware", AUTH_MIDDLEWARE,
+    ]
+    if not r.model.path:
+        args += ["--load-format", "dummy"]  # a tiny random-init model: version 0 arrives before any rollout
+    if r.trainer.router_replay:
+        args.append("--enable-return-routed-experts")
+    return args + passthrough(inf.vllm)
+
+
+def launch_command(cfg: ProcessConfig, python: str) -> list[str]:
+    config = f"{cfg.run_dir}/config/{cfg.name}.json"
+    return [python, "-m", "prl.inference.vllm.launch", "--config", config, "--",
+            python, "-m", VLLM_MODULE, *vllm_args(cfg)]
+
+
+def main(argv: list[str]) -> None:
+    from prl.recipe.resolve import load_process_config
+
+    if len(argv) < 4 or argv[0] != "--config" or argv[2] != "--":
+        raise SystemExit("usage: python -m prl.inference.vllm.launch --config CFG -- VLLM_COMMAND...")
+    cfg = load_process_config(argv[1])
+    env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
+    command = argv[3:]
+    print(f"{cfg.name}: exec {' '.join(command)}", flush=True)
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

