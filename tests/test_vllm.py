@@ -3,10 +3,8 @@ recomputation, in-flight weight updates through prl's weight-transfer engine, ve
 KV, refused versions, and a dead engine surfacing at once."""
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -140,3 +138,132 @@ def test_a_refused_version_keeps_the_old_one_serving(server):
         call(server, lambda b: b.load_weights(3))
     resp = call(server, lambda b: b.generate(req(n=1)))
     assert set(resp.completions[0].versions) == {1}, "still serving v1"
+
+
+def test_trainer_embedded_engine_and_vllm_agree_on_a_pretrained_folder(server):
+    """The folder `[model] path` names, served three ways: the trainer's recomputation, the embedded
+    engine and vLLM give the same greedy tokens and logprobs (fp32; vLLM's CPU kernels within 2e-4)."""
+    from prl.inference.engine import EngineCore, SamplingParams, Sequence
+    from prl.model.build import build_model
+    from prl.trainer.loss import token_logprobs
+
+    model_dir = server.run_dir / "model"
+    core = EngineCore(build_model(model_dir), max_batch_size=4)
+    seq = Sequence(list(PROMPT), SamplingParams(temperature=0.0, max_tokens=16))
+    core.add(seq)
+    while seq.finish_reason is None:
+        core.step()
+    engine_state = {k: v.clone() for k, v in build_model(model_dir).state_dict().items()}
+    from prl.model.hf_format import to_checkpoint_format
+
+    publish(server, 4, to_checkpoint_format(build_model(model_dir), engine_state))
+    call(server, lambda b: b.load_weights(4))
+    out = call(server, lambda b: b.generate(req(n=1, temperature=0.0, max_tokens=16))).completions[0]
+    assert out.token_ids == seq.out_ids, "greedy tokens differ between vLLM and the embedded engine"
+    trainer = build_model(model_dir)
+    ids = torch.tensor(PROMPT + seq.out_ids)
+    with torch.no_grad():
+        logits = trainer(input_ids=ids[None]).logits[0, len(PROMPT) - 1 : -1]
+    recomputed = token_logprobs(logits, ids[len(PROMPT):], 1.0)
+    torch.testing.assert_close(torch.tensor(seq.logprobs), recomputed, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.logprobs), recomputed, atol=2e-4, rtol=0)
+
+
+def metric(srv, name: str) -> float:
+    from prl.inference.vllm.client import prometheus_values
+
+    async def get(b):
+        r = await b.http.get("/metrics")
+        return prometheus_values(r.text).get(name, 0.0)
+
+    return call(srv, get)
+
+
+def test_a_request_spanning_an_update_keeps_its_kv_and_carries_both_versions(server):
+    model_dir = server.run_dir / "model"
+    from prl.model.build import build_model
+
+    publish(server, 5, perturbed_state(build_model(model_dir), seed=5))
+    preemptions = metric(server, "vllm:num_preemptions_total")
+
+    async def go(b):
+        start = metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0)
+        long = asyncio.create_task(b.generate(req(n=1, max_tokens=490, prompt_ids=PROMPT)))
+        while metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0) < start + 10:
+            await asyncio.sleep(0.01)  # some tokens under the old version
+        # freeze it first, so staging v5 (which runs while decoding goes on) cannot outlast the request
+        b.check(await b.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
+        await b.load_weights(5)
+        return await long
+
+    out = call(server, go).completions[0]
+    assert out.versions[0] == 4 and out.versions[-1] == 5, f"versions {sorted(set(out.versions))}"
+    assert out.versions == sorted(out.versions), "one switch, old then new"
+    assert metric(server, "vllm:num_preemptions_total") == preemptions, "the running request was preempted"
+
+
+def metrics_of(r) -> dict:
+    from prl.inference.vllm.client import prometheus_values
+
+    return prometheus_values(r.text)
+
+
+def test_no_request_after_an_update_reuses_an_old_versions_prefix(server):
+    """Prompts of 3 full KV blocks (block size 32). Under v5 the prefix is cached and hit; after v6
+    a request with the same prompt misses and its logprobs are v6's. A request forced to carry v5's
+    salt does hit, so without the version in the key this test would fail."""
+    from prl.model.build import build_model
+
+    long_prompt = [(7 * i) % 40 + 3 for i in range(100)]
+    model = build_model(server.run_dir / "model")
+    publish(server, 6, perturbed_state(model, seed=6))
+    one = req(n=1, max_tokens=1, prompt_ids=long_prompt)
+
+    async def go(b):
+        async def hits():
+            return metrics_of(await b.http.get("/metrics")).get("vllm:prefix_cache_hits_total", 0.0)
+
+        await b.wait_ready(60)  # serving v5: requests carry its salt
+        old_body = b.request_body(one)
+        await b.generate(one)
+        h0 = await hits()
+        await b.generate(one)
+        assert await hits() >= h0 + 96, "same version, same prompt: the prefix is reused"
+        await b.load_weights(6)
+        h1 = await hits()
+        out = await b.generate(req(n=1, max_tokens=8, prompt_ids=long_prompt))
+        assert await hits() == h1, "a request after the update hit a prefix computed under v5"
+        b.check(await b.post("/inference/v1/generate", old_body), "control request")
+        assert await hits() >= h1 + 96, "control: v5's blocks were still cached, only the salt kept them apart"
+        return out
+
+    out = call(server, go).completions[0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, long_prompt, out.token_ids),
+                               atol=2e-4, rtol=0)
+
+
+def test_every_route_needs_the_runs_secret(server):
+    import httpx
+
+    for method, path in (("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"),
+                         ("POST", "/inference/v1/generate"), ("GET", "/metrics")):
+        r = httpx.request(method, server.url + path, json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, (path, r.status_code)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_dead_engine_fails_requests_at_once_naming_the_server(server):
+    """vLLM's /health answers 200 for a while after its engine core died; prl's backend raises on
+    the first failed request instead of waiting."""
+    import psutil
+
+    from prl.inference.backend import BackendError
+
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    engine = [c for c in children if "EngineCore" in " ".join(c.cmdline()) or c.name().startswith("VLLM::Engine")]
+    victim = engine[0] if engine else children[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=server.url.split("//")[1]):
+        call(server, lambda b: b.generate(req(n=1)))
+    assert time.monotonic() - t0 < 120
