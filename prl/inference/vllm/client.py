@@ -28,7 +28,6 @@ from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
-# the first request after startup must not be tiny: see `warm_up`
 WARM_UP_PROMPT = list(range(3, 19))
 
 
@@ -58,8 +57,9 @@ class VllmBackend(InferenceBackend):
         self.version = self.salt_version = parse_version(str(r.json().get("weight_version") or ""))
 
     async def warm_up(self) -> None:
-        """One short generation before any real request, so the engine's first forward is not a
-        tiny prompt (see the README, "vLLM on CPU")."""
+        """One short generation before any real request. vLLM checks some kernel constraints only
+        when the first batch runs (on CPU: the attention head size; its engine then dies), so a
+        server that cannot serve this model fails here, at start, naming the server."""
         body = {"token_ids": WARM_UP_PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
         self.check(await self.post("/inference/v1/generate", body), "warm-up /inference/v1/generate")
 

@@ -22,8 +22,14 @@ from typing import Any
 from prl.recipe.resolve import ProcessConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-WEIGHT_ENGINE = json.dumps({"backend": "prl"}, separators=(",", ":"))
 AUTH_MIDDLEWARE = "prl.inference.vllm.auth.require_bearer"
+
+
+def weight_engine(recipe) -> str:
+    """prl's own engine (weights from the trainer endpoint); vLLM's NCCL engine when the cluster
+    broadcasts weights over NCCL (GPU only; `prl run` refuses it until the trainer side exists)."""
+    nccl = recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl"
+    return json.dumps({"backend": "nccl" if nccl else "prl"}, separators=(",", ":"))
 
 
 def option_flag(key: str) -> str:
@@ -58,13 +64,16 @@ def vllm_args(cfg: ProcessConfig) -> list[str]:
         "--enable-scale-out",  # /inference/v1/generate: token ids in and out
         "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): what the trainer recomputes
         "--generation-config", "vllm",  # the folder's sampling defaults (penalties) would change logprobs
-        "--weight-transfer-config", WEIGHT_ENGINE,
+        "--weight-transfer-config", weight_engine(r),
         "--middleware", AUTH_MIDDLEWARE,
     ]
     if not r.model.path:
         args += ["--load-format", "dummy"]  # a tiny random-init model: version 0 arrives before any rollout
     if r.trainer.router_replay:
         args.append("--enable-return-routed-experts")
+    parallel = {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}
+    if len(cfg.gpus) > 1 and not parallel & {k.replace("-", "_") for k in inf.vllm}:
+        args += ["--tensor-parallel-size", str(len(cfg.gpus))]  # one server spans placement.gpus_per_server
     return args + passthrough(inf.vllm)
 
 

