@@ -1,16 +1,21 @@
-"""Embedded engine (continuous batching) against transformers' `model.generate` (static batches).
+"""vLLM, the embedded engine (continuous batching) and transformers' `model.generate` (static batches).
 
-Same model, same requests, same CPU, one after the other in one process. Output lengths are
-long-tailed (log-normal, clipped): each request must produce exactly its length (EOS ignored), so
-both sides do the same useful work; `generate` runs the requests in static batches of the same
-size as the engine's batch, each batch lasting as long as its longest member.
+Same weights (a tiny Qwen3-MoE saved as a Hugging Face folder), same requests, same CPU, one after
+the other. Output lengths are long-tailed (log-normal, clipped): each request must produce exactly
+its length (EOS ignored), so every side does the same useful work; `generate` runs the requests in
+static batches of the engine's batch size, each lasting as long as its longest member; vLLM gets all
+requests at once over HTTP (`/inference/v1/generate`, as prl's orchestrator sends them) with
+`max_num_seqs` = the batch size. vLLM's worker computes on one core (it keeps the other for its API
+server); the embedded engine and `generate` run one thread.
 
-    .venv/bin/python bench/engine_throughput.py [--requests 96] [--batch 32] [--repeats 2]
+    .venv/bin/python bench/engine_throughput.py [--requests 96] [--batch 32] [--repeats 2] [--no-vllm]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import random
 import tempfile
 import time
@@ -20,8 +25,10 @@ import torch
 
 from prl.inference.engine import EngineCore, SamplingParams, Sequence
 from prl.model.build import build_model
-from prl.model.tiny import write_model_dir
+from prl.model.tiny import char_tokenizer, write_model_dir
 from prl.recipe.schema import ModelCfg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -57,30 +64,89 @@ def run_generate(model, reqs, batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def vllm_server(model, batch: int):
+    """A real vLLM server on the same weights, started as `prl run` starts one."""
+    from vllm_rig import start_server
+
+    root = Path(tempfile.mkdtemp())
+    model.save_pretrained(root / "hf")
+    char_tokenizer().save_pretrained(root / "hf")
+    srv = start_server(root, root / "hf", inference__max_batch_size=batch)
+    backend = make_vllm(srv)
+    try:
+        asyncio.run(backend_ready(backend))
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def make_vllm(srv):
+    from prl.inference.backend import make_backend
+
+    return make_backend("vllm", srv.url, srv.secret, max_connections=256)
+
+
+async def backend_ready(backend) -> None:
+    try:
+        await backend.wait_ready(600)
+    finally:
+        await backend.close()
+
+
+def run_vllm(srv, reqs) -> float:
+    from prl.inference.protocol import GenerateRequest
+
+    async def go() -> float:
+        backend = make_vllm(srv)
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(backend.generate(GenerateRequest(prompt_ids=p, max_tokens=n, temperature=0.0,
+                                                                    stop_token_ids=[])) for p, n in reqs))
+            return time.perf_counter() - t0
+        finally:
+            await backend.close()
+
+    return asyncio.run(go())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_model(write_model_dir(ModelCfg(), Path(tempfile.mkdtemp()) / "model")).eval()
+    model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe"), Path(tempfile.mkdtemp()) / "model")).eval()
+    srv = None if args.no_vllm else vllm_server(model, args.batch)
     reqs = workload(args.requests)
     useful = sum(n for _, n in reqs)
     lengths = sorted(n for _, n in reqs)
     print(f"{len(reqs)} requests, output lengths p50 {lengths[len(lengths) // 2]} p90 {lengths[int(len(lengths) * .9)]} "
           f"max {lengths[-1]}, {useful} tokens, batch {args.batch}, {args.threads} thread(s)")
-    run_engine(model, reqs[:4], args.batch)  # warm up both paths
-    run_generate(model, reqs[:4], args.batch)
-    eng, gen = [], []
-    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both
-        eng.append(run_engine(model, reqs, args.batch))
-        gen.append(run_generate(model, reqs, args.batch))
+    try:
+        run_engine(model, reqs[:4], args.batch)  # warm up every path
+        run_generate(model, reqs[:4], args.batch)
+        if srv:
+            run_vllm(srv, reqs[:4])
+        eng, gen, vll = [], [], []
+        for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all
+            eng.append(run_engine(model, reqs, args.batch))
+            gen.append(run_generate(model, reqs, args.batch))
+            if srv:
+                vll.append(run_vllm(srv, reqs))
+    finally:
+        if srv:
+            srv.stop()
     e, g = useful / min(eng), useful / min(gen)
+    if vll:
+        v = useful / min(vll)
+        print(f"vLLM (HTTP)     : {v:8.0f} tokens/s")
     print(f"embedded engine : {e:8.0f} tokens/s")
     print(f"model.generate  : {g:8.0f} tokens/s")
-    print(f"ratio engine/generate: {e / g:.2f}x")
+    print(f"ratio engine/generate: {e / g:.2f}x" + (f", vLLM/engine: {v / e:.2f}x" if vll else ""))
 
 
 if __name__ == "__main__":

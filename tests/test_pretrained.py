@@ -111,3 +111,11 @@ def test_a_missing_tensor_is_an_error_not_a_random_init(pretrained, tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(PretrainedError, match="o_proj"):
         load_pretrained(broken, torch.float32)
+
+
+def test_warm_start_is_off_by_default_for_a_pretrained_model():
+    from prl.recipe.schema import ModelCfg, SftCfg
+
+    assert SftCfg().steps_for(ModelCfg(path="/some/folder")) == 0
+    assert SftCfg().steps_for(ModelCfg()) == 40
+    assert SftCfg(steps=5).steps_for(ModelCfg(path="/some/folder")) == 5

@@ -30,17 +30,27 @@ def events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
+def group_members(pgid: int) -> list[str]:
+    """Live (not zombie) processes of a process group, as 'pid name'. A zombie has exited; whether
+    it is reaped is up to its new parent (this machine's init), not prl."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {p.info['name']}")
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
 def assert_nothing_left(run_dir: Path) -> None:
-    """Every process group the driver started (torchrun workers included) is gone."""
+    """Every process group the driver started (torchrun workers, vLLM's engine) is gone."""
     pids = {e["pid"] for e in events(run_dir, "process") if e.get("pid")}
     assert pids
-    alive = []
-    for pid in pids:
-        try:
-            os.killpg(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
+    alive = {pid: group_members(pid) for pid in pids}
+    alive = {pid: members for pid, members in alive.items() if members}
     assert not alive, f"process groups still alive: {alive}"
 
 
