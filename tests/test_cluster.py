@@ -16,14 +16,16 @@ import pytest
 
 from conftest import ROOT, prl_cmd
 from sshd_rig import IFNAME, host_port
+from vllm_rig import needs_vllm
 
 pytestmark = pytest.mark.slow
 QUICK = ["--set", "sft.steps=5", "--set", "trainer.checkpoint_every=0"]
 
 
-def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']", orchestrator: str = "a") -> Path:
+def two_host_recipe(tmp_path: Path, rig, steps: int, trainer: str = "['a']", orchestrator: str = "a",
+                    base: str = "reverse-tiny.toml") -> Path:
     a, b = rig["hosts"]
-    text = (ROOT / "recipes" / "reverse-tiny.toml").read_text()
+    text = (ROOT / "recipes" / base).read_text()
     text = text.replace("[run]\n", f"[run]\noutput_dir = '{tmp_path}/workstation'\n")
     text += "\n".join([
         "[cluster]", f"python = '{sys.executable}'", f"known_hosts = '{rig['known']}'", "min_free_gb = 0.01",
@@ -88,6 +90,32 @@ def test_two_host_run_without_shared_storage_and_resume(rig, tmp_path):
     assert [e["step"] for e in events(metrics, "orch_step")[before:]] == [4, 5]
     assert events(metrics, "resumed")[-1]["step"] == 4
     assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+@needs_vllm
+def test_vllm_server_on_another_host(rig, tmp_path):
+    """inference.backend = "vllm" over SSH: the vLLM server runs on b (bound to b's address, started by
+    prl's launcher over the same Host layer), and prl's weight-transfer engine inside vLLM's worker
+    downloads and verifies every version from the trainer endpoint on a; nothing is left on either host."""
+    from test_run import group_members
+
+    a, b = rig["hosts"]
+    recipe = two_host_recipe(tmp_path, rig, steps=3, base="reverse-tiny-vllm.toml")
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    ws = tmp_path / "workstation" / "reverse-tiny-vllm"
+    metrics = ws / "metrics.jsonl"
+    assert [e["step"] for e in events(metrics, "trainer_step") if e["stage"] == "rl"] == [0, 1, 2]
+    procs = {e["name"]: (e["host"], e.get("pid")) for e in events(metrics, "process") if "host" in e}
+    assert procs["inference-0"][0] == "b"
+    served = [e["version"] for e in events(metrics, "weights")]
+    assert served == sorted(served) and served[0] == 0 and served[-1] >= 1, served
+    host_b = tmp_path / "host_b" / "runs" / "reverse-tiny-vllm"
+    assert sorted(int(d.name[1:]) for d in (host_b / "weights").glob("v*"))[-1] >= 1, "b fetched its own copies"
+    log = (ws / "logs" / "inference-0.log").read_text()
+    assert "vllm.entrypoints.openai.api_server" in log and f"--host {b.address}" in log
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    assert not any(group_members(pid) for _, pid in procs.values() if pid), "vLLM's engine processes left"
 
 
 def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_path):

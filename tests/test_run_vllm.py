@@ -108,3 +108,14 @@ def test_killed_vllm_server_stops_the_run_naming_it(tmp_path):
     assert_nothing_left(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "failed"
+
+
+def test_vllm_recipe_learns(tmp_path):
+    """The acceptance run: recipes/reverse-tiny-vllm.toml as shipped (tiny Qwen3-MoE on a vLLM server)."""
+    p = subprocess.run(run_args(tmp_path), capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    run_dir = tmp_path / "reverse-tiny-vllm"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"\nreverse-tiny-vllm: {summary}")
+    assert summary["last5_reward"] - summary["first5_reward"] >= 0.15, summary
+    assert_nothing_left(run_dir)

@@ -1,0 +1,115 @@
+"""The vLLM backend's translations, without a server: vLLM's wire format -> prl's (versions, routing),
+the vLLM command line a recipe produces, and the bearer middleware."""
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from prl.inference.protocol import GenerateRequest, decode_routing
+from prl.inference.vllm.client import VllmBackend, prometheus_values, token_versions
+
+
+def npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_weight_version_spans_become_one_version_per_token():
+    spans = [{"version": "v3", "start": 0, "end": 4}, {"version": "v4", "start": 4, "end": 6}]
+    assert token_versions(spans, 6) == [3, 3, 3, 3, 4, 4]
+    assert token_versions([{"version": "default", "start": 0, "end": 2}], 2) == [-1, -1]
+
+
+def test_routed_experts_split_into_prompt_and_completion_rows():
+    """vLLM returns one row per forwarded token after `routed_experts_prompt_start` (prompt + completion
+    minus the last sampled token); prl's wire format sends the prompt rows once per request."""
+    prompt, start, k, layers = [1, 2, 3, 4, 5], 1, 2, 3
+    req = GenerateRequest(prompt_ids=prompt, n=2, return_routing=True, routing_start=start, max_tokens=3)
+    choices = []
+    for i in range(2):
+        tokens = [10 + i, 11, 12]
+        rows = len(prompt) + len(tokens) - 1 - start
+        routed = (np.arange(rows * layers * k).reshape(rows, layers, k) % 8 + i * 0).astype(np.uint8)
+        choices.append({"index": i, "token_ids": tokens, "finish_reason": "length",
+                        "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]},
+                        "weight_versions": [{"version": "v7", "start": 0, "end": 3}],
+                        "routed_experts": npy_b64(routed)})
+    backend = VllmBackend("http://127.0.0.1:9", "s")
+    try:
+        resp = backend.parse_response({"choices": choices}, req)
+    finally:
+        asyncio.run(backend.close())
+    prompt_rows = decode_routing(resp.prompt_routing)
+    assert tuple(prompt_rows.shape) == (len(prompt) - start, layers, k)
+    for c in resp.completions:
+        rows = decode_routing(c.routing)
+        assert tuple(rows.shape) == (len(c.token_ids) - 1, layers, k)
+        assert c.versions == [7, 7, 7] and c.logprobs == [-0.5] * 3
+
+
+def test_a_response_missing_logprobs_is_an_error():
+    from prl.inference.backend import BackendError
+
+    req = GenerateRequest(prompt_ids=[1, 2], max_tokens=2)
+    body = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+                         "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}]}, "weight_versions": []}]}
+    backend = VllmBackend("http://127.0.0.1:9", "s")
+    try:
+        with pytest.raises(BackendError, match="2 tokens but 1 logprobs"):
+            backend.parse_response(body, req)
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_prometheus_text_sums_labelled_samples():
+    text = ('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
+            'vllm:generation_tokens_total{engine="0"} 1.5e3\n')
+    assert prometheus_values(text) == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 1500.0}
+
+
+def test_vllm_command_line_from_a_recipe(tmp_path):
+    from prl.inference.vllm.launch import launch_command
+    from prl.recipe.load import validate
+    from prl.recipe.resolve import resolve
+
+    recipe = validate({"model": {"arch": "qwen3_moe"}, "inference": {"backend": "vllm", "vllm": {
+        "enforce_eager": True, "enable_prefix_caching": False, "max_num_batched_tokens": 512,
+        "compilation_config": {"mode": 0}}}}, "test")
+    cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
+    cmd = launch_command(cfg, "python")
+    assert cmd[:6] == ["python", "-m", "prl.inference.vllm.launch", "--config", f"{tmp_path}/config/inference-0.json", "--"]
+    vllm = cmd[6:]
+    assert vllm[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(vllm)
+    for part in ("--logprobs-mode processed_logprobs", "--enable-scale-out", "--load-format dummy",
+                 '--weight-transfer-config {"backend":"prl"}', "--enforce-eager", "--no-enable-prefix-caching",
+                 "--max-num-batched-tokens 512", '--compilation-config {"mode":0}',
+                 "--middleware prl.inference.vllm.auth.require_bearer"):
+        assert part in joined, part
+    assert "--api-key" not in joined and cfg.secret_file not in joined, "the secret never goes on a command line"
+
+
+def test_bearer_middleware_compares_every_route(monkeypatch):
+    """Installed the way vLLM installs a `--middleware` coroutine: `app.middleware("http")(fn)`."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from prl.inference.vllm.auth import require_bearer
+
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    app = FastAPI()
+    for path in ("/health", "/pause", "/collective_rpc"):
+        app.add_api_route(path, lambda: "ok", methods=["GET", "POST"])
+    app.middleware("http")(require_bearer)
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200
+    for path in ("/pause", "/collective_rpc"):
+        assert client.post(path).status_code == 401
+        assert client.post(path, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.post(path, headers={"Authorization": "Bearer k3y"}).status_code == 200
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert client.post("/pause", headers={"Authorization": "Bearer "}).status_code == 401, "no key: nobody gets in"
