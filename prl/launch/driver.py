@@ -83,7 +83,7 @@ def check_model(recipe: Recipe) -> None:
         info = check_pretrained(m.path)
     except PretrainedError as e:
         raise RecipeError(f"model.path: {e}; nothing was started") from None
-    longest = recipe.task.max_len * 2 + 8 + recipe.sampling.max_tokens
+    longest = recipe.longest_sample()
     if info.max_position_embeddings and longest > info.max_position_embeddings:
         raise RecipeError(f"model.path: {m.path} holds {info.max_position_embeddings} positions, shorter than the "
                           f"longest sample ({longest} tokens); lower sampling.max_tokens")
@@ -127,8 +127,9 @@ def attention_head_dim(recipe: Recipe) -> int | None:
         return recipe.model.head_dim if recipe.model.arch == "qwen3_moe" else None
     if recipe.cluster is not None:
         return None
-    config = json.loads((Path(recipe.model.path) / "config.json").read_text())
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    from prl.model.pretrained import check_pretrained
+
+    return check_pretrained(recipe.model.path).head_dim
 
 
 def check_backend(recipe: Recipe) -> None:

@@ -37,6 +37,7 @@ class FolderInfo:
     tensors: int
     bytes: int
     max_position_embeddings: int | None
+    head_dim: int | None  # attention head size, where the config says (nested configs: None)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -103,7 +104,14 @@ def check_pretrained(folder: str | Path) -> FolderInfo:
     for f in files:
         tensors += sum(1 for k in read_header(f) if k != "__metadata__")
     return FolderInfo(config["model_type"], files, tensors, sum(f.stat().st_size for f in files),
-                      config.get("max_position_embeddings"))
+                      config.get("max_position_embeddings"), attention_head_dim(config))
+
+
+def attention_head_dim(config: dict) -> int | None:
+    if isinstance(config.get("head_dim"), int):
+        return config["head_dim"]
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 def link_pretrained(src: Path, out: Path) -> Path:

@@ -287,10 +287,14 @@ class Recipe(Section):
                              f"recomputes; use top_p = 1")
         return self
 
+    def longest_sample(self) -> int:
+        """Prompt (task text, about 2 tokens per character plus framing) and completion, in tokens."""
+        return self.task.max_len * 2 + 8 + self.sampling.max_tokens
+
     @model_validator(mode="after")
     def _cross(self):
-        longest = self.task.max_len * 2 + 8 + self.sampling.max_tokens
-        if longest > self.model.max_position_embeddings:
+        longest = self.longest_sample()
+        if self.model.path is None and longest > self.model.max_position_embeddings:  # a folder: checked by prl run
             raise ValueError(
                 f"model.max_position_embeddings ({self.model.max_position_embeddings}) is shorter than the "
                 f"longest sample ({longest} tokens); raise it or lower sampling.max_tokens"

@@ -4,17 +4,18 @@
   `weight_versions` spans, `routed_experts`). The server runs with `--logprobs-mode
   processed_logprobs`, which is log_softmax(logits / temperature) as long as no top-p/top-k/min-p
   or penalty is applied (the recipe refuses `sampling.top_p < 1` with this backend).
-- In-flight update of version N: stage (the prl weight-transfer engine in every worker fetches
-  and verifies vN while decoding continues), `/pause?mode=keep` (running requests keep their KV),
-  load the staged tensors, `/finish_weight_update` with weight version "vN", `/resume`. A version
-  that fails verification is refused before any tensor is touched: the old one keeps serving.
-- Prefix KV: every request carries `cache_salt = "prl-v{N}"`, N the newest version this client has
-  started loading, so a request sent after an update began never hits blocks computed under an
-  older version (a request sent before it keeps running under the new weights, like any
-  in-flight request).
-- A dead engine: vLLM's `/health` may answer 200 for a few seconds after its engine core died,
-  and requests then fail with 500; any 5xx or transport error is raised as `BackendError`
-  naming the server, so the run stops (or, with restarts, the server is replaced) at once.
+- In-flight update of version N: stage (the prl weight-transfer engine in every worker fetches,
+  verifies and checks vN; vLLM runs this RPC inside its engine loop, so decoding waits for it),
+  `/pause?mode=keep` (running requests keep their KV), load the staged tensors, `/finish_weight_update`
+  with weight version "vN", `/resume`. A version that fails a check is refused before any tensor is
+  touched (`WeightsRejected`): the old one keeps serving. A failure after the load began leaves the
+  server paused and raises `BackendError`: a half-loaded model is never served.
+- Prefix KV: requests carry `cache_salt = "prl-v{N}"`; N becomes the new version once the server is
+  paused for it, so every request queued from then on is prefilled under vN and never hits blocks
+  computed under an older version (a request sent before keeps running under the new weights, like
+  any in-flight request).
+- A dead engine: a request that fails answers 5xx; any 5xx or transport error is raised as
+  `BackendError` naming the server, so the run stops at once (vLLM's API server exits soon after).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import io
 import time
 
 from prl.inference.backend import BackendError, InferenceBackend, WeightsRejected
-from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing
+from prl.inference.vllm.rejected import REJECTED
+from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
@@ -53,7 +55,7 @@ class VllmBackend(InferenceBackend):
         await self.poll_health(timeout)
         await self.warm_up()
         self.check(await self.post("/init_weight_transfer_engine", {"init_info": {}}), "/init_weight_transfer_engine")
-        r = self.check(await self.http.get("/weight_info"), "/weight_info")
+        r = self.check(await self.get("/weight_info"), "/weight_info")
         self.version = self.salt_version = parse_version(str(r.json().get("weight_version") or ""))
 
     async def warm_up(self) -> None:
@@ -94,8 +96,8 @@ class VllmBackend(InferenceBackend):
             routing = None
             if req.return_routing:
                 if choice.get("routed_experts") is None:
-                    raise BackendError(f"{self.base_url}: no routed_experts (start vLLM with "
-                                       f"--enable-return-routed-experts)")
+                    raise BackendError(f"{self.base_url}: no routed_experts in the answer (trainer.router_replay "
+                                       f"needs vLLM's Model Runner V2 on a GPU)")
                 rows = decode_npy(choice["routed_experts"])
                 prompt_routing = prompt_routing or to_routing(rows[:n_prompt])
                 routing = to_routing(rows[n_prompt:])
@@ -107,34 +109,67 @@ class VllmBackend(InferenceBackend):
 
     # ---- weights ----
     async def load_weights(self, version: int) -> float:
-        await self.weight_call("/start_weight_update")
-        await self.update(version, "stage")  # fetch + verify while decoding goes on
-        self.salt_version = max(self.salt_version, version)  # requests from now on: the new salt
+        """Stage, pause (keep), load, finish, resume; returns the seconds decoding stood still: vLLM runs
+        every weight RPC inside its engine loop, so staging (fetch, verify, read) stalls decoding too."""
         t0 = time.perf_counter()
-        self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
+        await self.weight_call("/start_weight_update")
         try:
+            await self.update(version, "stage")
+        except BaseException:
+            await self.end_session()
+            raise
+        loading = keep_paused = False
+        try:
+            self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
+            self.salt_version = max(self.salt_version, version)  # queued from now on: prefilled under vN
+            loading = True
             await self.update(version, "load")
             await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
+        except WeightsRejected:
+            await self.end_session()
+            raise
+        except BaseException:
+            keep_paused = loading  # the model may be half-loaded: never serve it
+            if not loading:
+                await self.end_session()
+            raise
         finally:
-            self.check(await self.post("/resume"), "/resume")
+            if not keep_paused:
+                await self.resume_quietly()  # also when /pause's answer was lost: resume is harmless
         self.version = version
         return time.perf_counter() - t0
 
     async def update(self, version: int, action: str) -> None:
         r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})
-        if r.status_code >= 400:
-            await self.post("/finish_weight_update")  # vLLM ended the session already; harmless if so
-            raise WeightsRejected(f"{self.base_url} rejected weights v{version} ({action}): {r.text[:400]}")
+        if r.status_code < 400:
+            return
+        if action == "stage" or REJECTED in r.text:  # refused before any tensor was touched: the old version serves on
+            raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {r.text[:400]}")
+        raise BackendError(f"{self.base_url}: loading weights v{version} failed after it began; the model is in an "
+                           f"undefined state and the server stays paused (restart it): {r.text[:400]}")
+
+    async def end_session(self) -> None:
+        """vLLM ends a weight-update session when an update fails; end it in any case (best effort)."""
+        try:
+            await self.post("/finish_weight_update")
+        except BackendError:
+            pass
+
+    async def resume_quietly(self) -> None:
+        try:
+            self.check(await self.post("/resume"), "/resume")
+        except BackendError as e:
+            print(f"prl: {e}", flush=True)  # the caller's error, if any, is the one to report
 
     async def weight_call(self, path: str, body: dict | None = None) -> None:
         self.check(await self.post(path, body), path)
 
     # ---- metrics ----
     async def metrics(self) -> Metrics:
-        r = self.check(await self.http.get("/metrics"), "/metrics")
+        r = self.check(await self.get("/metrics"), "/metrics")
         m = prometheus_values(r.text)
         generated = int(m.get("vllm:generation_tokens_total", 0))
-        paused = self.check(await self.http.get("/is_paused"), "/is_paused").json().get("is_paused", False)
+        paused = self.check(await self.get("/is_paused"), "/is_paused").json().get("is_paused", False)
         return Metrics(
             version=self.version, running=int(m.get("vllm:num_requests_running", 0)),
             waiting=int(m.get("vllm:num_requests_waiting", 0)), paused=bool(paused), generated_tokens=generated,
@@ -167,10 +202,12 @@ def decode_npy(data: str):
 
 
 def to_routing(rows) -> Routing:
+    """vLLM's uint8/uint16 expert ids -> prl's wire dtype (uint8 up to 256 experts, else int16)."""
     import numpy as np
+    import torch
 
-    arr = np.ascontiguousarray(rows.astype(np.uint8 if rows.max(initial=0) < 256 else np.int16))
-    return Routing(data=base64.b64encode(arr.tobytes()).decode(), shape=list(arr.shape), dtype=str(arr.dtype))
+    return encode_routing(torch.from_numpy(np.ascontiguousarray(rows.astype(np.uint8 if rows.max(initial=0) < 256
+                                                                           else np.int16))))
 
 
 def prometheus_values(text: str) -> dict[str, float]:

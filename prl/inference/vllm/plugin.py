@@ -9,11 +9,12 @@ works without a GPU and wherever NCCL is off.
 Rules:
 - `update_weights {"version": N, "action": "stage"}` fetches, verifies (sizes, sha256) and reads
   vN into memory, then checks it (checkpoint format, every name and shape of the model's
-  checkpoint, finite values); decoding continues meanwhile;
+  checkpoint, finite values); vLLM runs it inside its engine loop, before the server is paused;
 - `{"action": "load"}` (the server is paused) copies the staged tensors in with vLLM's layerwise
   reload (`load_weights`, then each layer's post-processing), so kernels' packed copies follow;
-- anything wrong is raised before a tensor is touched: vLLM answers the update with an error and
-  the old version keeps serving.
+- anything wrong is raised before a tensor is touched, marked `REJECTED`: vLLM answers the update
+  with an error and the old version keeps serving; an error after the reload began is not marked
+  (the client then keeps the server paused: a half-loaded model is never served).
 
 This module imports vLLM; nothing else in prl does.
 """
@@ -31,7 +32,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from prl.inference.vllm.rejected import REJECTED
+
 BACKEND = "prl"
+REPACK_VERSIONS = ("0.32.",)  # vLLM versions whose CPU reload needs `repack_cpu_experts`
 CONFIG_ENV = "PRL_CONFIG"  # the server's ProcessConfig (set by prl's launcher)
 
 
@@ -76,15 +80,18 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.staged = None
 
     def receive_weights(self, info: PrlUpdateInfo) -> None:
-        if info.action not in ("stage", "load"):
-            raise ValueError(f"update_info.action = {info.action!r}: expected 'stage' or 'load'")
-        if self.staged is None or self.staged[0] != info.version:
-            self.staged = None
-            self.staged = (info.version, self.read(info.version))
+        try:
+            if info.action not in ("stage", "load"):
+                raise ValueError(f"update_info.action = {info.action!r}: expected 'stage' or 'load'")
+            if self.staged is None or self.staged[0] != info.version:
+                self.staged = None
+                self.staged = (info.version, self.read(info.version))
+        except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
+            raise ValueError(f"{REJECTED}: {type(e).__name__}: {e}") from None
         if info.action == "load":
             version, state = self.staged
-            self.load(state)
             self.staged = None
+            self.load(state)
 
     def read(self, version: int) -> dict[str, torch.Tensor]:
         from prl.model.weights import read_weights
@@ -136,20 +143,33 @@ def repack_cpu_experts(model) -> int:
     the hook after every reload on CPU; a MoE layer of an unknown shape fails loudly."""
     from vllm.platforms import current_platform
 
+    import vllm
+    from vllm.platforms import current_platform
+
     if not current_platform.is_cpu():
         return 0
-    repacked = 0
-    for name, module in model.named_modules():
-        if not hasattr(module, "w13_weight"):
-            continue
+    moe = [(n, m) for n, m in model.named_modules() if hasattr(m, "w13_weight")]
+    if moe and not vllm.__version__.startswith(REPACK_VERSIONS):
+        raise RuntimeError(f"prl's CPU expert re-pack after a weight update is written for vLLM {REPACK_VERSIONS}, "
+                           f"this is {vllm.__version__}: check whether its reload still leaves experts unpacked "
+                           f"(tests/test_vllm.py) and update prl.inference.vllm.plugin")
+    for name, module in moe:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is None:
             raise RuntimeError(f"{name}: MoE layer without quant_method.moe_kernel.fused_experts; prl cannot "
-                               f"re-pack its experts after a weight update (vLLM version changed?)")
+                               f"re-pack its experts after a weight update")
+        keep = {k: getattr(module, k) for k in ("w13_weight", "w2_weight")}
         experts.process_weights_after_loading(module)
-        repacked += 1
-    return repacked
+        for k, param in keep.items():  # packed values into the original storage: compiled graphs hold it
+            packed = getattr(module, k)
+            if packed is not param:
+                if packed.shape != param.shape:
+                    raise RuntimeError(f"{name}.{k}: packing changed the shape {tuple(param.shape)} -> "
+                                       f"{tuple(packed.shape)}; prl cannot keep the storage")
+                param.data.copy_(packed.data)
+                setattr(module, k, param)
+    return len(moe)
 
 
 def register() -> None:
