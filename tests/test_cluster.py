@@ -235,6 +235,13 @@ def test_28_host_plan():
     assert plan.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 12
     assert re.search(r"orchestrator +role=orchestrator +host=h00", plan)
     assert "trainer rank 0 -> 12 inference servers over nccl" in plan
+    # vLLM servers, each with its full command line: one per 8-GPU host, bound to that host's address
+    vllm = re.findall(r"-m vllm\.entrypoints\.openai\.api_server (.*)", plan)
+    assert len(vllm) == 12
+    for line in vllm:
+        for part in ("--tensor-parallel-size 8", "--enable-expert-parallel", "--enable-return-routed-experts",
+                     '--weight-transfer-config \'{"backend":"nccl"}\'', "--port 8000", "--logprobs-mode processed_logprobs"):
+            assert part in line, (part, line)
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -33,6 +33,8 @@ from prl.tui.state import RunState, summarize
 from prl.tui.view import render
 
 ERROR_RE = re.compile(r"error|exception|traceback", re.IGNORECASE)
+# lines a process logged at a level below error (vLLM: "WARNING 11-30 18:49:13 [file.py:12] ...")
+NOT_ERROR_RE = re.compile(r"\b(DEBUG|INFO|WARNING)\b \d\d-\d\d \d\d:\d\d:\d\d")
 
 
 class RunStopped(Exception):
@@ -324,7 +326,7 @@ def step_line(s: RunState) -> str:
 
 def scan_errors(sup: Supervisor, state: RunState, log: EventLog) -> None:
     for name, p in sup.procs.items():
-        lines = [ln for ln in p.tail(40) if ERROR_RE.search(ln)]
+        lines = [ln for ln in p.tail(40) if ERROR_RE.search(ln) and not NOT_ERROR_RE.search(ln)]
         if lines and state.errors.get(name) != lines[-1][-200:]:
             state.errors[name] = lines[-1][-200:]
             log.emit("error", name=name, line=lines[-1][-200:])
