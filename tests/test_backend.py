@@ -113,3 +113,35 @@ def test_bearer_middleware_compares_every_route(monkeypatch):
         assert client.post(path, headers={"Authorization": "Bearer k3y"}).status_code == 200
     monkeypatch.setenv("VLLM_API_KEY", "")
     assert client.post("/pause", headers={"Authorization": "Bearer "}).status_code == 401, "no key: nobody gets in"
+
+
+def test_staging_runs_off_the_caller_and_reports_through_status_files(tmp_path):
+    """The plugin's `stage` returns at once; the status (what `GET /prl/staged` answers) turns ready only
+    when every rank staged that version, and carries the error of a rank that failed."""
+    import threading
+
+    from prl.inference.vllm.staging import Stager, read_status
+
+    gate = threading.Event()
+
+    def read(version):
+        gate.wait()
+        if version == 3:
+            raise ValueError("v3: non-finite values in lm_head.weight")
+        return {"w": version}
+
+    ranks = [Stager(read, tmp_path, rank=r, world=2) for r in range(2)]
+    ranks[0].start(2)
+    assert read_status(tmp_path, 2)["state"] == "staging", "start() must not wait for the read"
+    gate.set()
+    assert ranks[0].result(2) == {"w": 2}
+    assert read_status(tmp_path, 2)["state"] == "staging", "rank 1 has not staged v2 yet"
+    ranks[1].start(2)
+    ranks[1].thread.join()
+    assert read_status(tmp_path, 2) == {"state": "ready", "error": None}
+    assert read_status(tmp_path, 4)["state"] == "staging", "another version is not ready"
+    ranks[0].start(3)
+    ranks[0].thread.join()
+    assert read_status(tmp_path, 3) == {"state": "failed", "error": "ValueError: v3: non-finite values in lm_head.weight"}
+    with pytest.raises(ValueError, match="non-finite"):
+        ranks[0].result(3)

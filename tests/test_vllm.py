@@ -194,6 +194,7 @@ def test_a_request_spanning_an_update_keeps_its_kv_and_carries_both_versions(ser
     preemptions = metric(server, "vllm:num_preemptions_total")
 
     async def go(b):
+        await b.stage(5)  # fetched and checked first, so the swap cannot miss the running request
         start = metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0)
         long = asyncio.create_task(b.generate(req(n=1, max_tokens=490, prompt_ids=PROMPT)))
         while metrics_of(await b.http.get("/metrics")).get("vllm:generation_tokens_total", 0.0) < start + 10:

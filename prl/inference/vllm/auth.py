@@ -1,4 +1,5 @@
-"""Bearer check on every route of a vLLM server, passed to it as `--middleware`.
+"""Bearer check on every route of a vLLM server, passed to it as `--middleware`; also answers
+`GET /prl/staged` (weights staging status, `prl.inference.vllm.staging`).
 
 vLLM's `--api-key` guards only `/v1`, `/inference` and a few other prefixes; its RL routes
 (`/pause`, `/update_weights`, `/collective_rpc`, ...) answer anyone who can reach the port. prl's
@@ -15,14 +16,29 @@ import os
 from starlette.responses import JSONResponse
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no secret; they reveal nothing
+STAGED_PATH = "/prl/staged"  # prl's one route of its own on a vLLM server
 
 
 async def require_bearer(request, call_next):
     key = os.environ.get("VLLM_API_KEY", "")
-    if request.scope.get("type") != "http" or request.url.path in OPEN_PATHS:
+    if request.url.path in OPEN_PATHS:
         return await call_next(request)
     given = request.headers.get("authorization", "")
     if not key or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
         return JSONResponse({"error": {"message": "missing or wrong bearer token (the run's secret file)",
                                        "type": "authentication_error", "code": 401}}, status_code=401)
+    if request.url.path == STAGED_PATH:
+        return staged(request)
     return await call_next(request)
+
+
+def staged(request) -> JSONResponse:
+    """`GET /prl/staged?version=N`: whether every worker has staged vN (`prl.inference.vllm.staging`)."""
+    from prl.inference.vllm.staging import read_status, status_dir
+    from prl.recipe.resolve import load_process_config
+
+    raw = request.query_params.get("version", "")
+    if not raw.lstrip("-").isdigit():
+        return JSONResponse({"error": {"message": "version: an integer is required", "code": 400}}, status_code=400)
+    cfg = load_process_config(os.environ["PRL_CONFIG"])
+    return JSONResponse(read_status(status_dir(cfg), int(raw)))

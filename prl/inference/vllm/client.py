@@ -5,7 +5,7 @@
   processed_logprobs`, which is log_softmax(logits / temperature) as long as no top-p/top-k/min-p
   or penalty is applied (the recipe refuses `sampling.top_p < 1` with this backend).
 - In-flight update of version N: stage (the prl weight-transfer engine in every worker fetches,
-  verifies and checks vN; vLLM runs this RPC inside its engine loop, so decoding waits for it),
+  verifies and checks vN on a thread while decoding goes on; the client polls `/prl/staged`),
   `/pause?mode=keep` (running requests keep their KV), load the staged tensors, `/finish_weight_update`
   with weight version "vN", `/resume`. A version that fails a check is refused before any tensor is
   touched (`WeightsRejected`): the old one keeps serving. A failure after the load began leaves the
@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import time
@@ -48,6 +49,7 @@ class VllmBackend(InferenceBackend):
         super().__init__(base_url, secret, max_connections)
         self.eos = eos_token_id
         self.salt_version = STARTUP_VERSION
+        self.staged_version: int | None = None  # staged in an open weight-update session
         self._rate: list[tuple[float, float]] = []
 
     # ---- start ----
@@ -109,15 +111,29 @@ class VllmBackend(InferenceBackend):
 
     # ---- weights ----
     async def load_weights(self, version: int) -> float:
-        """Stage, pause (keep), load, finish, resume; returns the seconds decoding stood still: vLLM runs
-        every weight RPC inside its engine loop, so staging (fetch, verify, read) stalls decoding too."""
-        t0 = time.perf_counter()
+        """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
+        stood still (from the pause to the resume)."""
+        await self.stage(version)
+        return await self.swap(version)
+
+    async def stage(self, version: int) -> None:
+        """Open a weight-update session and have every worker fetch, verify and check `version`;
+        returns once all are ready (the session stays open for `swap`)."""
+        if self.staged_version == version:
+            return
         await self.weight_call("/start_weight_update")
         try:
             await self.update(version, "stage")
+            await self.wait_staged(version)
         except BaseException:
             await self.end_session()
             raise
+        self.staged_version = version
+
+    async def swap(self, version: int) -> float:
+        """Pause (keep), load the staged `version`, label it, resume."""
+        self.staged_version = None
+        t0 = time.perf_counter()
         loading = keep_paused = False
         try:
             self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
@@ -138,6 +154,19 @@ class VllmBackend(InferenceBackend):
                 await self.resume_quietly()  # also when /pause's answer was lost: resume is harmless
         self.version = version
         return time.perf_counter() - t0
+
+    async def wait_staged(self, version: int, timeout: float = 600.0) -> None:
+        """Poll prl's status route (not vLLM's engine loop) until every worker staged `version`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.check(await self.get(f"/prl/staged?version={version}"), "/prl/staged").json()
+            if status["state"] == "ready":
+                return
+            if status["state"] == "failed":
+                raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {status['error']}")
+            if time.monotonic() > deadline:
+                raise BackendError(f"{self.base_url}: weights v{version} not staged after {timeout:.0f}s")
+            await asyncio.sleep(0.02)
 
     async def update(self, version: int, action: str) -> None:
         r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})

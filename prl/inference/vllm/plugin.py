@@ -7,9 +7,10 @@ place on the trainer's host, else downloaded from the trainer endpoint and verif
 works without a GPU and wherever NCCL is off.
 
 Rules:
-- `update_weights {"version": N, "action": "stage"}` fetches, verifies (sizes, sha256) and reads
-  vN into memory, then checks it (checkpoint format, every name and shape of the model's
-  checkpoint, finite values); vLLM runs it inside its engine loop, before the server is paused;
+- `update_weights {"version": N, "action": "stage"}` starts a thread (`prl.inference.vllm.staging`)
+  that fetches, verifies (sizes, sha256) and reads vN into memory, then checks it (checkpoint
+  format, every name and shape of the model's checkpoint, finite values), while decoding goes on;
+  the client waits for "ready" on `GET /prl/staged` (answered by prl's middleware);
 - `{"action": "load"}` (the server is paused) copies the staged tensors in with vLLM's layerwise
   reload (`load_weights`, then each layer's post-processing), so kernels' packed copies follow;
 - anything wrong is raised before a tensor is touched, marked `REJECTED`: vLLM answers the update
@@ -62,10 +63,13 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
 
         if CONFIG_ENV not in os.environ:
             raise RuntimeError(f"the prl weight-transfer engine needs {CONFIG_ENV} (start vLLM through prl)")
+        from prl.inference.vllm.staging import Stager, status_dir
+
         self.cfg = load_process_config(os.environ[CONFIG_ENV])
         self.source = weight_source(self.cfg)
-        self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._expected: dict[str, tuple[int, ...]] | None = None
+        rank, world = worker_rank()
+        self.stager = Stager(self.read, status_dir(self.cfg), rank, world)
 
     def init_transfer_engine(self, init_info: PrlInitInfo) -> None:
         pass
@@ -77,21 +81,21 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         pass
 
     def shutdown(self) -> None:
-        self.staged = None
+        pass
 
     def receive_weights(self, info: PrlUpdateInfo) -> None:
+        """`stage` starts reading vN on a thread and returns (decoding goes on); `load` waits for it,
+        then copies it in (the server is paused)."""
         try:
             if info.action not in ("stage", "load"):
                 raise ValueError(f"update_info.action = {info.action!r}: expected 'stage' or 'load'")
-            if self.staged is None or self.staged[0] != info.version:
-                self.staged = None
-                self.staged = (info.version, self.read(info.version))
+            if info.action == "stage":
+                self.stager.start(info.version)
+                return
+            state = self.stager.result(info.version)
         except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
             raise ValueError(f"{REJECTED}: {type(e).__name__}: {e}") from None
-        if info.action == "load":
-            version, state = self.staged
-            self.staged = None
-            self.load(state)
+        self.load(state)
 
     def read(self, version: int) -> dict[str, torch.Tensor]:
         from prl.model.weights import read_weights
@@ -131,6 +135,13 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.model.load_weights(iter(state.items()))
         finalize_layerwise_reload(self.model, self.model_config)
         repack_cpu_experts(self.model)
+
+
+def worker_rank() -> tuple[int, int]:
+    """This worker's place among the server's tensor-parallel workers (each stages its own copy)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 def repack_cpu_experts(model) -> int:

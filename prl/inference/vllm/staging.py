@@ -1,0 +1,86 @@
+"""Staging a weights version off vLLM's engine loop, and the status the client polls.
+
+vLLM runs every weight RPC inside its engine loop, so work done in an RPC stops decoding. prl's
+plugin therefore only *starts* staging in the `stage` RPC: a thread fetches, verifies, reads and
+checks version N while decoding goes on, and writes its state to a status file per worker rank
+(`{run}/weights/.staging/{server}/rank{r}.json`, replaced atomically). prl's middleware in vLLM's API
+server (same host) answers `GET /prl/staged` from those files, so the client waits for "ready"
+without touching the engine loop, and pauses only for the load proper.
+
+No vLLM import here: the API server's middleware reads the status without loading the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+
+def status_dir(cfg) -> Path:
+    return cfg.run_path / "weights" / ".staging" / cfg.name
+
+
+def write_status(folder: Path, rank: int, world: int, version: int, state: str, error: str | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps({"version": version, "state": state, "error": error, "world": world}))
+    os.replace(tmp, folder / f"rank{rank}.json")
+
+
+def read_status(folder: Path, version: int) -> dict:
+    """`{"state": "staging" | "ready" | "failed", "error": ...}` of `version` over every rank."""
+    ranks = []
+    for p in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
+        try:
+            ranks.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            return {"state": "staging", "error": None}
+    mine = [r for r in ranks if r.get("version") == version]
+    failed = [r for r in mine if r.get("state") == "failed"]
+    if failed:
+        return {"state": "failed", "error": failed[0].get("error")}
+    world = max((r.get("world", 1) for r in mine), default=1)
+    ready = len(mine) >= world and all(r.get("state") == "ready" for r in mine)
+    return {"state": "ready" if ready and mine else "staging", "error": None}
+
+
+class Stager:
+    """One version at a time: `start(v)` reads v on a thread; `result(v)` waits for it and returns the
+    tensors or raises what went wrong."""
+
+    def __init__(self, read: Callable[[int], dict], folder: Path, rank: int = 0, world: int = 1):
+        self.read, self.folder, self.rank, self.world = read, folder, rank, world
+        self.version: int | None = None
+        self.thread: threading.Thread | None = None
+        self.state: dict | None = None
+        self.error: BaseException | None = None
+
+    def start(self, version: int) -> None:
+        if self.version == version and self.error is None:
+            return  # already staging or staged
+        if self.thread is not None:
+            self.thread.join()
+        self.version, self.state, self.error = version, None, None
+        write_status(self.folder, self.rank, self.world, version, "staging")
+        self.thread = threading.Thread(target=self._run, args=(version,), name=f"prl-stage-v{version}", daemon=True)
+        self.thread.start()
+
+    def _run(self, version: int) -> None:
+        try:
+            self.state = self.read(version)
+            write_status(self.folder, self.rank, self.world, version, "ready")
+        except BaseException as e:  # noqa: BLE001 - reported through the status file and by result()
+            self.error = e
+            write_status(self.folder, self.rank, self.world, version, "failed", f"{type(e).__name__}: {e}")
+
+    def result(self, version: int) -> dict:
+        if self.version != version:
+            self.start(version)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        state, self.state, self.version, self.thread = self.state, None, None, None
+        return state
