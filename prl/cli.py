@@ -58,11 +58,12 @@ def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] se
     if loaded.cluster is None:
         console.print("prl doctor: no [cluster] in the recipe: it runs on this machine, nothing to check")
         raise typer.Exit(0)
-    from prl.launch.doctor import check_cluster, report
+    from prl.launch.doctor import check_cluster, report, role_needs
     from prl.launch.placement import links_needed, ports_needed, resolve_cluster
 
     configs = resolve_cluster(loaded, Path(loaded.run.output_dir) / loaded.run.name)
-    results = check_cluster(loaded.cluster, console, ports_needed(configs, loaded), links_needed(configs, loaded))
+    results = check_cluster(loaded.cluster, console, ports_needed(configs, loaded), links_needed(configs, loaded),
+                            needs=role_needs(loaded), model_path=loaded.model.path)
     failures = report(results, console)
     for line in failures:
         err.print(f"prl doctor: {line}", markup=False, highlight=False)

@@ -59,3 +59,24 @@ def test_reach_check_names_what_it_cannot_reach():
         fail = reach_check(LocalHost(), [Link("a", "b", "127.0.0.1", ok), Link("a", "c", "127.0.0.1", bad)], cfg)
     assert good.ok and f"127.0.0.1:{ok}" in good.detail
     assert not fail.ok and fail.detail.startswith(f"cannot reach 127.0.0.1:{bad}") and f":{ok}" not in fail.detail
+
+
+def test_doctor_checks_the_model_folder_and_vllm_where_the_roles_need_them(rig, tmp_path):
+    """Trainer and inference hosts read `model.path` in place; vLLM servers' hosts must import vllm."""
+    from test_pretrained import make_pretrained
+    from vllm_rig import vllm_available
+
+    folder = make_pretrained(tmp_path / "qwen3-tiny")
+    extra = f"[model]\narch = 'qwen3_moe'\npath = '{folder}'\n[inference]\nbackend = 'vllm'\n"
+    env = {"COLUMNS": "250", "PATH": "/usr/bin:/bin:/usr/sbin"}
+    good = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig, extra)), capture_output=True, text=True,
+                          timeout=120, env=env)
+    if vllm_available():
+        assert good.returncode == 0, good.stdout + good.stderr
+        assert "has config and weights" in good.stdout and "vllm 0.32" in good.stdout
+    missing = extra.replace(str(folder), str(tmp_path / "nowhere"))
+    p = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig, missing)), capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 1
+    for h in rig["hosts"]:  # a trains, b serves: both read the folder
+        assert f"{h.address}: model: model.path {tmp_path / 'nowhere'}" in p.stderr, p.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from prl.launch.doctor import check_cluster, connect, report
+from prl.launch.doctor import check_cluster, connect, report, role_needs
 from prl.launch.hosts import Host, HostError, LocalHost
 from prl.launch.placement import WORKSTATION, links_needed, ports_needed, resolve_cluster
 from prl.launch.plan import ProcessSpec, make_plan
@@ -39,7 +39,7 @@ def connect_all(recipe: Recipe) -> dict[str, Host]:
 
 def preflight(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[str, Host], console: Console) -> None:
     results = check_cluster(recipe.cluster, console, ports_needed(configs, recipe), links_needed(configs, recipe),
-                            hosts)
+                            hosts, needs=role_needs(recipe), model_path=recipe.model.path)
     failures = report(results, console)
     if failures:
         raise LaunchError("host checks failed, nothing was started:\n  " + "\n  ".join(failures))

@@ -2,7 +2,7 @@
 
 Per host: reachable over SSH (host key verified), Python version, free disk in the work directory,
 GPUs seen by `nvidia-smi` against what the recipe expects, every port the plan binds on that host
-free, and every connection the plan makes open (trainer ranks to the rendezvous, orchestrator to the
+free, the pretrained `model.path` folder on hosts that read it, vLLM importable on vLLM servers' hosts, and every connection the plan makes open (trainer ranks to the rendezvous, orchestrator to the
 trainer endpoint and the servers, remote servers to the trainer endpoint; listeners are started for
 the check). Prints one row per host and
 returns the failures as "host: check: detail" lines (empty when all pass).
@@ -24,7 +24,7 @@ from prl.launch.hosts import Host, HostError, SshHost, SshTarget
 from prl.launch.placement import Link
 from prl.recipe.schema import ClusterCfg, HostCfg
 
-CHECKS = ("reachable", "python", "disk", "gpus", "port", "reach")
+CHECKS = ("reachable", "python", "disk", "gpus", "port", "model", "vllm", "reach")
 
 
 @dataclass
@@ -123,17 +123,53 @@ def listener(cfg: ClusterCfg, address: str, ports: list[int]) -> list[str]:
     return [cfg.python, "-c", code]
 
 
+def role_needs(recipe) -> dict[str, list[str]]:
+    """What each host's roles need beyond Python: the pretrained folder (trainer and inference hosts
+    read `model.path` in place) and vLLM (inference hosts with `backend = "vllm"`)."""
+    p = recipe.placement_or_default()
+    needs: dict[str, list[str]] = {}
+    if recipe.model.path:
+        for h in dict.fromkeys([*p.trainer, *p.inference]):
+            needs.setdefault(h, []).append("model")
+    if recipe.inference.backend == "vllm":
+        for h in p.inference:
+            needs.setdefault(h, []).append("vllm")
+    return needs
+
+
+def model_check(host: Host, path: str) -> Check:
+    q = shlex.quote(path)
+    r = host.run(f"test -f {q}/config.json && {{ test -f {q}/model.safetensors || "
+                 f"test -f {q}/model.safetensors.index.json; }}")
+    return Check("model", r.code == 0, f"{path} has config and weights" if r.code == 0 else
+                 f"model.path {path}: no config.json and safetensors weights on this host (the folder must "
+                 f"exist at the same path on every trainer and inference host)")
+
+
+def vllm_check(host: Host, cfg: ClusterCfg) -> Check:
+    if "vllm" in cfg.extras:
+        return Check("vllm", True, "installed by provisioning (cluster.extras)")
+    r = host.run(_py(cfg, "import vllm; print(vllm.__version__)"))
+    if r.code == 0:
+        return Check("vllm", True, f"vllm {r.stdout.strip()}")
+    return Check("vllm", False, f"{cfg.python} cannot import vllm (inference.backend = 'vllm'): install it in the "
+                                f"host image or add 'vllm' to cluster.extras")
+
+
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
-                  links: list[Link] | None = None, hosts: dict[str, Host] | None = None) -> dict[str, list[Check]]:
+                  links: list[Link] | None = None, hosts: dict[str, Host] | None = None,
+                  needs: dict[str, list[str]] | None = None, model_path: str | None = None) -> dict[str, list[Check]]:
     """`ports`: host name -> ports the plan binds there; `links`: connections the plan makes;
-    `hosts`: open connections to reuse (the caller keeps and closes them), else opened and closed here."""
+    `hosts`: open connections to reuse (the caller keeps and closes them), else opened and closed here;
+    `needs`: host name -> what its roles need (`role_needs`)."""
     by_id = cfg.hosts_by_id()
     owned = hosts is None
     hosts = {hid: connect(cfg, h) for hid, h in by_id.items()} if owned else {hid: hosts[hid] for hid in by_id}
     results: dict[str, list[Check]] = {}
     with Progress(console=console, transient=True) as progress, ThreadPoolExecutor(len(hosts)) as pool:
         task = progress.add_task("checking hosts", total=len(hosts) + 1)
-        futures = {a: pool.submit(host_checks, hosts[a], by_id[a], cfg, (ports or {}).get(a)) for a in hosts}
+        futures = {a: pool.submit(host_checks, hosts[a], by_id[a], cfg, (ports or {}).get(a), (needs or {}).get(a, []),
+                                  model_path) for a in hosts}
         for a, f in futures.items():
             results[a] = f.result()
             progress.advance(task)
@@ -145,10 +181,17 @@ def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]]
     return results
 
 
-def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None) -> list[Check]:
+def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None, needs: list[str] = (),
+                model_path: str | None = None) -> list[Check]:
     out = basic_checks(host, h, cfg)
-    if out[0].ok and ports:
+    if not out[0].ok:
+        return out
+    if ports:
         out.append(port_check(host, h, cfg, ports))
+    if "model" in needs and model_path:
+        out.append(model_check(host, model_path))
+    if "vllm" in needs:
+        out.append(vllm_check(host, cfg))
     return out
 
 
