@@ -111,3 +111,68 @@ def test_routing_is_returned_once_per_group_and_from_offset(server):
         assert decode_routing(c.routing).shape == (3, prompt.shape[1], prompt.shape[2])
     plain = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).json()
     assert plain["prompt_routing"] is None and plain["completions"][0]["routing"] is None
+
+
+@pytest.mark.parametrize("path,body,status,words", [
+    ("/generate", {"prompt_ids": [5, 100000]}, 400, "prompt_ids[1] = 100000 is outside the vocabulary"),
+    ("/generate", {"prompt_ids": [5, -1]}, 422, "prompt_ids"),
+    ("/generate", {"prompt_ids": [5] * 600}, 400, "exceeds the model's context"),
+    ("/generate", {"prompt_ids": [5], "max_tokens": 10**9}, 400, "exceeds the model's context"),
+    ("/generate", {"prompt_ids": [5], "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ""}, 422, "prompt"),
+    ("/v1/completions", {"prompt": []}, 422, "prompt"),
+    ("/v1/completions", {"prompt": [7, 99999]}, 400, "prompt[1] = 99999"),
+    ("/update_weights", {"version": 9, "path": "/etc"}, 400, "not a version folder of this run"),
+])
+def test_a_bad_request_fails_alone(server, path, body, status, words):
+    """Each answered 4xx naming the field; the engine keeps serving everyone else."""
+    client, _, _ = server
+    r = client.post(path, json=body)
+    assert r.status_code == status and words in r.text, r.text
+    ok = client.post("/generate", json={"prompt_ids": [5, 6], "max_tokens": 2})
+    assert ok.status_code == 200 and client.get("/health").status_code == 200
+
+
+def test_non_finite_numbers_and_huge_bodies_are_refused(server):
+    client, _, url = server
+    raw = b'{"prompt_ids": [5], "temperature": NaN}'
+    r = client.post("/generate", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "temperature" in r.text
+    r = client.post("/generate", content=b"x" * (17 << 20), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    for doc in ("/docs", "/openapi.json"):
+        assert httpx.get(url + doc).status_code in (401, 404)
+    assert client.post("/generate", json={"prompt_ids": [5], "max_tokens": 1}).status_code == 200
+
+
+def test_malformed_weight_folders_answer_409_and_keep_serving(server, tiny_model):
+    import json
+
+    import torch
+
+    from prl.model.weights import MANIFEST, write_weights
+
+    client, run_dir, _ = server
+    before = client.get("/health").json()["version"]
+    state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    state["lm_head.weight"][0, 0] = float("inf")
+    write_weights(run_dir / "weights" / "v20", state, {"version": 20})
+    garbage = write_weights(run_dir / "weights" / "v21", tiny_model.state_dict(), {"version": 21})
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+    manifest = json.loads((garbage / MANIFEST).read_text())
+    from prl.model.weights import sha256
+
+    manifest["files"]["model.safetensors"] = {"size": 64, "sha256": sha256(garbage / "model.safetensors")}
+    (garbage / MANIFEST).write_text(json.dumps(manifest))
+    no_version = write_weights(run_dir / "weights" / "v22", tiny_model.state_dict(), {"other": 1})
+    escape = write_weights(run_dir / "weights" / "v23", tiny_model.state_dict(), {"version": 23})
+    m = json.loads((escape / MANIFEST).read_text())
+    m["files"]["../../secret"] = {"size": 1, "sha256": "0"}
+    (escape / MANIFEST).write_text(json.dumps(m))
+    for v, words in ((20, "non-finite"), (21, "unreadable weights"), (22, "unreadable weights"),
+                     (23, "not a plain file")):
+        r = client.post("/update_weights", json={"path": str(run_dir / "weights" / f"v{v}"), "version": v})
+        assert r.status_code == 409 and words in r.json()["detail"], (v, r.text)
+    assert client.get("/health").json()["version"] == before
+    out = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).json()
+    assert torch.isfinite(torch.tensor(out["completions"][0]["logprobs"])).all()

@@ -306,8 +306,11 @@ def prepare_weights(model, path) -> Policy:
 
     try:
         raw, manifest = read_weights(Path(path))
+        version = int(manifest["version"])
     except (CorruptWeightsError, OSError) as e:
         raise WeightLoadError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a bad header, a manifest without version: refused, not a 500
+        raise WeightLoadError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
     scales = {k.removesuffix(SCALE_SUFFIX): v for k, v in raw.items() if k.endswith(SCALE_SUFFIX)}
     state = {k: v for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}
     expected = model.state_dict()
@@ -318,5 +321,8 @@ def prepare_weights(model, path) -> Policy:
     if missing or extra or bad or unscaled:
         raise WeightLoadError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}, "
                               f"FP8 without scales {unscaled[:5]}")
+    nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+    if nonfinite:
+        raise WeightLoadError(f"{path}: non-finite values in {nonfinite[:5]}")
     state = {k: v if k in scales else v.to(expected[k].dtype) for k, v in state.items()}
-    return Policy(state, scales, int(manifest["version"]))
+    return Policy(state, scales, version)

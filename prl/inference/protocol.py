@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,10 +15,10 @@ class Msg(BaseModel):
 class GenerateRequest(Msg):
     """Token in, token out."""
 
-    prompt_ids: list[int] = Field(min_length=1)
+    prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     max_tokens: int = Field(16, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS
     seed: int | None = None
     n: int = Field(1, gt=0, le=256)  # completions of the same prompt (a GRPO group in one request)
@@ -66,10 +66,10 @@ class CompletionRequest(BaseModel):
     """The OpenAI /v1/completions request (the subset that applies; unknown fields are ignored)."""
 
     model: str | None = None
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     max_tokens: int = Field(16, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, gt=0, le=64)
     stop: str | list[str] | None = None
     logprobs: int | None = None

@@ -8,10 +8,14 @@ otherwise. A failed weight load answers 409 and leaves the old version serving.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
 from prl.inference.loop import EngineLoop
@@ -29,14 +33,33 @@ from prl.inference.protocol import (
 from prl.transport.weights import WeightFetchError
 
 
-def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None) -> FastAPI:
-    """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path."""
-    app = FastAPI(title="prl inference")
+MAX_BODY_BYTES = 16 << 20  # prompts are token ids or text; larger bodies are refused unread
+
+
+def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None,
+               weights_root: Path | None = None) -> FastAPI:
+    """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path;
+    `weights_root`: the only folder an update's `path` may point into (the run's weights)."""
+    app = FastAPI(title="prl inference", docs_url=None, redoc_url=None, openapi_url=None)
+    app.middleware("http")(_limit_body)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     started = time.monotonic()
+    config = loop.core.model.config
+    vocab, context = config.vocab_size, getattr(config, "max_position_embeddings", None)
 
     def auth(authorization: str = Header("")):
-        if authorization != f"Bearer {secret}":
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
             raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
+
+    def check_prompt(ids: list[int], max_tokens: int, field: str) -> None:
+        """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
+        stop the engine for everyone)."""
+        bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+        if bad is not None:
+            raise HTTPException(400, f"{field}[{bad}] = {ids[bad]} is outside the vocabulary (0..{vocab - 1})")
+        if context and len(ids) + max_tokens > context:
+            raise HTTPException(400, f"{field} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                     f"context of {context} tokens")
 
     guarded = [Depends(auth)]
     eos = [tokenizer.eos_token_id]
@@ -48,12 +71,18 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), s) for s in seeds]
         if req.return_routing and loop.core.capture is None:
             raise HTTPException(400, "this server does not capture routing (start it with routing capture on)")
+        check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
+        if any(t >= vocab for t in stops):
+            raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {vocab}")
         seqs = await asyncio.gather(*(loop.generate(_sequence(req.prompt_ids, p)) for p in params))
         return _generate_response(seqs, req)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest) -> dict:
         ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt).input_ids
+        if not ids:
+            raise HTTPException(400, "prompt: the text encodes to no tokens")
+        check_prompt(ids, req.max_tokens, "prompt")
         params = SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), req.seed)
         seqs = await asyncio.gather(*(loop.generate(_sequence(ids, params)) for _ in range(req.n)))
         return _openai_response(req, ids, seqs, tokenizer, model_name)
@@ -63,6 +92,8 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         t0 = time.perf_counter()
         if req.path is None and weights is None:
             raise HTTPException(400, "this server has no weight source: give a path")
+        if req.path is not None and weights_root is not None and not _inside(Path(req.path), weights_root):
+            raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({weights_root})")
         try:
             path = req.path or await asyncio.to_thread(weights.fetch, req.version)
             policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
@@ -100,6 +131,27 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         )
 
     return app
+
+
+async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming each field, without echoing the input (a NaN in it would make the answer a 500)."""
+    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
+async def _limit_body(request, call_next):
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+    return await call_next(request)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
 
 
 def _generate_response(seqs: list[Sequence], req: GenerateRequest) -> GenerateResponse:
@@ -174,7 +226,8 @@ def main(config_path: str) -> None:
                       capture_routing=cfg.recipe.trainer.router_replay)
     loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     loop.start()
-    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name, weight_source(cfg))
+    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name, weight_source(cfg),
+                     weights_root=cfg.run_path / "weights")
     print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
     # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600)

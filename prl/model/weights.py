@@ -73,8 +73,9 @@ def verify_dir(path: Path) -> dict:
         raise CorruptWeightsError(f"{path}: no {MANIFEST}; the folder is incomplete (interrupted write?)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptWeightsError(f"{manifest_path}: unreadable manifest ({e})") from None
+    check_manifest(manifest, manifest_path)
     for name, want in manifest["files"].items():
         f = path / name
         if not f.is_file():
@@ -84,6 +85,18 @@ def verify_dir(path: Path) -> dict:
         if sha256(f) != want["sha256"]:
             raise CorruptWeightsError(f"{f}: sha256 does not match the manifest (corrupted)")
     return manifest
+
+
+def check_manifest(manifest, path: Path) -> None:
+    """A manifest names plain files of its own folder, each with an integer size and a sha256."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise CorruptWeightsError(f"{path}: no 'files' table in the manifest")
+    for name, want in files.items():
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in (".", ".."):
+            raise CorruptWeightsError(f"{path}: file name {name!r} is not a plain file of this folder")
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
+            raise CorruptWeightsError(f"{path}: entry for {name!r} needs an integer size and a sha256")
 
 
 def save_tensors(path: Path, state_dict: dict[str, torch.Tensor]) -> None:

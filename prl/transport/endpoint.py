@@ -16,6 +16,7 @@ Every request needs `Authorization: Bearer <run secret>`. stdlib only: a thread 
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
@@ -77,7 +78,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _authorized(self) -> bool:
-        if self.headers.get("Authorization") == f"Bearer {self.ep.secret}":
+        given = self.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, f"Bearer {self.ep.secret}".encode()):
             return True
         self._reply(401, {"detail": "missing or wrong bearer token (the run's secret file)"})
         return False
