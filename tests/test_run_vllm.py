@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +14,7 @@ import torch
 
 from conftest import ROOT, prl_cmd
 from test_pretrained import make_pretrained
-from test_run import assert_nothing_left, events
+from test_run import assert_nothing_left, events, wait_for_rl_step
 from vllm_rig import needs_vllm
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -61,13 +60,6 @@ def test_pretrained_folder_trains_from_step_0_on_vllm(tmp_path):
 def start_background(tmp_path: Path) -> subprocess.Popen:
     return subprocess.Popen(run_args(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=500"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def wait_for_rl_step(run_dir: Path, proc: subprocess.Popen) -> None:
-    """Waits on the run's own events (no wall-clock bound: a busy machine is slower, not broken)."""
-    while not ((run_dir / "metrics.jsonl").exists() and any(e["stage"] == "rl" for e in events(run_dir, "trainer_step"))):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.3)
 
 
 def server_tree(run_dir: Path) -> list[psutil.Process]:

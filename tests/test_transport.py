@@ -133,3 +133,23 @@ def test_corrupt_transfer_is_retried_then_refused(endpoint, tmp_path):
     assert "attempt 3" in str(e.value) and "sha256" in str(e.value)
     dest = tmp_path / "server_host" / "weights"
     assert not dest.exists() or not list(dest.iterdir()), "nothing half-copied is left behind"
+
+
+def test_bad_numbers_answer_400_and_a_vanished_client_is_not_an_error(endpoint, capfd):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {SECRET}"}
+    for query in ("after=abc", "after=1&wait=nan", "wait=x"):
+        r = httpx.get(f"{url(endpoint)}/weights/latest?{query}", headers=headers)
+        assert r.status_code == 400 and "bad request" in r.text, (query, r.text)
+    with socket.create_connection(("127.0.0.1", endpoint.port)) as s:  # httpx refuses to send this
+        s.sendall(f"PUT /rollouts/1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
+                  f"Content-Length: zz\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.0 400")
+    # a long poll whose client disconnects (the orchestrator at shutdown): no traceback in the log
+    s = socket.create_connection(("127.0.0.1", endpoint.port))
+    s.sendall(f"GET /weights/latest?after=99&wait=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n\r\n".encode())
+    s.close()
+    assert httpx.get(f"{url(endpoint)}/weights/latest?after=99&wait=1.5", headers=headers).status_code == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -206,10 +206,12 @@ class SshHost(Host):
 
         self.target = target
         self.name = f"{target.user}@{target.address}:{target.port}"
+        # no key_file: the SSH agent and the default keys, as `ssh` does (fabric refuses key_filename=None)
+        auth = {"key_filename": target.key_file, "look_for_keys": False, "allow_agent": False} if target.key_file \
+            else {"look_for_keys": True, "allow_agent": True}
         self.conn = Connection(
             host=target.address, user=target.user, port=target.port, connect_timeout=target.connect_timeout,
-            connect_kwargs={"key_filename": target.key_file, "look_for_keys": target.key_file is None,
-                            "allow_agent": False, "password": None},
+            connect_kwargs={**auth, "password": None},
         )
         client = self.conn.client
         client.load_host_keys(target.known_hosts) if target.known_hosts else client.load_system_host_keys()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import re
 import shutil
@@ -77,6 +78,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):
         pass
 
+    def handle_one_request(self):
+        """A client that goes away (the orchestrator's long poll at shutdown) is not an error; a
+        malformed number in a request is the client's error (400), not a traceback in the log."""
+        try:
+            super().handle_one_request()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except ValueError as e:
+            self.close_connection = True  # an unread body may follow
+            self._reply(400, {"detail": f"bad request: {e}"})
+
     def _authorized(self) -> bool:
         given = self.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, f"Bearer {self.ep.secret}".encode()):
@@ -116,6 +128,8 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == "/weights/latest":
             q = parse_qs(url.query)
             after, wait = int(q.get("after", ["-1"])[0]), float(q.get("wait", ["0"])[0])
+            if not math.isfinite(wait):
+                raise ValueError(f"wait = {wait}: a finite number of seconds is required")
             return self._reply(200, {"version": self.ep.latest(after, wait)})
         m = FILE_RE.match(url.path)
         if m:
