@@ -176,3 +176,29 @@ def test_malformed_weight_folders_answer_409_and_keep_serving(server, tiny_model
     assert client.get("/health").json()["version"] == before
     out = client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).json()
     assert torch.isfinite(torch.tensor(out["completions"][0]["logprobs"])).all()
+
+
+def test_the_official_openai_client(server):
+    """As clients use it: models, completions with n and a seed (n different completions), and every
+    unsupported option refused with a 400 whose message the client shows."""
+    import openai
+
+    client, run_dir, url = server
+    secret = client.headers["Authorization"].removeprefix("Bearer ")
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0)
+    assert [m.id for m in oai.models.list().data] == ["run"]
+    out = oai.completions.create(model="run", prompt="rev:abc=", max_tokens=6, n=4, seed=7, temperature=1.0,
+                                 logprobs=1)
+    texts = [c.text for c in out.choices]
+    assert len(texts) == 4 and len(set(texts)) > 1, f"n completions with one seed must differ: {texts}"
+    assert all(len(c.logprobs.token_logprobs) > 0 for c in out.choices)
+    for kwargs, words in (({"stream": True}, "stream"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                          ({"logprobs": 5}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"prompt": ""}, "prompt")):
+        args = {"model": "run", "prompt": "rev:abc=", "max_tokens": 2, **kwargs}
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.completions.create(**args)
+        assert e.value.status_code in (400, 422) and words in str(e.value), str(e.value)
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="bearer token"):
+        bad.models.list()

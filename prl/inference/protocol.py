@@ -63,7 +63,11 @@ def decode_routing(msg: Routing):
 
 
 class CompletionRequest(BaseModel):
-    """The OpenAI /v1/completions request (the subset that applies; unknown fields are ignored)."""
+    """The OpenAI /v1/completions request. What the engine does not do (streaming, echo, best_of,
+    penalties, more than the sampled token's logprob, unknown fields) is refused with a 400 naming
+    it, never silently ignored (`unsupported`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -72,8 +76,27 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, gt=0, le=64)
     stop: str | list[str] | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
     seed: int | None = None
+    stream: bool = False
+    echo: bool = False
+    best_of: int | None = None
+    user: str | None = None  # metadata; accepted and unused
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something the engine does not do, with the reason."""
+        if self.stream:
+            return "stream: streaming is not supported; send stream=false"
+        if self.echo:
+            return "echo: not supported"
+        if self.best_of not in (None, 1):
+            return "best_of: not supported (use n)"
+        if self.logprobs is not None and self.logprobs > 1:
+            return "logprobs: only the sampled token's logprob is returned (logprobs 0 or 1)"
+        for key, value in (self.model_extra or {}).items():
+            if value not in (None, 0, 0.0, False, {}, []):
+                return f"{key}: not supported by prl's engine"
+        return None
 
 
 class UpdateWeightsRequest(Msg):

@@ -43,6 +43,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     app = FastAPI(title="prl inference", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(_limit_body)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     started = time.monotonic()
     config = loop.core.model.config
     vocab, context = config.vocab_size, getattr(config, "max_position_embeddings", None)
@@ -77,14 +78,23 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         seqs = await asyncio.gather(*(loop.generate(_sequence(req.prompt_ids, p)) for p in params))
         return _generate_response(seqs, req)
 
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
+                                            "owned_by": "prl"}]}
+
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest) -> dict:
+        why = req.unsupported()
+        if why:
+            raise HTTPException(400, why)
         ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt).input_ids
         if not ids:
             raise HTTPException(400, "prompt: the text encodes to no tokens")
         check_prompt(ids, req.max_tokens, "prompt")
-        params = SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), req.seed)
-        seqs = await asyncio.gather(*(loop.generate(_sequence(ids, params)) for _ in range(req.n)))
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]  # n different completions
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), s) for s in seeds]
+        seqs = await asyncio.gather(*(loop.generate(_sequence(ids, p)) for p in params))
         return _openai_response(req, ids, seqs, tokenizer, model_name)
 
     @app.post("/update_weights", dependencies=guarded)
@@ -136,7 +146,25 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
     """422 naming each field, without echoing the input (a NaN in it would make the answer a 500)."""
     errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
+    if request.url.path.startswith("/v1/"):
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        param = ".".join(str(x) for x in first["loc"] if x != "body")
+        return _openai_error(422, f"{param}: {first['msg']}", param)
     return JSONResponse({"detail": errors}, status_code=422)
+
+
+async def _http_error(request, exc: HTTPException) -> JSONResponse:
+    """OpenAI's error shape on /v1 (its clients show `error.message`); `{"detail": ...}` elsewhere."""
+    if request.url.path.startswith("/v1/"):
+        detail = str(exc.detail)
+        return _openai_error(exc.status_code, detail, detail.split(":", 1)[0] if ":" in detail else None)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _openai_error(status: int, message: str, param: str | None) -> JSONResponse:
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
 
 
 async def _limit_body(request, call_next):
