@@ -1,3 +1,3 @@
 from prl.cli import app
 
-app()
+app(prog_name="prl")

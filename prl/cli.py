@@ -8,9 +8,10 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+# rich_markup_mode=None: help texts name TOML tables ([cluster]) that rich markup would swallow
 app = typer.Typer(help="prl: asynchronous RL for LLMs, mixture-of-experts first.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
-ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(ckpt_app, name="ckpt")
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

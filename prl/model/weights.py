@@ -15,8 +15,10 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch only where tensors are read or written: the driver imports this module
+    import torch
 
 MANIFEST = "MANIFEST.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -99,17 +101,21 @@ def check_manifest(manifest, path: Path) -> None:
             raise CorruptWeightsError(f"{path}: entry for {name!r} needs an integer size and a sha256")
 
 
-def save_tensors(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+def save_tensors(path: Path, state_dict: dict[str, "torch.Tensor"]) -> None:
+    from safetensors.torch import save_file
+
     save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(path))
 
 
-def write_weights(final: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path:
+def write_weights(final: Path, state_dict: dict[str, "torch.Tensor"], meta: dict) -> Path:
     tmp = tmp_dir_for(final)
     save_tensors(tmp / WEIGHTS_FILE, state_dict)
     return commit_dir(tmp, final, meta)
 
 
-def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def read_weights(path: Path) -> tuple[dict[str, "torch.Tensor"], dict]:
+    from safetensors.torch import load_file
+
     manifest = verify_dir(path)
     return load_file(str(path / WEIGHTS_FILE)), manifest
 
