@@ -60,9 +60,10 @@ class Orchestrator:
         self.changed = asyncio.Condition()
         self.served = -1
         self.inflight_groups = 0
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
         self.tasks: list[asyncio.Task] = []
+        self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
     def backend(self, url: str) -> InferenceBackend:
         inf, conns = self.cfg.recipe.inference, self.rl.max_inflight_rollouts + 8
@@ -96,15 +97,16 @@ class Orchestrator:
             await coro
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any failure of a background task ends the run, named
             async with self.changed:
                 self.error = self.error or e
                 self.changed.notify_all()
 
     async def stop(self) -> None:
-        for t in self.tasks:
+        pending = [*self.tasks, *self.groups]
+        for t in pending:
             t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(s.close() for s in self.servers), self.trainer.close())
 
     # ---- batches ----
@@ -163,12 +165,14 @@ class Orchestrator:
                 index, self.next_prompt = self.next_prompt, self.next_prompt + 1
                 self.committed += 1
                 self.inflight_groups += 1
-            asyncio.create_task(self.run_group(index))
+            task = asyncio.create_task(self.run_group(index))
+            self.groups.add(task)
+            task.add_done_callback(self.groups.discard)
 
     async def run_group(self, index: int) -> None:
         try:
             group = await self.rollout_group(index)
-        except BaseException as e:  # noqa: BLE001 - surfaced by next_groups
+        except Exception as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation (stop) is not an error
             self.error = self.error or e
             group = None
         async with self.changed:
