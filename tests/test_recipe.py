@@ -117,3 +117,12 @@ def test_cli_help_names_tables_and_the_workstation_side_stays_torch_free():
     code = "import sys, prl.launch.driver, prl.launch.cluster, prl.launch.doctor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", "the driver must not import torch (it costs seconds before prl run prints)"
+
+
+def test_dry_run_checks_what_run_checks(tmp_path):
+    """A custom task whose module does not exist is refused by --dry-run too, before anything starts."""
+    path = write(tmp_path, "[task]\nname = 'custom'\ndataset = 'no_such_module:data'\nreward = 'no_such_module:score'\n")
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", path, *extra), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "no_such_module" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "runs").exists()
