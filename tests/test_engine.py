@@ -99,3 +99,28 @@ def test_rejected_weights_leave_old_version_serving(tiny_model, tmp_path):
     with pytest.raises(WeightLoadError, match="sha256"):
         prepare_weights(tiny_model, corrupt)
     assert EngineCore(tiny_model).version == -1
+
+
+def test_an_aborted_request_leaves_the_batch_and_the_others_continue(tiny_model):
+    core = EngineCore(tiny_model, max_batch_size=4)
+    done = []
+    keep = Sequence([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12), on_done=done.append)
+    drop = Sequence([8, 9], SamplingParams(temperature=0.0, max_tokens=12), on_done=done.append)
+    waiting = Sequence([10], SamplingParams(temperature=0.0, max_tokens=12), on_done=done.append)
+    core.add(keep)
+    core.add(drop)
+    core.step()
+    core.step()
+    core.abort(drop)
+    core.add(waiting)
+    core.abort(waiting)  # not admitted yet: removed at once
+    while keep.finish_reason is None:
+        core.step()
+    assert drop.finish_reason == "abort" and len(drop.out_ids) < 12
+    assert keep.finish_reason == "length" and len(keep.out_ids) == 12
+    assert waiting not in core.waiting and waiting.out_ids == []
+    alone = Sequence([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12))
+    core.add(alone)
+    while alone.finish_reason is None:
+        core.step()
+    assert alone.out_ids == keep.out_ids, "the batch after the abort computes what a clean run does"

@@ -202,3 +202,25 @@ def test_the_official_openai_client(server):
     bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="bearer token"):
         bad.models.list()
+
+
+def test_a_generation_stops_when_its_client_disconnects(server):
+    """The engine drops the sequences of a client that went away instead of generating for nobody."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    client, _, url = server
+    before = client.get("/metrics").json()["generated_tokens"]
+    u = urlparse(url)
+    body = json.dumps({"prompt_ids": [5], "max_tokens": 500, "n": 4, "stop_token_ids": []}).encode()
+    s = socket.create_connection((u.hostname, u.port))
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: {client.headers['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    while client.get("/metrics").json()["running"] < 4:
+        time.sleep(0.02)
+    s.close()
+    while (m := client.get("/metrics").json())["running"] > 0:
+        time.sleep(0.02)
+    assert m["generated_tokens"] - before < 4 * 500, "the whole generation ran for a client that was gone"
+    assert client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).status_code == 200

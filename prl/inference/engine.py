@@ -52,6 +52,7 @@ class Sequence:
     pending: int = -1  # sampled token not yet fed to the model
     generator: torch.Generator | None = None
     admitted_at_step: int = -1
+    aborted: bool = False  # its client went away: dropped at the next step
     prompt_routing: torch.Tensor | None = None  # [prompt tokens, MoE layers, k] when capturing
     routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
 
@@ -109,6 +110,14 @@ class EngineCore:
             self._staged = (policy, done)
         return done
 
+    def abort(self, seq: Sequence) -> None:
+        """Stop `seq` (from any thread): a waiting one is removed now, a running one leaves the batch
+        at the next step with finish_reason "abort"."""
+        with self._lock:
+            seq.aborted = True
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)
 
@@ -121,7 +130,8 @@ class EngineCore:
         """One iteration: apply staged weights, admit waiting requests, decode one token for all."""
         t0 = time.perf_counter()
         self.apply_staged()
-        finished = self._admit()
+        finished = self._drop_aborted()
+        finished += self._admit()
         if self.running:
             finished += self._decode()
             self.stats.steps += 1
@@ -143,6 +153,16 @@ class EngineCore:
         self.prefix.clear()  # salt: no prefix computed under an older version is reused
         self.stats.weight_loads += 1
         done.set()
+
+    def _drop_aborted(self) -> list[Sequence]:
+        gone = [s for s in self.running if s.aborted]
+        if gone:
+            keep = [i for i, s in enumerate(self.running) if not s.aborted]
+            self.batch.keep(keep)
+            self.running = [self.running[i] for i in keep]
+            for s in gone:
+                s.finish_reason = "abort"
+        return gone
 
     def _admit(self) -> list[Sequence]:
         finished = []

@@ -46,7 +46,13 @@ class EngineLoop:
         seq.on_done = self._resolve
         self.core.add(seq)
         self._notify()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the caller went away: free its slot in the batch
+            self.core.abort(seq)
+            self._futures.pop(seq.id, None)
+            self._notify()
+            raise
 
     async def load(self, policy) -> None:
         done = self.core.stage_weights(policy)
@@ -66,6 +72,8 @@ class EngineLoop:
         return (total - n0) / (now - t0) if now > t0 else 0.0
 
     def _resolve(self, seq: Sequence) -> None:
+        if seq.id not in self._futures:  # aborted: nobody waits for it
+            return
         loop, fut = self._futures.pop(seq.id)
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 

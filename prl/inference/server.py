@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -41,7 +41,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path;
     `weights_root`: the only folder an update's `path` may point into (the run's weights)."""
     app = FastAPI(title="prl inference", docs_url=None, redoc_url=None, openapi_url=None)
-    app.middleware("http")(_limit_body)
+    app.add_middleware(LimitBody)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     started = time.monotonic()
@@ -66,7 +66,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     eos = [tokenizer.eos_token_id]
 
     @app.post("/generate", dependencies=guarded)
-    async def generate(req: GenerateRequest) -> GenerateResponse:
+    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
         stops = eos if req.stop_token_ids is None else req.stop_token_ids
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), s) for s in seeds]
@@ -75,7 +75,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
         if any(t >= vocab for t in stops):
             raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {vocab}")
-        seqs = await asyncio.gather(*(loop.generate(_sequence(req.prompt_ids, p)) for p in params))
+        seqs = await _unless_disconnected(request, [loop.generate(_sequence(req.prompt_ids, p)) for p in params])
         return _generate_response(seqs, req)
 
     @app.get("/v1/models", dependencies=guarded)
@@ -84,7 +84,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
                                             "owned_by": "prl"}]}
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(req: CompletionRequest) -> dict:
+    async def completions(req: CompletionRequest, request: Request) -> dict:
         why = req.unsupported()
         if why:
             raise HTTPException(400, why)
@@ -94,7 +94,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         check_prompt(ids, req.max_tokens, "prompt")
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]  # n different completions
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), s) for s in seeds]
-        seqs = await asyncio.gather(*(loop.generate(_sequence(ids, p)) for p in params))
+        seqs = await _unless_disconnected(request, [loop.generate(_sequence(ids, p)) for p in params])
         return _openai_response(req, ids, seqs, tokenizer, model_name)
 
     @app.post("/update_weights", dependencies=guarded)
@@ -143,6 +143,18 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     return app
 
 
+async def _unless_disconnected(request: Request, coros: list) -> list:
+    """Run the generations; if the client disconnects first, cancel them (the engine drops them at its
+    next step) instead of generating for nobody."""
+    work = asyncio.ensure_future(asyncio.gather(*coros))
+    while not work.done():
+        done, _ = await asyncio.wait({work}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            work.cancel()
+            raise HTTPException(499, "client disconnected")
+    return work.result()
+
+
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
     """422 naming each field, without echoing the input (a NaN in it would make the answer a 500)."""
     errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
@@ -167,11 +179,20 @@ def _openai_error(status: int, message: str, param: str | None) -> JSONResponse:
                         status_code=status)
 
 
-async def _limit_body(request, call_next):
-    size = request.headers.get("content-length")
-    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
-        return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-    return await call_next(request)
+class LimitBody:
+    """Refuse bodies over MAX_BODY_BYTES unread (413). Plain ASGI, not BaseHTTPMiddleware, whose
+    wrapped `receive` hides a client's disconnect from the endpoints."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"0").decode("latin-1")
+            if not size.isdigit() or int(size) > MAX_BODY_BYTES:
+                response = JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _inside(path: Path, root: Path) -> bool:
