@@ -279,5 +279,7 @@ def main(config_path: str) -> None:
                      weights_root=cfg.run_path / "weights")
     print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
     # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600)
+    # SIGTERM: in-flight generations get 5 s, then are cancelled (and dropped by the engine)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600,
+                timeout_graceful_shutdown=5)
     loop.stop()
