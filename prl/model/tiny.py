@@ -35,25 +35,16 @@ def tiny_config(cfg: ModelCfg, vocab_size: int):
     return {"glm_moe_dsa": glm_config, "qwen3_moe": qwen3_moe_config}[cfg.arch](cfg, vocab_size)
 
 
-def qwen3_moe_config(cfg: ModelCfg, vocab_size: int):
-    """Qwen3-MoE: GQA attention with q/k norms, softmax top-k router, every layer MoE after the
-    first `first_dense_layers` (`mlp_only_layers`). vLLM serves this family on CPU."""
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"],
+def shared_config(cfg: ModelCfg, vocab_size: int) -> dict:
+    """What every tiny family sets alike (transformers names these the same across families)."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.dense_dim,
         moe_intermediate_size=cfg.expert_dim,
         num_hidden_layers=cfg.num_layers,
-        mlp_only_layers=list(range(min(cfg.first_dense_layers, cfg.num_layers))),
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=max(1, cfg.num_heads // 2),
-        head_dim=cfg.head_dim,
-        num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.experts_per_token,
-        norm_topk_prob=True,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         pad_token_id=PAD_ID,
@@ -63,22 +54,32 @@ def qwen3_moe_config(cfg: ModelCfg, vocab_size: int):
     )
 
 
+def qwen3_moe_config(cfg: ModelCfg, vocab_size: int):
+    """Qwen3-MoE: GQA attention with q/k norms, softmax top-k router, every layer MoE after the
+    first `first_dense_layers` (`mlp_only_layers`). vLLM serves this family on CPU."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"],
+        **shared_config(cfg, vocab_size),
+        mlp_only_layers=list(range(min(cfg.first_dense_layers, cfg.num_layers))),
+        num_key_value_heads=max(1, cfg.num_heads // 2),
+        head_dim=cfg.head_dim,
+        num_experts=cfg.num_experts,
+        norm_topk_prob=True,
+    )
+
+
 def glm_config(cfg: ModelCfg, vocab_size: int):
     from transformers import GlmMoeDsaConfig
 
     head = cfg.head_dim
     return GlmMoeDsaConfig(
         architectures=["GlmMoeDsaForCausalLM"],
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.dense_dim,
-        moe_intermediate_size=cfg.expert_dim,
-        num_hidden_layers=cfg.num_layers,
+        **shared_config(cfg, vocab_size),
         first_k_dense_replace=min(cfg.first_dense_layers, cfg.num_layers),
-        num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
         n_routed_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.experts_per_token,
         n_shared_experts=1,
         n_group=1,
         topk_group=1,
@@ -91,12 +92,6 @@ def glm_config(cfg: ModelCfg, vocab_size: int):
         index_n_heads=2,
         index_head_dim=head,
         index_topk=cfg.index_topk,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
     )
 
 
