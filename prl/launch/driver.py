@@ -73,31 +73,40 @@ def dry_run(recipe: Recipe, console: Console) -> int:
     return 0
 
 
-def check_model(recipe: Recipe) -> None:
-    """A pretrained `model.path` is read (headers only) now, so a broken folder fails before any process."""
+def local_folder(recipe: Recipe):
+    """The pretrained `model.path`, read once (headers only) for every preflight check; None for a tiny
+    model or on a cluster (the folder lives on the hosts; `prl doctor` checks it there)."""
     from prl.model.pretrained import PretrainedError, check_pretrained
-    from prl.model.families import ROUTER_CLASSES as FAMILIES
 
-    m = recipe.model
-    if not m.path or recipe.cluster is not None:  # on a cluster the folder lives on the hosts
-        return
+    if not recipe.model.path or recipe.cluster is not None:
+        return None
     try:
-        info = check_pretrained(m.path)
+        return check_pretrained(recipe.model.path)
     except PretrainedError as e:
         raise RecipeError(f"model.path: {e}; nothing was started") from None
+
+
+def check_model(recipe: Recipe, folder) -> None:
+    """A broken pretrained folder fails before any process starts."""
+    from prl.model.families import ROUTER_CLASSES as FAMILIES
+
+    if folder is None:
+        return
+    m = recipe.model
     longest = recipe.longest_sample()
-    if info.max_position_embeddings and longest > info.max_position_embeddings:
-        raise RecipeError(f"model.path: {m.path} holds {info.max_position_embeddings} positions, shorter than the "
+    if folder.max_position_embeddings and longest > folder.max_position_embeddings:
+        raise RecipeError(f"model.path: {m.path} holds {folder.max_position_embeddings} positions, shorter than the "
                           f"longest sample ({longest} tokens); lower sampling.max_tokens")
-    if recipe.trainer.router_replay and info.model_type not in FAMILIES:
-        raise RecipeError(f"trainer.router_replay: model_type {info.model_type!r} of {m.path} has no routing "
+    if recipe.trainer.router_replay and folder.model_type not in FAMILIES:
+        raise RecipeError(f"trainer.router_replay: model_type {folder.model_type!r} of {m.path} has no routing "
                           f"adapter (known: {sorted(FAMILIES)}); set trainer.router_replay = false")
 
 
 def preflight(recipe: Recipe) -> None:
     """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
-    check_model(recipe)
-    check_backend(recipe)
+    folder = local_folder(recipe)
+    check_model(recipe, folder)
+    check_backend(recipe, folder)
     check_task(recipe)
 
 
@@ -112,30 +121,13 @@ def gpu_present() -> bool:
         return False
 
 
-def model_type(recipe: Recipe) -> str:
-    if recipe.model.path and recipe.cluster is None:
-        from prl.model.pretrained import check_pretrained
-
-        return check_pretrained(recipe.model.path).model_type
-    return recipe.model.arch
-
-
 # vLLM 0.32's CPU attention kernel (`CPUAttentionBackend.get_supported_head_sizes`)
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def attention_head_dim(recipe: Recipe) -> int | None:
-    if not recipe.model.path:
-        return recipe.model.head_dim if recipe.model.arch == "qwen3_moe" else None
-    if recipe.cluster is not None:
-        return None
-    from prl.model.pretrained import check_pretrained
-
-    return check_pretrained(recipe.model.path).head_dim
-
-
-def check_backend(recipe: Recipe) -> None:
-    """What the chosen inference backend cannot do where the servers run, refused with the reason."""
+def check_backend(recipe: Recipe, folder) -> None:
+    """What the chosen inference backend cannot do where the servers run, refused with the reason.
+    `folder`: `local_folder(recipe)`, the model's facts when it is a pretrained folder read here."""
     if recipe.inference.backend != "vllm":
         return
     if recipe.cluster is None:
@@ -154,12 +146,16 @@ def check_backend(recipe: Recipe) -> None:
         raise RecipeError("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns "
                           "routed experts only from its Model Runner V2, which runs Triton GPU kernels; on CPU use "
                           "inference.backend = 'embedded' or router_replay = false")
-    head_dim = attention_head_dim(recipe)
+    if folder is not None:
+        head_dim, model_type = folder.head_dim, folder.model_type
+    else:
+        head_dim = recipe.model.head_dim if recipe.model.arch == "qwen3_moe" and not recipe.model.path else None
+        model_type = recipe.model.arch
     if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
         raise RecipeError(f"model.head_dim = {head_dim} on inference.backend = 'vllm' without a GPU: vLLM's CPU "
                           f"attention kernel supports head sizes {list(VLLM_CPU_HEAD_DIMS)} only (its engine dies "
                           f"on the first request otherwise); use head_dim = 32")
-    if model_type(recipe) == "glm_moe_dsa":
+    if model_type == "glm_moe_dsa":
         raise RecipeError("model: GLM-5 (glm_moe_dsa) on inference.backend = 'vllm' needs GPU servers: vLLM's CPU "
                           "build has no sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
 
