@@ -85,6 +85,12 @@ def test_broken_folders_are_refused_by_name(pretrained, tmp_path):
     with pytest.raises(PretrainedError, match=shard):
         check_pretrained(garbage)
 
+    entries = _copy(pretrained, tmp_path / "entries")
+    header = b'{"a": 1}'
+    (entries / shard).write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(PretrainedError, match=f"{shard}: not a safetensors file"):
+        check_pretrained(entries)
+
     no_weights = tmp_path / "bin-only"
     no_weights.mkdir()
     shutil.copy(pretrained / "config.json", no_weights)

@@ -80,7 +80,10 @@ def read_header(path: Path) -> dict:
         raise PretrainedError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise PretrainedError(f"{path}: not a safetensors file (header is not a table)")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise PretrainedError(f"{path}: not a safetensors file (a tensor entry has no data_offsets)") from None
     if 8 + n + end > path.stat().st_size:
         raise PretrainedError(f"{path}: truncated ({path.stat().st_size} bytes, header needs {8 + n + end})")
     return header
