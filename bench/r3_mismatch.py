@@ -1,14 +1,21 @@
 """R3: train/inference mismatch on a small GLM-5-architecture MoE, with and without routing replay.
 
-The inference engine runs in bf16 (as deployments do) and captures the experts it routed every
-input token to; the trainer holds the fp32 master weights and recomputes the logprobs of the same
-completions, once letting its own router choose and once replaying the engine's experts.
+Realistic numerics: both sides compute in bf16 from the same weights but run different kernels, as
+in production. The engine decodes in batches with its KV cache (continuous batching, left-padded
+rows) and captures the experts it routed every input token to; the trainer scores the same
+completions as packed full sequences (what FSDP's bf16 mixed precision computes), once letting its
+own router choose and once replaying the engine's experts. What remains with replay is dense-path
+kernel numerics, which replay cannot touch; what replay removes is routing flips at near-ties.
 
 Prints mismatch_kl (k3: mean exp(d)-d-1, d = logp_train - logp_infer) both ways and their ratio,
-extreme_token_frac (|d| > ln 2) both ways, routing_agreement, a bf16 trainer with replay (how much
-of what remains is dense-path numerics), and the routing payload on the wire.
+extreme_token_frac (|d| > ln 2) both ways, routing_agreement, the same against an fp32 trainer (the
+older setting: there the mismatch is mostly bf16 rounding of the dense path, and the ratio near 1),
+and the routing payload on the wire. `--table` adds layers x experts -> ratio, so a GLM-5 figure
+(75 MoE layers, top-8 of 256) can be extrapolated from the trend rather than from one point.
 
-    .venv/bin/python bench/r3_mismatch.py [--experts 32] [--top-k 4] [--prompts 32] [--group 8]
+    .venv/bin/python bench/r3_mismatch.py [--layers 4] [--experts 64] [--top-k 8] [--table]
+
+Last line: the JSON report of the default (bf16 against bf16) configuration.
 """
 
 from __future__ import annotations
@@ -32,7 +39,11 @@ from prl.recipe.schema import ModelCfg, TaskCfg
 from prl.tasks import make_task
 from prl.trainer.loss import mismatch_stats, token_logprobs
 from prl.trainer.trainer import sft_sample
-from prl.transport.batch import Sample, pack
+from prl.transport.batch import MicroBatch, Sample, pack
+
+
+def on(mb: MicroBatch, device) -> MicroBatch:
+    return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(mb).items()})
 
 
 def warm_start(model, tok, steps: int) -> None:
@@ -43,6 +54,7 @@ def warm_start(model, tok, steps: int) -> None:
         exs = [task.example(step * 32 + i) for i in range(32)]
         samples = [sft_sample(tok, e) for e in exs]
         for mb in pack(samples, 1, 4096)[0]:
+            mb = on(mb, next(model.parameters()).device)
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
             loss = -token_logprobs(out.logits[0], mb.target_ids)[mb.loss_mask].mean()
             loss.backward()
@@ -79,6 +91,7 @@ def mismatch(model, mbs, replay: Replay | None, use_ids: bool) -> dict:
     sums: dict[str, float] = {}
     agreed, total = 0.0, 0
     for mb in mbs:
+        mb = on(mb, next(model.parameters()).device)
         ctx = replay.use(mb.routing) if replay and use_ids else contextlib.nullcontext()
         with ctx:
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
@@ -105,58 +118,90 @@ def glm5_payload() -> dict:
             "glm5_131k_encode_s": t1 - t0, "glm5_131k_decode_s": t2 - t1}
 
 
+def measure(layers: int, experts: int, top_k: int, args) -> dict:
+    """Warm-start a model of this shape, roll out with a bf16 engine, score with bf16 and fp32 trainers."""
+    cfg = ModelCfg(num_layers=layers, num_experts=experts, experts_per_token=top_k)
+    model_dir = write_model_dir(cfg, Path(tempfile.mkdtemp()) / "model")
+    tok = load_tokenizer(model_dir)
+    master = build_model(model_dir).to(args.device)
+    warm_start(master, tok, args.warm_steps)
+    master.eval()
+    engine = copy.deepcopy(master).to(torch.bfloat16)
+    samples, wires = rollouts(engine, tok, args.prompts, args.group)
+    per_sample_s = attach_routing(samples, wires)
+    mbs = pack(samples, 1, 4096)[0]
+    out = {"per_sample_s": per_sample_s, "samples": samples, "wires": wires}
+    for name, trainer in (("bf16", copy.deepcopy(master).to(torch.bfloat16)), ("fp32", master)):
+        replay = Replay(trainer, replay=False)  # own routing, agreement still measured
+        own = mismatch(trainer, mbs, replay, use_ids=True)
+        replay.set_replay(True)
+        out[name] = {"own": own, "replay": mismatch(trainer, mbs, replay, use_ids=True)}
+    return out
+
+
+def ratio(m: dict) -> float:
+    return m["own"]["mismatch_kl"] / max(m["replay"]["mismatch_kl"], 1e-30)
+
+
+def table(args) -> None:
+    """Layers x experts -> ratio, top-k = min(8, experts / 2): bf16 trainer (the realistic setting)
+    and fp32 trainer (where bf16 rounding of the engine perturbs near-tie routing)."""
+    print(f"{'layers':>6} {'experts':>8} {'top-k':>6} | bf16 trainer: {'kl no replay':>12} {'kl replay':>10} "
+          f"{'ratio':>6} {'agree':>8} | fp32 trainer: {'kl no replay':>12} {'kl replay':>10} {'ratio':>6} "
+          f"{'agree':>8} {'|d|>ln2':>8}")
+    for layers in (2, 4, 8):
+        for experts in (16, 64):
+            k = min(8, experts // 2)
+            m = measure(layers, experts, k, args)
+            cells = []
+            for name in ("bf16", "fp32"):
+                r = m[name]
+                cells.append(f"{'':13} {r['own']['mismatch_kl']:>12.3e} {r['replay']['mismatch_kl']:>10.3e} "
+                             f"{ratio(r):>6.2f} {r['own']['routing_agreement']:>8.3%}")
+            print(f"{layers:>6} {experts:>8} {k:>6} | {cells[0]} | {cells[1]} "
+                  f"{m['fp32']['own']['extreme_token_frac']:>8.1e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--warm-steps", type=int, default=80)
+    ap.add_argument("--device", default="cpu", help="cuda: the engine and the trainer on the GPU (bin/gpu-check)")
+    ap.add_argument("--table", action="store_true", help="also sweep layers x experts (several minutes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = ModelCfg(num_layers=args.layers, num_experts=args.experts, experts_per_token=args.top_k)
-    model_dir = write_model_dir(cfg, Path(tempfile.mkdtemp()) / "model")
-    tok = load_tokenizer(model_dir)
-    trainer = build_model(model_dir)
-    warm_start(trainer, tok, args.warm_steps)
-    trainer.eval()
-    engine = copy.deepcopy(trainer).to(torch.bfloat16)
-    samples, wires = rollouts(engine, tok, args.prompts, args.group)
-    per_sample_s = attach_routing(samples, wires)
-    mbs = pack(samples, 1, 4096)[0]
-    replay = Replay(trainer, replay=False)  # own routing, agreement still measured
-    own = mismatch(trainer, mbs, replay, use_ids=True)
-    replay.set_replay(True)
-    with_replay = mismatch(trainer, mbs, replay, use_ids=True)
-    bf16 = copy.deepcopy(trainer).to(torch.bfloat16)
-    bf16_watch = Replay(bf16, replay=False)
-    bf16_own = mismatch(bf16, mbs, bf16_watch, use_ids=True)
-    bf16_watch.set_replay(True)
-    bf16_replay = mismatch(bf16, mbs, bf16_watch, use_ids=True)
+    if args.table:
+        table(args)
+    m = measure(args.layers, args.experts, args.top_k, args)
+    samples, wires, bf16, fp32 = m["samples"], m["wires"], m["bf16"], m["fp32"]
     tokens = sum(s.num_tokens for s in samples)
     wire_bytes = sum(len(p.data) + len(c.data) for p, c in wires)
     raw_bytes = sum(s.routing.numel() * s.routing.element_size() for s in samples)
     report = {
         "model": f"glm_moe_dsa {args.layers} layers ({args.layers - 1} MoE), {args.experts} experts top-{args.top_k}, "
-                 f"engine bf16, trainer fp32",
-        "completion_tokens": own["tokens"],
-        "mismatch_kl_no_replay": own["mismatch_kl"],
-        "mismatch_kl_replay": with_replay["mismatch_kl"],
-        "ratio": own["mismatch_kl"] / max(with_replay["mismatch_kl"], 1e-30),
-        "extreme_token_frac_no_replay": own["extreme_token_frac"],
-        "extreme_token_frac_replay": with_replay["extreme_token_frac"],
-        "routing_agreement": own["routing_agreement"],
-        "mismatch_kl_bf16_trainer_no_replay": bf16_own["mismatch_kl"],
-        "mismatch_kl_bf16_trainer_replay": bf16_replay["mismatch_kl"],
-        "routing_agreement_bf16_trainer": bf16_own["routing_agreement"],
+                 f"engine bf16 (batched decode, KV cache), trainer bf16 (packed sequences), {args.device}",
+        "completion_tokens": bf16["own"]["tokens"],
+        "mismatch_kl_no_replay": bf16["own"]["mismatch_kl"],
+        "mismatch_kl_replay": bf16["replay"]["mismatch_kl"],
+        "ratio": ratio(bf16),
+        "extreme_token_frac_no_replay": bf16["own"]["extreme_token_frac"],
+        "extreme_token_frac_replay": bf16["replay"]["extreme_token_frac"],
+        "routing_agreement": bf16["own"]["routing_agreement"],
+        "mismatch_kl_fp32_trainer_no_replay": fp32["own"]["mismatch_kl"],
+        "mismatch_kl_fp32_trainer_replay": fp32["replay"]["mismatch_kl"],
+        "ratio_fp32_trainer": ratio(fp32),
+        "routing_agreement_fp32_trainer": fp32["own"]["routing_agreement"],
         "routing_bytes_per_token_raw": raw_bytes / tokens,
         "routing_bytes_per_token_wire": wire_bytes / tokens,
-        "orchestrator_s_per_sample": per_sample_s,
+        "orchestrator_s_per_sample": m["per_sample_s"],
         **glm5_payload(),
     }
     for k, v in report.items():
-        print(f"{k:34s} {v:.3e}" if isinstance(v, float) else f"{k:34s} {v}")
+        print(f"{k:36s} {v:.3e}" if isinstance(v, float) else f"{k:36s} {v}")
     print(json.dumps(report))
 
 

@@ -47,6 +47,26 @@ def run(
 
 
 @app.command()
+def plan(
+    recipe: Path = typer.Argument(..., help="the TOML recipe"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set plan.mfu=0.4"),
+):
+    """Per-GPU memory of the trainer and inference servers and a step-time estimate, before launch;
+    exits 1 naming what does not fit. Assumptions are the recipe's [plan] keys."""
+    from prl.recipe import RecipeError, load_recipe
+    from prl.sizing.estimate import format_plan, make_plan
+
+    try:
+        loaded = load_recipe(recipe, set_)
+        result = make_plan(loaded)
+    except (RecipeError, ValueError) as e:
+        err.print(f"prl plan: {e}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    console.print(format_plan(loaded, result), markup=False, highlight=False)
+    raise typer.Exit(1 if result.problems else 0)
+
+
+@app.command()
 def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] section")):
     """Check every host of the recipe's [cluster] in parallel; non-zero exit names each failure."""
     from prl.recipe import RecipeError, load_recipe
@@ -73,13 +93,31 @@ def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] se
 
 @app.command()
 def status(
-    run_dir: Path = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny"),
+    run_dirs: list[Path] = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny; several: curves overlaid"),
     watch: bool = typer.Option(False, "--watch", help="refresh until interrupted"),
+    curves: bool = typer.Option(False, "--curves", help="add the whole-run curves (reward, loss, KL, lag, throughput)"),
 ):
-    """Show a run's dashboard snapshot from its directory (while it runs or after)."""
+    """Show a run's dashboard snapshot from its directory (while it runs or after); compare runs."""
     from prl.tui.status import show
 
-    raise typer.Exit(show(run_dir, watch, console))
+    raise typer.Exit(show(run_dirs, watch, console, curves))
+
+
+@app.command()
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="one or more run directories (several: overlaid)"),
+    out: Path = typer.Option(Path("report.html"), "--out", help="the HTML file to write"),
+):
+    """Write one self-contained HTML report (curves, step time, servers, restarts, recipe) of runs,
+    and PNGs of its curves beside it (OUT_STEM_png/)."""
+    from prl.report import ReportError, write_report
+
+    try:
+        path = write_report(run_dirs, out)
+    except ReportError as e:
+        err.print(f"prl report: {e}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    console.print(f"wrote {path} and PNGs of its curves in {path.parent / (path.stem + '_png')}", markup=False)
 
 
 @ckpt_app.command("export")

@@ -6,6 +6,7 @@ The TUI and `prl status` fold this one file into a snapshot (`prl.tui.state`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -48,3 +49,19 @@ def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
         except json.JSONDecodeError:
             continue
     return events, offset + end
+
+
+@contextlib.contextmanager
+def reporting_errors(log: EventLog, name: str):
+    """Run a process's main body; an exception that ends it becomes a typed `error` event (name,
+    exception type, message) before it propagates: the driver, TUI and `prl status` read the cause
+    from here, not from log tails. A normal stop (Ctrl-C, SystemExit 0) is not an error."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as e:
+        if isinstance(e, SystemExit) and e.code not in (0, None):
+            log.emit("error", name=name, type="SystemExit", line=str(e.code)[:300])
+        raise
+    except BaseException as e:
+        log.emit("error", name=name, type=type(e).__name__, line=f"{type(e).__name__}: {e}"[:300])
+        raise

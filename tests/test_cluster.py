@@ -118,11 +118,15 @@ def test_vllm_server_on_another_host(rig, tmp_path):
     assert not any(group_members(pid) for _, pid in procs.values() if pid), "vLLM's engine processes left"
 
 
-def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["full", "shared-sharded"])
+def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_path, shared):
     """One torchrun per trainer host (--nnodes 2, rendezvous on a); rank 0 on a scatters each step's
-    micro-batches to rank 1 on b over gloo; only a holds checkpoints. The orchestrator runs on the
-    workstation and reaches a and b over the network."""
+    micro-batches to rank 1 on b over gloo. The orchestrator runs on the workstation and reaches a and
+    b over the network. Without a shared folder only a holds checkpoints (rank 0 gathers them); with
+    `cluster.shared_checkpoints` both ranks write their shards there, and a resumed run reads them."""
     recipe = two_host_recipe(tmp_path, rig, steps=3, trainer="['a', 'b']", orchestrator="workstation")
+    if shared:
+        recipe.write_text(recipe.read_text().replace("[cluster]\n", f"[cluster]\nshared_checkpoints = '{tmp_path}/nfs'\n"))
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     ws = tmp_path / "workstation" / "reverse-tiny"
@@ -131,8 +135,41 @@ def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_pat
     rl = [e for e in events(ws / "metrics.jsonl", "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in rl] == [0, 1, 2]
     assert "rank 1 of 2" in (ws / "logs" / "trainer-1.log").read_text()  # streamed back from b
-    assert (tmp_path / "host_a" / "runs" / "reverse-tiny" / "checkpoints").exists()
-    assert not (tmp_path / "host_b" / "runs" / "reverse-tiny" / "checkpoints").exists()
+    host_a, host_b = (tmp_path / f"host_{h}" / "runs" / "reverse-tiny" / "checkpoints" for h in "ab")
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    if not shared:
+        assert host_a.exists() and not host_b.exists()
+        assert json.loads((host_a / "step_3" / "MANIFEST.json").read_text())["format"] == "full"
+        return
+    folder = tmp_path / "nfs" / "reverse-tiny"
+    assert host_a.resolve() == host_b.resolve() == folder.resolve()
+    assert json.loads((folder / "step_3" / "MANIFEST.json").read_text())["format"] == "dcp"
+    assert sorted(f.name for f in (folder / "step_3").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    p = subprocess.run(prl_cmd("run", "--resume", ws, "--no-tui", "--set", "rl.max_steps=4"), capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert events(ws / "metrics.jsonl", "resumed")[-1]["step"] == 3
+    assert [e["step"] for e in events(ws / "metrics.jsonl", "trainer_step") if e["stage"] == "rl"][-1] == 3
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+def test_kv_pool_master_on_one_host_serves_a_server_on_another(rig, tmp_path):
+    """`inference.kv_pool` on a cluster: the kv-master runs on host a (kv_pool.host), the server on b
+    joins it over the network and puts its prompt chunks there; teardown stops the master too."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    a, b = rig["hosts"]
+    recipe = two_host_recipe(tmp_path, rig, steps=2)
+    recipe.write_text(recipe.read_text() + "[inference.kv_pool]\nenabled = true\nhost = 'a'\nchunk_tokens = 4\n"
+                      "memory_gb = 0.05\n")
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    ws = tmp_path / "workstation" / "reverse-tiny"
+    procs = {e["name"]: e["host"] for e in events(ws / "metrics.jsonl", "process") if "host" in e}
+    assert procs["kv-master"] == "a" and procs["inference-0"] == "b"
+    assert f"joined the KV pool at {a.address}:50051" in (ws / "logs" / "inference-0.log").read_text()
+    assert events(ws / "metrics.jsonl", "server")[-1]["pool_stored_chunks"] > 0
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--rpc_address={a.address}" not in ps, "the master was left running"
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 
@@ -176,16 +213,28 @@ def test_ssh_hiccup_is_survived_and_ctrl_c_stops_every_host(rig, tmp_path):
     assert time.time() - t0 < 30 and not leftovers(tmp_path), leftovers(tmp_path)
 
 
-def test_killing_the_server_on_b_stops_everything(rig, tmp_path):
+def test_a_killed_server_on_b_is_restarted_over_ssh(rig, tmp_path):
+    """SIGKILL of the server on b: the driver restarts it on b over SSH, it rejoins with the served
+    weights and the run goes on; Ctrl-C then stops everything on both hosts."""
     proc = start_long_run(tmp_path, rig)
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     pids = [ln.split()[0] for ln in ps  # the server's python, not the `sh` that records its exit status
             if f"-m prl.inference --config {tmp_path}/host_b" in ln and ln.split()[1] != "sh"]
     assert len(pids) == 1, ps
     subprocess.run(["kill", "-9", *pids], check=True)
+    metrics = tmp_path / "workstation" / "reverse-tiny" / "metrics.jsonl"
+    while not any(e["name"] == "inference-0" and e["state"] == "up" for e in events(metrics, "server_state")):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.5)
+    done = rl_steps(tmp_path)
+    while rl_steps(tmp_path) < done + 2:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.5)
+    [restart] = events(metrics, "restart")
+    assert restart["name"] == "inference-0" and "killed by SIGKILL" in restart["cause"], restart
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1, out[-4000:]
-    assert re.search(r"inference-0 \(inference on host b, pid \d+\) exited with code 137 \(killed by SIGKILL\)", out), out[-4000:]
+    assert proc.returncode == 130, out[-4000:]
     assert not leftovers(tmp_path), leftovers(tmp_path)
 
 

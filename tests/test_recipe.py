@@ -1,5 +1,7 @@
 """Recipes: every shipped recipe parses; bad ones fail before anything starts, naming key and file."""
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,6 +30,10 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[rl]\nbatch_size = 60\ngroup_size = 8\n", "rl.batch_size", "divisible"),
     ("[rl]\nmax_off_policy_steps = -1\n", "rl.max_off_policy_steps", "greater than or equal"),
     ("[bogus]\nx = 1\n", "bogus", "unknown key"),
+    ("[inference]\nnum_servers = 2\nprefill_servers = 1\n", "inference", "set inference.kv_pool.enabled"),
+    ("[inference]\nprefill_servers = 1\n[inference.kv_pool]\nenabled = true\n", "inference",
+     "at least one of inference.num_servers (1) to decode"),
+    ("[inference.kv_pool]\nmemory_gb = 0\n", "inference.kv_pool.memory_gb", "greater than 0"),
 ])
 def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
     path = write(tmp_path, text)
@@ -126,3 +132,60 @@ def test_dry_run_checks_what_run_checks(tmp_path):
         p = subprocess.run(prl_cmd("run", path, *extra), capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "no_such_module" in p.stdout + p.stderr, p.stdout + p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_wandb_without_a_login_or_package_is_refused_before_launch(tmp_path, monkeypatch):
+    """Online W&B needs a login (WANDB_API_KEY or the netrc entry `wandb login` writes); both commands
+    refuse the recipe before anything starts. Without the package, the error says how to install it."""
+    import sys
+
+    from prl.launch.wandb_log import WandbError, check_wandb
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))} | {"HOME": str(home)}
+    online = ["--set", 'run.wandb={project="p"}']
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", *online, *extra),
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 2 and "wandb login" in p.stdout, p.stdout + p.stderr
+    assert not (tmp_path / "runs").exists()
+    recipe = load_recipe(ROOT / "recipes/reverse-tiny.toml", ['run.wandb={project="p"}'])
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    check_wandb(recipe)  # logged in the way `wandb login` leaves it
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does when the package is absent
+    with pytest.raises(WandbError, match="pip install wandb"):
+        check_wandb(recipe)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["trainer.parallel.cp=2"], ["context parallelism is built for GLM-5", "qwen3_moe"]),
+    (["trainer.parallel.ep=2", "trainer.parallel.cp=1", "trainer.nproc=2"], ["must divide the routed experts"]),
+], ids=["cp-on-qwen3", "ep-not-dividing"])
+def test_parallel_layout_is_checked_against_a_pretrained_folder(tmp_path, extra, words):
+    """The folder's config decides (the tiny-model keys do not apply): checked before launch."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_pretrained import make_pretrained
+
+    folder = make_pretrained(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_local_experts" if "num_local_experts" in config else "num_experts"] = 3 if "ep=2" in " ".join(extra) else 8
+    (folder / "config.json").write_text(json.dumps(config))
+    sets = [x for e in ["trainer.nproc=2", f"model.path={folder}", *extra] for x in ("--set", e)]
+    p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", "--dry-run", *sets),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and all(w in p.stdout + p.stderr for w in words), p.stdout + p.stderr
+
+
+def test_kv_pool_settings_not_built_are_refused_before_launch(tmp_path):
+    """The pool's RDMA transport, SSD tier and vLLM prefill servers are valid settings `prl run`
+    refuses, naming each."""
+    path = write(tmp_path, "[inference.kv_pool]\nenabled = true\nprotocol = 'rdma'\ndisk_path = '/nvme'\n")
+    p = subprocess.run(prl_cmd("run", path, "--no-tui"), capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "protocol = 'rdma'" in out and "SSD tier" in out, out

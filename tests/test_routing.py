@@ -159,3 +159,32 @@ def test_bf16_engine_against_fp32_trainer(tiny_model):
     assert 0 < d.abs().max() < 0.1
     agreed, total = replay.agreement()
     assert agreed / total > 0.9
+
+
+def test_sparse_dsa_selection_agrees_between_engine_and_packed_trainer(tmp_path):
+    """GLM-5 tiny model with index_topk 2, far below the sequences: the engine (one query against its
+    cache) and the trainer (a packed row, other samples masked) keep the same keys, though the
+    indexer's ReLU scores tie (checked: at the top-k boundary), because both break ties by position."""
+    from prl.model.build import build_model
+    from prl.model.dsa import index_scores, indexer_parts
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(index_topk=2), tmp_path / "m"), seed=3)
+    prompts = [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13], [14, 15, 16, 17]]
+    seqs = generate(copy.deepcopy(model), prompts, max_tokens=10)
+    [[mb]] = pack([to_sample(s) for s in seqs], 1, 4096)
+    with torch.no_grad():
+        logp = trainer_logprobs(model, mb, None)
+    assert torch.allclose(logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask], atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    h = model.model.layers[0].input_layernorm(model.model.embed_tokens(mb.input_ids[None]))
+    pos = mb.position_ids[None]
+    cos_sin = model.model.rotary_emb(h, pos)
+    q, k, w = indexer_parts(attn.indexer, h, attn.q_a_layernorm(attn.q_a_proj(h)), *cos_sin)
+    seg = torch.cumsum((mb.position_ids == 0).long(), 0)
+    n = seg.numel()
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    top = index_scores(attn.indexer, q, k, w)[0].masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True).values
+    ties = (top[:, 1] == top[:, 2]) & (allowed.sum(1) > 2)
+    assert ties.any(), "the indexer's scores tie at the top-k boundary among allowed keys (the case being tested)"

@@ -52,12 +52,28 @@ def assert_nothing_left(run_dir: Path) -> None:
     alive = {pid: group_members(pid) for pid in pids}
     alive = {pid: members for pid, members in alive.items() if members}
     assert not alive, f"process groups still alive: {alive}"
+    strays = processes_naming(run_dir)  # e.g. torchrun's workers, which live in sessions of their own
+    assert not strays, f"processes of this run still alive outside its process groups: {strays}"
+
+
+def processes_naming(run_dir: Path) -> list[str]:
+    """Live processes whose command line names the run directory (every prl process's config does)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(f"{p.pid} {' '.join(p.info['cmdline'])[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    p = prl_run(tmp, *QUICK)
+    p = prl_run(tmp, *QUICK, "--set", 'run.wandb={project="prl-test", mode="offline"}')
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return tmp / "reverse-tiny", p
 
@@ -76,6 +92,7 @@ def test_run_trains_and_advances_versions(finished_run):
     assert served == sorted(served) and served[0] == 0 and served[-1] >= 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "done" and summary["rl_steps"] == 4
+    assert events(run_dir, "error") == [], "a successful run reports no error (client disconnects are not errors)"
     assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "inference-0.log").exists()
     assert_nothing_left(run_dir)
 
@@ -87,6 +104,32 @@ def test_status_after_the_run(finished_run):
     assert p.returncode == 0, p.stderr
     for word in ("reverse-tiny", "done", "inference-0", "orchestrator", "trainer", "reward", "4/4"):
         assert word in p.stdout
+
+
+def wandb_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_wandb_offline_run_holds_the_metrics_and_recipe(finished_run):
+    """What W&B would upload (read from its offline run file): one row per RL step against `rl_step`,
+    the orchestrator's and trainer's values as metrics.jsonl has them, SFT steps on their own axis,
+    the recipe as config."""
+    from wandb_file import config, history, run_id
+
+    run_dir, _ = finished_run
+    (f,) = wandb_files(run_dir)
+    rows = history(f)
+    rl = [r for r in rows if "rl_step" in r]
+    assert [r["rl_step"] for r in rl] == [0, 1, 2, 3]
+    rewards = {e["step"]: e["reward"] for e in events(run_dir, "orch_step")}
+    losses = {e["step"]: e["loss"] for e in events(run_dir, "trainer_step") if e["stage"] == "rl"}
+    assert [r["orchestrator/reward"] for r in rl] == [rewards[s] for s in range(4)]
+    assert [r["trainer/loss"] for r in rl] == [losses[s] for s in range(4)]
+    assert all(r["inference/tokens_per_s"] > 0 for r in rl if "inference/tokens_per_s" in r)
+    assert [r["sft/step"] for r in rows if "sft/step" in r] == list(range(10))
+    cfg = config(f)
+    assert cfg["rl"]["max_steps"] == 4 and cfg["run"]["name"] == "reverse-tiny"
+    assert run_id(f) == json.loads((run_dir / "wandb.json").read_text())["id"]
 
 
 def test_export_round_trips_logits(finished_run, tmp_path):
@@ -103,7 +146,8 @@ def test_export_round_trips_logits(finished_run, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     trainer_model = build_model(run_dir / "model")
-    trainer_model.load_state_dict(read_weights(run_dir / "checkpoints" / "step_4")[0])
+    # the sharded checkpoint of step 4 against the weights v4 published (gathered) from the same state
+    trainer_model.load_state_dict(read_weights(run_dir / "weights" / "v4")[0])
     ids = torch.tensor([tok("rev:abcd=").input_ids])
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, trainer_model(ids).logits)
@@ -124,6 +168,11 @@ def test_resume_continues_steps_and_data(finished_run):
     assert [e["step"] for e in after] == [4, 5]
     assert after[0]["data_position"] > before[-1]["data_position"], "the data order continues"
     assert_nothing_left(run_dir)
+    from wandb_file import history, run_id
+
+    first, second = wandb_files(run_dir)
+    assert run_id(second) == run_id(first), "the resumed run logs to the same W&B run"
+    assert [r["rl_step"] for r in history(second) if "rl_step" in r] == [4, 5]
 
 
 def test_stale_rollouts_are_dropped_and_counted(tmp_path):
@@ -135,10 +184,10 @@ def test_stale_rollouts_are_dropped_and_counted(tmp_path):
     assert steps[-1]["stale_dropped_total"] > 0
 
 
-def start_background(tmp_path: Path) -> subprocess.Popen:
+def start_background(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         prl_cmd("run", RECIPE, "--no-tui", "--set", f"run.output_dir={tmp_path}", "--set", "sft.steps=5",
-                "--set", "rl.max_steps=500"),
+                "--set", "rl.max_steps=500", *args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -161,7 +210,8 @@ def test_ctrl_c_stops_everything(tmp_path):
 
 
 def test_dead_inference_server_stops_the_run(tmp_path):
-    proc = start_background(tmp_path)
+    """With run.max_restarts = 0 a dead process stops the run (tests/test_faults.py: restarts)."""
+    proc = start_background(tmp_path, "--set", "run.max_restarts=0")
     run_dir = tmp_path / "reverse-tiny"
     wait_for_rl_step(run_dir, proc)
     server = next(e for e in events(run_dir, "process") if e["name"] == "inference-0")
@@ -193,11 +243,68 @@ def test_fp8_on_both_sides(tmp_path):
     [fp8] = events(run_dir, "fp8")
     assert fp8["backend"] == "reference" and fp8["fp8_layers"] > 0
     latest = max((run_dir / "weights").glob("v*"), key=lambda d: int(d.name[1:]))
-    with safe_open(latest / "model.safetensors", "pt") as f:
-        assert any(k.endswith("_scale_inv") for k in f.keys())
+    keys = []
+    for part in latest.glob("*.safetensors"):
+        with safe_open(part, "pt") as f:
+            keys += list(f.keys())
+    assert any(k.endswith("_scale_inv") for k in keys)
     assert [e["version"] for e in events(run_dir, "weights")][-1] >= 1
     assert "FP8 (reference)" in (run_dir / "logs" / "inference-0.log").read_text()
     out = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--fp8", "--out", tmp_path / "hf8"),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert '"weight_block_size"' in (tmp_path / "hf8" / "config.json").read_text()
+
+
+def chromium() -> str:
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.skip("Debian's chromium is not installed (bin/test installs it as root)")
+    return path
+
+
+def test_report_renders_in_headless_chromium(finished_run, tmp_path):
+    """`prl report` of the finished run, rendered by Chromium: the DOM it shows holds the reward curve
+    with the values of metrics.jsonl, step for step, and the screenshot has the curve's colour."""
+    import re
+
+    run_dir, _ = finished_run
+    page = tmp_path / "report.html"
+    p = subprocess.run(prl_cmd("report", run_dir, "--out", page), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    browser = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*browser, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=300).stdout
+    [reward] = re.findall(r'<polyline[^>]*data-curve="reward"[^>]*>', dom)
+    shown = json.loads(re.search(r"data-values=[\"']([^\"']*)[\"']", reward).group(1))
+    steps = json.loads(re.search(r"data-steps=[\"']([^\"']*)[\"']", reward).group(1))
+    logged = {e["step"]: e["reward"] for e in events(run_dir, "orch_step")}
+    assert steps == sorted(logged) and shown == pytest.approx([logged[s] for s in steps], abs=1e-6)
+    assert len(re.search(r'points="([^"]*)"', reward).group(1).split()) == len(steps)
+    for section in ("Curves", "Step time", "Inference servers", "Restarts and errors", "Recipes", "reverse-tiny"):
+        assert section in dom
+    shot = tmp_path / "shot.png"
+    subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1300,900", page.as_uri()],
+                   capture_output=True, timeout=300)
+    from PIL import Image
+
+    colours = dict((c, n) for n, c in Image.open(shot).convert("RGB").getcolors(1 << 24))
+    assert colours.get((0x1F, 0x77, 0xB4), 0) > 50, "the run's curves are drawn in its colour"
+    check_reward_png(run_dir, tmp_path / "report_png")
+
+
+def check_reward_png(run_dir: Path, png_dir: Path) -> None:
+    """The reward PNG beside the report has the run's colour at every (step, reward) of metrics.jsonl."""
+    from PIL import Image
+
+    from prl.report_png import SIZE, bounds, to_pixel
+
+    logged = [(e["step"], e["reward"], e["reward_std"]) for e in events(run_dir, "orch_step")]
+    series = [("run", "#1f77b4", [(s, r) for s, r, _ in logged])]
+    lims = bounds(series, [("#1f77b4", [(s, r - sd, r + sd) for s, r, sd in logged])])
+    img = Image.open(png_dir / "reward.png").convert("RGB")
+    assert img.size == SIZE and {p.name for p in png_dir.iterdir()} >= {"reward.png", "loss.png", "mismatch_kl.png"}
+    for s, r, _ in logged:
+        x, y = to_pixel(s, r, lims)
+        assert img.getpixel((round(x), round(y))) == (0x1F, 0x77, 0xB4), f"step {s}: no point at its reward"

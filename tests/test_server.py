@@ -224,3 +224,41 @@ def test_a_generation_stops_when_its_client_disconnects(server):
         time.sleep(0.02)
     assert m["generated_tokens"] - before < 4 * 500, "the whole generation ran for a client that was gone"
     assert client.post("/generate", json={"prompt_ids": [5], "max_tokens": 2}).status_code == 200
+
+
+BAD_VALUES = [None, -1, 0, 2**63, 10**30, -1e308, 1e308, 0.5, "x", "", [], {}, [[1]], ["a"], [-5], [10**30],
+              True, {"a": 1}, "9" * 5000]
+VALID = {
+    "/generate": {"prompt_ids": [5, 6], "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "n": 2, "seed": 3,
+                  "stop_token_ids": [7], "return_routing": True, "routing_start": 1},
+    "/v1/completions": {"model": "prl", "prompt": "rev:ab=", "max_tokens": 2, "temperature": 0.5, "top_p": 1.0,
+                        "n": 2, "seed": 1, "stop": ["x"], "logprobs": 1, "echo": False, "stream": False},
+    "/update_weights": {"version": 1, "path": None},
+}
+
+
+def mutations(body: dict):
+    """Every field replaced by every bad value, every field dropped, an unknown field added."""
+    for key in body:
+        for value in BAD_VALUES:
+            yield {**body, key: value}
+        yield {k: v for k, v in body.items() if k != key}
+    yield {**body, "unknown_field": 1}
+
+
+@pytest.mark.parametrize("path", sorted(VALID))
+def test_fuzz_sweep_never_answers_5xx_and_keeps_serving(server, path):
+    """The whole class of bad input, swept per route: each mutation of a valid body is answered
+    (2xx, or 4xx naming what is wrong, never 5xx), and the server keeps serving good requests."""
+    client, _, _ = server
+    answered = {}
+    for body in mutations(VALID[path]):
+        r = client.post(path, json=body)
+        assert r.status_code < 500, f"{path} {body!r} -> {r.status_code}: {r.text[:300]}"
+        answered[r.status_code] = answered.get(r.status_code, 0) + 1
+    for raw in (b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"prompt_ids": [5], "max_tokens": Infinity}'):
+        r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert 400 <= r.status_code < 500, f"{path} {raw!r} -> {r.status_code}: {r.text[:300]}"
+    print(f"\n{path}: answers {answered}")
+    ok = client.post("/generate", json={"prompt_ids": [5, 6], "max_tokens": 2})
+    assert ok.status_code == 200 and client.get("/health").status_code == 200

@@ -75,7 +75,7 @@ def test_sender_waits_for_a_late_endpoint_and_resume_point(tmp_path):
         time.sleep(1.0)
         ep.start()
         time.sleep(0.5)
-        ep.resume = {"step": 2, "data_position": 40}
+        ep.set_base(2, 40)
 
     threading.Thread(target=late).start()
 
@@ -89,6 +89,12 @@ def test_sender_waits_for_a_late_endpoint_and_resume_point(tmp_path):
     try:
         assert asyncio.run(go()) == (2, 40)
         assert ep.inbox.path(0).exists()
+        # batches after the checkpoint stay for a replay: a restarted orchestrator continues after them
+        for step, position in ((2, 48), (3, 56), (5, 99)):
+            batch = a_batch(step)
+            batch.data_position = position
+            ep.inbox.send(batch)
+        assert ep.resume() == {"step": 4, "data_position": 56}
     finally:
         ep.stop()
 
@@ -153,3 +159,54 @@ def test_bad_numbers_answer_400_and_a_vanished_client_is_not_an_error(endpoint, 
     assert httpx.get(f"{url(endpoint)}/weights/latest?after=99&wait=1.5", headers=headers).status_code == 200
     err = capfd.readouterr().err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def corrupt(step: int, **change) -> bytes:
+    from prl.transport.rollouts import batch_bytes
+
+    batch = a_batch(step)
+    mb = batch.micro_batches[0][0]
+    for name, value in change.items():
+        if name in ("step", "micro_batches"):
+            setattr(batch, name, value)
+        else:
+            setattr(mb, name, value)
+    return batch_bytes(batch)
+
+
+def test_fuzz_sweep_of_the_trainer_endpoint(tmp_path):
+    """Bad batches are refused with 400 naming what is wrong (they would crash every restart of the
+    trainer); bad queries answer 4xx; nothing answers 5xx and the endpoint keeps working."""
+    import httpx
+
+    ep = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", 0, world=2, vocab_size=100).start()
+    try:
+        c = httpx.Client(base_url=url(ep), headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
+        n = len(a_batch(1).micro_batches[0][0].input_ids)
+        bodies = {
+            b"garbage": "not a prl batch",
+            torch.tensor([1.0]).numpy().tobytes(): "not a prl batch",
+            corrupt(9): "batch for step 9 sent as step 1",
+            corrupt(1, micro_batches=[[]]): "packed for 1 ranks, the trainer has 2",
+            corrupt(1, infer_logprobs=torch.full((n,), float("nan"))): "infer_logprobs holds non-finite values",
+            corrupt(1, input_ids=torch.full((n,), 100)): "outside the vocabulary (100)",
+            corrupt(1, target_ids=torch.full((n,), -3)): "target_ids must hold non-negative integers",
+            corrupt(1, advantages=torch.zeros(n + 1)): "advantages has",
+            corrupt(1, loss_mask=torch.zeros(2, n)): "loss_mask is not a 1-D tensor",
+            corrupt(1, routing=torch.zeros(n, 3)): "routing must be",
+        }
+        for body, words in bodies.items():
+            r = c.put("/rollouts/1", content=body)
+            assert r.status_code == 400 and words in r.text, (words, r.status_code, r.text)
+        assert not ep.inbox.path(1).exists()
+        ep.set_base(0, 0)
+        for path in ("/weights/latest?after=x", "/weights/latest?wait=nan", "/weights/latest?wait=inf",
+                     "/weights/latest?after=99999999999999999999999&wait=0", "/weights/v99999999999999999999/x",
+                     "/weights/v1/../../secret", "/rollouts/1", "/nothing", "/resume?x=1"):
+            r = c.get(path)
+            assert r.status_code < 500, (path, r.status_code, r.text)
+        for path in ("/rollouts/-1", "/rollouts/x", "/rollouts/99999999999999999999999"):
+            assert c.put(path, content=b"x").status_code in (400, 404)
+        assert c.put("/rollouts/1", content=corrupt(1)).status_code == 200
+    finally:
+        ep.stop()

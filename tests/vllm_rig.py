@@ -66,7 +66,7 @@ def group_alive(pgid: int) -> bool:
 def start_server(run_root: Path, model_path: Path, backend: str = "vllm", **recipe_overrides) -> Server:
     """A run directory like `prl run` writes (model linked, secret, resolved config), then the
     inference-0 process of its plan (a vLLM server, or prl's embedded one)."""
-    from prl.launch.plan import make_plan
+    from prl.launch.processes import make_plan
     from prl.model.tiny import write_model_dir
     from prl.recipe.load import validate
     from prl.recipe.resolve import resolve, write_configs, write_secret

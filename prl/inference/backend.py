@@ -25,7 +25,21 @@ from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics
 
 
 class BackendError(RuntimeError):
-    """A server failed a request or stopped answering; the message names the server."""
+    """A server failed a request or stopped answering; the message names the server. `status`: the
+    HTTP status it answered with, None when it did not answer (refused, reset, timed out)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def client_error(self) -> bool:
+        """The server answered that the request itself is wrong (4xx): no other server would take it."""
+        return self.status is not None and 400 <= self.status < 500
+
+
+class MalformedResponse(BackendError):
+    """A server answered something prl cannot use (a protocol mismatch, not a dead server)."""
 
 
 class WeightsRejected(BackendError):
@@ -58,6 +72,10 @@ class InferenceBackend(abc.ABC):
 
     @abc.abstractmethod
     async def metrics(self) -> Metrics: ...
+
+    def reset(self) -> None:
+        """Forget what this client knew about the server's state: the server restarted."""
+        self.version = -1
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -96,7 +114,7 @@ class InferenceBackend(abc.ABC):
 
     def check(self, r: httpx.Response, what: str) -> httpx.Response:
         if r.status_code >= 400:
-            raise BackendError(f"{self.base_url}: {what} answered {r.status_code}: {r.text[:300]}")
+            raise BackendError(f"{self.base_url}: {what} answered {r.status_code}: {r.text[:300]}", r.status_code)
         return r
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prl.inference.backend import InferenceBackend, WeightsRejected
-from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, UpdateWeightsResponse
+from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, PrefillResponse, UpdateWeightsResponse
 
 
 class EmbeddedBackend(InferenceBackend):
@@ -13,6 +13,11 @@ class EmbeddedBackend(InferenceBackend):
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         r = self.check(await self.post("/generate", req.model_dump()), "/generate")
         return GenerateResponse.model_validate_json(r.content)
+
+    async def prefill(self, prompt_ids: list[int]) -> PrefillResponse:
+        """P/D: have this (prefill) server put the prompt's KV into the run's pool."""
+        r = self.check(await self.post("/prefill", {"prompt_ids": prompt_ids}), "/prefill")
+        return PrefillResponse.model_validate_json(r.content)
 
     async def load_weights(self, version: int) -> float:
         """The engine reads and verifies off its thread and copies the version in between two decode

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from prl.inference.kv_pool import fill_cache
 from prl.inference.kvcache import BatchCache, clone_cache
 
 
@@ -53,6 +54,7 @@ class Sequence:
     generator: torch.Generator | None = None
     admitted_at_step: int = -1
     aborted: bool = False  # its client went away: dropped at the next step
+    prefill_only: bool = False  # P/D: compute the prompt's KV into the pool, generate nothing
     prompt_routing: torch.Tensor | None = None  # [prompt tokens, MoE layers, k] when capturing
     routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
 
@@ -78,8 +80,11 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
-                 capture_routing: bool = False):
+                 capture_routing: bool = False, pool=None):
         self.model = model.eval()
+        self.pool = pool  # prl.inference.kv_pool.KvPool: prompt KV shared with the run's other servers
+        self.template = None  # an empty cache of this model's layer types (from the first prefill)
+        self.device = next(model.parameters()).device  # inputs go there; sampling runs on the CPU
         self.cache_kw = cache_kwarg(model)
         self.capture = None
         if capture_routing:
@@ -173,6 +178,10 @@ class EngineCore:
                 seq = self.waiting.popleft()
             cache, logits = self._prefill(seq)
             seq.admitted_at_step = self.stats.steps
+            if seq.prefill_only:  # its KV went to the pool; a decode server continues it
+                seq.finish_reason = "prefill"
+                finished.append(seq)
+                continue
             tokens, logprobs = self._sample(logits[None], [seq])
             self._emit(seq, tokens[0], logprobs[0])
             if seq.finish_reason:
@@ -192,24 +201,46 @@ class EngineCore:
             self.stats.prefix_hits += 1
             cache, logits, seq.prompt_routing = self.prefix[key]
             return clone_cache(cache), logits
-        ids = torch.tensor([seq.prompt_ids])
-        out = self.model(input_ids=ids, use_cache=True)
-        out.cache = cache_of(out)
-        logits = out.logits[0, -1].float()
-        seq.prompt_routing = self.capture.take() if self.capture else None
-        self.stats.prefill_tokens += seq.length
+        out, routing, pooled = self._forward_prompt(seq.prompt_ids)
+        logits = out.logits[0, -1].float().cpu()
+        seq.prompt_routing = routing
+        self.stats.prefill_tokens += seq.length - pooled * (self.pool.chunk if self.pool else 0)
+        if self.pool is not None:
+            self.pool.put(self.version, seq.prompt_ids, out.cache, routing, skip=pooled)
         if self.prefix_cache_entries:
             self.prefix[key] = (clone_cache(out.cache), logits, seq.prompt_routing)
             if len(self.prefix) > self.prefix_cache_entries:
                 self.prefix.popitem(last=False)
         return out.cache, logits
 
+    def _forward_prompt(self, prompt: list[int]):
+        """The prompt's forward (model output with `.cache`), its routing, and how many of its
+        chunks came from the KV pool (their KV loaded, only the rest computed)."""
+        chunks = self.pool.fetch(self.version, prompt) if self.pool is not None and self.template is not None else []
+        cache, routing_before = fill_cache(self.template, chunks, self.device) if chunks else (None, None)
+        if chunks and self.capture is not None and routing_before is None:
+            chunks, cache = [], None  # pooled by a server that did not capture routing: compute it all
+        done = len(chunks) * self.pool.chunk if chunks else 0
+        ids = torch.tensor([prompt[done:]], device=self.device)
+        if done:
+            pos = torch.arange(done, len(prompt), device=self.device)[None]
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
+        else:
+            out = self.model(input_ids=ids, use_cache=True)
+        out.cache = cache_of(out)
+        if self.template is None:
+            self.template = empty_like_cache(out.cache)
+        routing = self.capture.take() if self.capture else None
+        if routing is not None and done:
+            routing = torch.cat([routing_before, routing])
+        return out, routing, len(chunks)
+
     def _decode(self) -> list[Sequence]:
-        ids = torch.tensor([[s.pending] for s in self.running])
-        pos = torch.tensor([[s.length] for s in self.running])
+        ids = torch.tensor([[s.pending] for s in self.running], device=self.device)
+        pos = torch.tensor([[s.length] for s in self.running], device=self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=self.batch.step_mask().long(),
+            attention_mask=self.batch.step_mask().long().to(self.device),
             position_ids=pos,
             use_cache=True,
             **{self.cache_kw: self.batch.cache},
@@ -221,7 +252,7 @@ class EngineCore:
             s.length += 1
             if routing is not None:
                 s.routing_chunks.append(routing[i : i + 1])
-        tokens, logprobs = self._sample(out.logits[:, -1].float(), self.running)
+        tokens, logprobs = self._sample(out.logits[:, -1].float().cpu(), self.running)
         for s, tok, lp in zip(self.running, tokens, logprobs):
             self._emit(s, tok, lp)
         keep = [i for i, s in enumerate(self.running) if not s.finish_reason]
@@ -251,6 +282,18 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
+
+
+def empty_like_cache(cache):
+    """A cache with `cache`'s layer objects and no tokens (the KV pool fills copies of it)."""
+    from prl.inference.kvcache import layer_tensors
+
+    empty = clone_cache(cache)
+    for layer in empty.layers:
+        for attr, dim in layer_tensors(layer):
+            t = getattr(layer, attr)
+            setattr(layer, attr, t.narrow(dim % t.dim(), 0, 0))
+    return empty
 
 
 def cache_of(out):

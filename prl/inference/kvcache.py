@@ -84,7 +84,8 @@ class BatchCache:
         first = int(mask.any(0).float().argmax())  # leading all-padding columns
         for layer in self.cache.layers:
             for attr, dim in layer_tensors(layer):
-                t = getattr(layer, attr).index_select(0, idx)
+                t = getattr(layer, attr)
+                t = t.index_select(0, idx.to(t.device))
                 setattr(layer, attr, t.narrow(dim % t.dim(), first, t.shape[dim] - first).contiguous())
         self.mask = mask[:, first:].contiguous()
 

@@ -8,6 +8,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+SEED_LIMIT = 2**63 - 256  # torch generators take 64-bit seeds; seed + i must stay below 2**63
+
+
 class Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -20,7 +23,7 @@ class GenerateRequest(Msg):
     temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # completion i uses seed + i
     n: int = Field(1, gt=0, le=256)  # completions of the same prompt (a GRPO group in one request)
     return_routing: bool = False  # R3: experts chosen per input token and MoE layer
     routing_start: int = Field(0, ge=0)  # prompt positions the client already holds (multi-turn)
@@ -77,7 +80,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, gt=0, le=64)
     stop: str | list[str] | None = None
     logprobs: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stream: bool = False
     echo: bool = False
     best_of: int | None = None
@@ -104,6 +107,17 @@ class UpdateWeightsRequest(Msg):
     path: str | None = None  # a folder this server can read; None: its configured weight source
 
 
+class PrefillRequest(Msg):
+    """P/D: compute the prompt's KV (and routing) into the run's KV pool; a decode server loads it."""
+
+    prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
+class PrefillResponse(Msg):
+    version: int  # the weights version the KV was computed under (part of its pool keys)
+    pooled_tokens: int  # prompt tokens now in the pool (full chunks)
+
+
 class UpdateWeightsResponse(Msg):
     version: int
     load_s: float
@@ -127,3 +141,5 @@ class Metrics(Msg):
     tokens_per_s: float
     busy_frac: float
     busy_s: float
+    pool_hit_tokens: int = 0  # prompt tokens loaded from the KV pool instead of computed
+    pool_stored_chunks: int = 0

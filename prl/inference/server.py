@@ -26,6 +26,8 @@ from prl.inference.protocol import (
     GenerateResponse,
     Health,
     Metrics,
+    PrefillRequest,
+    PrefillResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     encode_routing,
@@ -77,6 +79,18 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
             raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {vocab}")
         seqs = await _unless_disconnected(request, [loop.generate(_sequence(req.prompt_ids, p)) for p in params])
         return _generate_response(seqs, req)
+
+    @app.post("/prefill", dependencies=guarded)
+    async def prefill(req: PrefillRequest, request: Request) -> PrefillResponse:
+        """P/D: the prompt's KV and routing into the KV pool, for a decode server to load."""
+        if loop.core.pool is None:
+            raise HTTPException(400, "this server has no KV pool (inference.kv_pool): nothing to prefill into")
+        check_prompt(req.prompt_ids, 0, "prompt_ids")
+        seq = _sequence(req.prompt_ids, SamplingParams(max_tokens=1))
+        seq.prefill_only = True
+        [seq] = await _unless_disconnected(request, [loop.generate(seq)])
+        chunk = loop.core.pool.chunk
+        return PrefillResponse(version=loop.core.version, pooled_tokens=len(req.prompt_ids) // chunk * chunk)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
@@ -137,6 +151,8 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
             version=core.version, running=len(core.running), waiting=len(core.waiting), paused=loop.paused,
             generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, prefill_tokens=st.prefill_tokens,
             prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
+            pool_hit_tokens=core.pool.stats.hit_tokens if core.pool else 0,
+            pool_stored_chunks=core.pool.stats.stored_chunks if core.pool else 0,
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)), busy_s=st.busy_s,
         )
 
@@ -252,6 +268,32 @@ def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence
 
 
 def main(config_path: str) -> None:
+    from prl.metrics import EventLog, reporting_errors
+    from prl.recipe.resolve import load_process_config
+
+    cfg = load_process_config(config_path)
+    log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
+    with reporting_errors(log, cfg.name):
+        serve(cfg, log)
+
+
+def join_pool(cfg):
+    """The run's KV pool (`inference.kv_pool`): wait for its master (started beside the servers),
+    then contribute `memory_gb` of this process's memory."""
+    if not cfg.kv_master:
+        return None
+    from prl.inference.kv_master import MasterAddress, wait_for_master
+    from prl.inference.kv_pool import KvPool
+
+    pool, addr = cfg.recipe.inference.kv_pool, MasterAddress(**cfg.kv_master)
+    wait_for_master(addr, cfg.recipe.inference.startup_timeout_s)
+    kv = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname=cfg.host,
+                        segment_bytes=int(pool.memory_gb * 2**30), run=cfg.recipe.run.name, chunk_tokens=pool.chunk_tokens)
+    print(f"{cfg.name}: joined the KV pool at {addr.master} with {pool.memory_gb:g} GB", flush=True)
+    return kv
+
+
+def serve(cfg, log) -> None:
     import os
     import signal
 
@@ -259,10 +301,8 @@ def main(config_path: str) -> None:
     import uvicorn
 
     from prl.model.build import build_model, load_tokenizer
-    from prl.recipe.resolve import load_process_config
     from prl.transport.weights import weight_source
 
-    cfg = load_process_config(config_path)
     inf = cfg.recipe.inference
     torch.set_num_threads(inf.threads)
     model = build_model(cfg.model_dir, seed=cfg.recipe.run.seed, dtype=inf.dtype)
@@ -272,8 +312,12 @@ def main(config_path: str) -> None:
         report = apply_fp8(model)
         print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
     core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index,
-                      capture_routing=cfg.recipe.trainer.router_replay)
-    loop = EngineLoop(core, on_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
+                      capture_routing=cfg.recipe.trainer.router_replay, pool=join_pool(cfg))
+    def failed() -> None:  # the engine thread died: say why, then stop serving (the driver restarts us)
+        log.emit("error", name=cfg.name, type="EngineFailure", line=str(loop.failed)[:300])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    loop = EngineLoop(core, on_failure=failed)
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name, weight_source(cfg),
                      weights_root=cfg.run_path / "weights")

@@ -20,7 +20,7 @@ from rich.console import Console
 from prl.launch.doctor import check_cluster, connect, report, role_needs
 from prl.launch.hosts import Host, HostError, LocalHost
 from prl.launch.placement import WORKSTATION, links_needed, ports_needed, resolve_cluster
-from prl.launch.plan import ProcessSpec, make_plan
+from prl.launch.processes import ProcessSpec, make_plan
 from prl.launch.provision import provision, venv_dir
 from prl.launch.supervisor import Supervisor
 from prl.recipe.resolve import ProcessConfig, write_configs, write_secret
@@ -56,10 +56,12 @@ def bundle(run_dir: Path, names: list[str]) -> bytes:
     return buf.getvalue()
 
 
-def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: bool = False) -> None:
+def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: bool = False,
+          shared: str | None = None) -> None:
     """Copy and unpack the host's run files. A new run starts from an empty directory; a resumed
     one keeps only `checkpoints/` (logs and metrics were streamed to the workstation already, and
-    weight versions are republished from the checkpoint)."""
+    weight versions are republished from the checkpoint). With `shared` (a trainer host of a run with
+    `cluster.shared_checkpoints`), `checkpoints` links to that folder (emptied for a new run)."""
     archive = run_dir / "staging" / f"{host.name.replace('/', '_')}.tar.gz"
     archive.parent.mkdir(exist_ok=True)
     archive.write_bytes(bundle(run_dir, names))
@@ -71,7 +73,11 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: 
     q = shlex.quote
     clear = (f"mkdir -p {q(remote_dir)} && find {q(remote_dir)} -mindepth 1 -maxdepth 1 ! -name checkpoints "
              f"-exec rm -rf {{}} +" if resume else f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)}")
-    r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}")
+    link = ""
+    if shared:
+        fresh = "" if resume else f"rm -rf {q(shared)} && "
+        link = f" && {fresh}mkdir -p {q(shared)} && ln -sfn {q(shared)} {q(remote_dir + '/checkpoints')}"
+    r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}{link}")
     if r.code:
         raise HostError(f"{host.name}: could not unpack the run files into {remote_dir}: {r.stderr.strip()}")
 
@@ -93,10 +99,18 @@ def check_resumable(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[st
 def stage_all(configs: list[ProcessConfig], hosts: dict[str, Host], run_dir: Path, pool, resume: bool) -> None:
     """Stage every remote (host, run directory) with the configs of the processes placed there."""
     places = dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)
+    shared = shared_checkpoint_dir(configs[0].recipe)
+    trainers = {(c.node, c.run_dir) for c in configs if c.role == "trainer"}
     jobs = [pool.submit(stage, hosts[n], run_dir, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)],
-                        resume) for n, d in places]
+                        resume, shared if (n, d) in trainers else None) for n, d in places]
     for f in jobs:
         f.result()
+
+
+def shared_checkpoint_dir(recipe: Recipe) -> str | None:
+    """This run's folder under `cluster.shared_checkpoints`, or None."""
+    root = recipe.shared_checkpoints()
+    return f"{root.rstrip('/')}/{recipe.run.name}" if root else None
 
 
 def python_for(recipe: Recipe, key: str):

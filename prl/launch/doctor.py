@@ -24,7 +24,7 @@ from prl.launch.hosts import Host, HostError, SshHost, SshTarget
 from prl.launch.placement import Link
 from prl.recipe.schema import ClusterCfg, HostCfg
 
-CHECKS = ("reachable", "python", "disk", "gpus", "port", "model", "vllm", "reach")
+CHECKS = ("reachable", "python", "disk", "gpus", "port", "model", "vllm", "mooncake", "reach")
 
 
 @dataclass
@@ -125,7 +125,8 @@ def listener(cfg: ClusterCfg, address: str, ports: list[int]) -> list[str]:
 
 def role_needs(recipe) -> dict[str, list[str]]:
     """What each host's roles need beyond Python: the pretrained folder (trainer and inference hosts
-    read `model.path` in place) and vLLM (inference hosts with `backend = "vllm"`)."""
+    read `model.path` in place), vLLM (inference hosts with `backend = "vllm"`) and Mooncake (the KV
+    pool's hosts)."""
     p = recipe.placement_or_default()
     needs: dict[str, list[str]] = {}
     if recipe.model.path:
@@ -134,6 +135,9 @@ def role_needs(recipe) -> dict[str, list[str]]:
     if recipe.inference.backend == "vllm":
         for h in p.inference:
             needs.setdefault(h, []).append("vllm")
+    if recipe.inference.kv_pool.enabled:  # the master and every server's store client
+        for h in dict.fromkeys([*p.inference, recipe.inference.kv_pool.host or p.inference[0]]):
+            needs.setdefault(h, []).append("mooncake")
     return needs
 
 
@@ -146,14 +150,15 @@ def model_check(host: Host, path: str) -> Check:
                  f"exist at the same path on every trainer and inference host)")
 
 
-def vllm_check(host: Host, cfg: ClusterCfg) -> Check:
-    if "vllm" in cfg.extras:
-        return Check("vllm", True, "installed by provisioning (cluster.extras)")
-    r = host.run(_py(cfg, "import vllm; print(vllm.__version__)"))
+def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str) -> Check:
+    """`name` importable by the hosts' Python, or installed by provisioning."""
+    if extra in cfg.extras:
+        return Check(name, True, "installed by provisioning (cluster.extras)")
+    r = host.run(_py(cfg, f"import {name}; print(getattr({name}, '__version__', 'importable'))"))
     if r.code == 0:
-        return Check("vllm", True, f"vllm {r.stdout.strip()}")
-    return Check("vllm", False, f"{cfg.python} cannot import vllm (inference.backend = 'vllm'): install it in the "
-                                f"host image or add 'vllm' to cluster.extras")
+        return Check(name, True, f"{name} {r.stdout.strip()}")
+    return Check(name, False, f"{cfg.python} cannot import {name} ({why}): install it in the host image or add "
+                              f"'{extra}' to cluster.extras")
 
 
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
@@ -191,7 +196,9 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
     if "model" in needs and model_path:
         out.append(model_check(host, model_path))
     if "vllm" in needs:
-        out.append(vllm_check(host, cfg))
+        out.append(package_check(host, cfg, "vllm", "vllm", "inference.backend = 'vllm'"))
+    if "mooncake" in needs:
+        out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool"))
     return out
 
 
@@ -219,13 +226,14 @@ def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list
 def report(results: dict[str, list[Check]], console: Console) -> list[str]:
     table = Table(title="prl doctor", title_justify="left")
     table.add_column("host")
-    for name in CHECKS:
+    ran = [name for name in CHECKS if any(c.name == name for checks in results.values() for c in checks)]
+    for name in ran:  # only the checks this recipe needs
         table.add_column(name)
     failures = []
     for address, checks in results.items():
         by_name = {c.name: c for c in checks}
         cells = []
-        for name in CHECKS:
+        for name in ran:
             c = by_name.get(name)
             cells.append("-" if c is None else f"[green]ok[/] {c.detail}" if c.ok else f"[red]FAIL[/] {c.detail}")
         table.add_row(address, *cells)

@@ -1,8 +1,9 @@
 """`prl run`: resolve the recipe once, write per-process configs, start, watch, tear down.
 
-Rules: a bad recipe fails before anything starts; the run ends when the trainer finishes, when
-any process dies (named, with its last log lines), or on Ctrl-C/SIGTERM; in every case all
-processes are stopped (`Supervisor.stop_all`) before `prl run` returns.
+Rules: a bad recipe fails before anything starts; a process that dies or hangs is restarted up to
+`run.max_restarts` times (`prl.launch.faults`); the run ends when the trainer finishes, when a
+process fails past its restarts (named, with its last log lines), or on Ctrl-C/SIGTERM; in every
+case all processes are stopped (`Supervisor.stop_all`) before `prl run` returns.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -21,20 +21,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from prl.launch.plan import format_plan, make_plan
+from prl.launch.faults import Faults, RestartFailed
+from prl.launch.processes import format_plan, make_plan
 from prl.launch.hosts import NO_STATUS, HostError, LocalHost
 from prl.launch.supervisor import Supervisor
+from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
 from prl.recipe.load import RecipeError, apply_override, dump_toml, validate
 from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
+from prl.tui.keys import KeyReader
 from prl.tui.view import render
 
-ERROR_RE = re.compile(r"error|exception|traceback", re.IGNORECASE)
-# lines a process logged at a level below error (vLLM: "WARNING 11-30 18:49:13 [file.py:12] ...")
-NOT_ERROR_RE = re.compile(r"\b(DEBUG|INFO|WARNING)\b \d\d-\d\d \d\d:\d\d:\d\d")
 
 
 class RunStopped(Exception):
@@ -70,7 +70,26 @@ def dry_run(recipe: Recipe, console: Console) -> int:
     console.print(dump_toml(recipe.model_dump(exclude_none=True)), markup=False, highlight=False)
     console.print()
     console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
+    console.print(plan_summary(recipe), markup=False, highlight=False)
+    for item in recipe.not_built():
+        console.print(f"prl run would refuse: {item}", style="yellow", markup=False, highlight=False)
     return 0
+
+
+def refuse_not_built(recipe: Recipe) -> None:
+    missing = recipe.not_built()
+    if missing:
+        raise RunStopped("not built yet, nothing was started (`--dry-run` and `prl plan` show the plan):\n  "
+                         + "\n  ".join(missing))
+
+
+def plan_summary(recipe: Recipe) -> str:
+    from prl.sizing.estimate import make_plan, summary
+
+    try:
+        return summary(make_plan(recipe))
+    except ValueError as e:
+        return f"prl plan: not estimated ({e})"
 
 
 def local_folder(recipe: Recipe):
@@ -100,6 +119,13 @@ def check_model(recipe: Recipe, folder) -> None:
     if recipe.trainer.router_replay and folder.model_type not in FAMILIES:
         raise RecipeError(f"trainer.router_replay: model_type {folder.model_type!r} of {m.path} has no routing "
                           f"adapter (known: {sorted(FAMILIES)}); set trainer.router_replay = false")
+    par = recipe.trainer.parallel
+    if par.cp > 1 and folder.model_type != "glm_moe_dsa":
+        raise RecipeError(f"trainer.parallel.cp = {par.cp}: context parallelism is built for GLM-5's DSA attention "
+                          f"(model_type 'glm_moe_dsa'); {m.path} is {folder.model_type!r}; use cp = 1")
+    if par.ep > 1 and (folder.num_experts is None or folder.num_experts % par.ep):
+        raise RecipeError(f"trainer.parallel.ep = {par.ep} must divide the routed experts of {m.path} "
+                          f"({folder.num_experts or 'none'})")
 
 
 def preflight(recipe: Recipe) -> None:
@@ -107,7 +133,21 @@ def preflight(recipe: Recipe) -> None:
     folder = local_folder(recipe)
     check_model(recipe, folder)
     check_backend(recipe, folder)
+    check_kv_pool(recipe)
     check_task(recipe)
+    check_wandb(recipe)
+
+
+def check_kv_pool(recipe: Recipe) -> None:
+    """`inference.kv_pool` needs Mooncake (its store client and `mooncake_master`) where it runs."""
+    if not recipe.inference.kv_pool.enabled or recipe.cluster is not None:  # hosts: checked by prl doctor
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise RecipeError("inference.kv_pool: Mooncake is not installed here (pip install "
+                          "mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA; bin/prl installs "
+                          "it); nothing was started")
 
 
 def gpu_present() -> bool:
@@ -201,6 +241,9 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
             shutil.rmtree(version_dir(run_dir / "weights", v), ignore_errors=True)
     for p in (run_dir / "rollouts").glob("step_*.pt"):
         p.unlink()
+    from prl.trainer.ledger import truncate
+
+    truncate(run_dir, last)
     return recipe
 
 
@@ -217,16 +260,28 @@ def start_run(recipe: Recipe, run_dir: Path, console: Console, resume: bool = Fa
 
 def execute(recipe: Recipe, run_dir: Path, console: Console, tui: bool, resume: bool = False) -> Outcome:
     try:
-        sup = start_run(recipe, run_dir, console, resume)
-    except (HostError, RuntimeError) as e:  # LaunchError, ProvisionError: nothing was started
-        return Outcome("failed", str(e), 2)
+        sink = WandbSink(recipe, run_dir, resume) if recipe.run.wandb else None
+    except WandbError as e:
+        return Outcome("failed", f"{e}; nothing was started", 2)
+    outcome = Outcome("failed", "the driver stopped before the run ended", 1)
     try:
-        return supervise(sup, recipe, run_dir, console, tui)
+        try:
+            sup = start_run(recipe, run_dir, console, resume)
+        except (HostError, RuntimeError) as e:  # LaunchError, ProvisionError: nothing was started
+            outcome = Outcome("failed", str(e), 2)
+            return outcome
+        try:
+            outcome = supervise(sup, recipe, run_dir, console, tui, sink)
+            return outcome
+        finally:
+            sup.close()
     finally:
-        sup.close()
+        if sink:
+            sink.close(outcome.state, outcome.code)
 
 
-def supervise(sup: Supervisor, recipe: Recipe, run_dir: Path, console: Console, tui: bool) -> Outcome:
+def supervise(sup: Supervisor, recipe: Recipe, run_dir: Path, console: Console, tui: bool,
+              sink: WandbSink | None = None) -> Outcome:
     log = EventLog(run_dir / "metrics.jsonl", "driver")
     log.emit("run", state="running", name=recipe.run.name, started=time.time(), max_steps=recipe.rl.max_steps,
              pid=os.getpid(), hosts=sorted({p.spec.host for p in sup.procs.values()}))
@@ -237,7 +292,9 @@ def supervise(sup: Supervisor, recipe: Recipe, run_dir: Path, console: Console, 
         sup.start_all()
         for p in sup.procs.values():
             log.emit("process", name=p.spec.name, role=p.spec.role, host=p.spec.host, pid=p.pid, state="running")
-        outcome = watch(sup, run_dir, log, console, tui)
+        faults = Faults(sup, log, recipe.run.max_restarts, recipe.run.hang_timeout_s)
+        faults.mark_started()
+        outcome = watch(sup, run_dir, log, console, tui, faults, sink)
     except (KeyboardInterrupt, RunStopped) as e:
         outcome = Outcome("interrupted", f"interrupted ({type(e).__name__}); stopping every process", 130)
     except HostError as e:
@@ -261,29 +318,34 @@ def _raise_stop(signum, frame):
     raise RunStopped(signal.Signals(signum).name)
 
 
-def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: bool) -> Outcome:
+def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: bool, faults: Faults,
+          sink: WandbSink | None = None) -> Outcome:
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    last_step, poll = -1, Poll()
-    try:
-        if live:
-            live.start()
-        while True:
-            outcome = poll_exits(sup, log, poll)
-            state.update_from(metrics)
-            scan_errors(sup, state, log)
+    last_step, poll, curves = -1, Poll(), False
+    with KeyReader() if tui else contextlib.nullcontext() as keys:
+        try:
             if live:
-                live.update(render(state))
-            elif state.trainer.get("step", -1) != last_step:
-                last_step = state.trainer["step"]
-                console.print(step_line(state), markup=False, highlight=False)
-            if outcome:
-                return outcome
-            time.sleep(0.2)
-    finally:
-        if live:
-            live.stop()
+                live.start()
+            while True:
+                outcome = poll_exits(sup, log, poll, faults)
+                state.update_from(metrics)
+                faults.check_hangs(state, hosts_answering=poll.lost_since is None)
+                if sink:
+                    sink.poll()
+                if live:
+                    curves ^= "c" in keys.pressed()  # the key `c` shows or hides the whole-run curves
+                    live.update(render(state, curves, console.width, hint=f"c: {'hide' if curves else 'show'} curves"))
+                elif state.trainer.get("step", -1) != last_step:
+                    last_step = state.trainer["step"]
+                    console.print(step_line(state), markup=False, highlight=False)
+                if outcome:
+                    return outcome
+                time.sleep(0.2)
+        finally:
+            if live:
+                live.stop()
 
 
 @dataclass
@@ -292,7 +354,7 @@ class Poll:
     lost_since: float | None = None  # when the hosts stopped answering
 
 
-def poll_exits(sup: Supervisor, log: EventLog, poll: Poll) -> Outcome | None:
+def poll_exits(sup: Supervisor, log: EventLog, poll: Poll, faults: Faults) -> Outcome | None:
     """Stream remote logs and metrics and look for exited processes. Remote hosts are asked at most
     twice a second; an SSH hiccup is retried until the hosts' watchdogs would give up."""
     if sup.remote and time.monotonic() - poll.last < 0.5:
@@ -300,7 +362,7 @@ def poll_exits(sup: Supervisor, log: EventLog, poll: Poll) -> Outcome | None:
     try:
         if sup.remote:
             sup.sync()
-        outcome = check_exits(sup, log)
+        outcome = check_exits(sup, log, faults)
     except HostError as e:
         if poll.lost_since is None:
             poll.lost_since = time.monotonic()
@@ -320,17 +382,11 @@ def step_line(s: RunState) -> str:
             f"stale_dropped {s.orch.get('stale_dropped_total', 0)}")
 
 
-def scan_errors(sup: Supervisor, state: RunState, log: EventLog) -> None:
-    for name, p in sup.procs.items():
-        lines = [ln for ln in p.tail(40) if ERROR_RE.search(ln) and not NOT_ERROR_RE.search(ln)]
-        if lines and state.errors.get(name) != lines[-1][-200:]:
-            state.errors[name] = lines[-1][-200:]
-            log.emit("error", name=name, line=lines[-1][-200:])
-
-
-def check_exits(sup: Supervisor, log: EventLog) -> Outcome | None:
+def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | None:
     for name, rc in sup.exited().items():
         p = sup.procs[name]
+        if p.code is None:
+            continue  # restarted meanwhile, with the rest of its unit
         if rc == 0 and p.spec.role == "trainer":
             return Outcome("done", "trainer finished", 0)
         if rc == 0 and p.spec.role == "orchestrator":
@@ -338,10 +394,15 @@ def check_exits(sup: Supervisor, log: EventLog) -> Outcome | None:
         log.emit("process", name=name, state="failed", exit_code=rc)
         with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
             p.pull_log()
-        tail = "\n".join(f"    {ln}" for ln in p.tail(15))
         why = exit_reason(rc)
-        return Outcome("failed", f"{name} ({p.spec.role} on host {p.spec.host}, pid {p.pid}) {why}; last log lines "
-                                 f"({p.spec.log}):\n{tail}", 1, failed=name)
+        try:
+            if faults.restart(name, f"{name} {why}"):
+                continue
+        except RestartFailed as e:
+            return Outcome("failed", f"{e}; stopping every process", 1, failed=name)
+        tail = "\n".join(f"    {ln}" for ln in p.tail(15))
+        return Outcome("failed", f"{name} ({p.spec.role} on host {p.spec.host}, pid {p.pid}) {why}"
+                                 f"{faults.exhausted(name)}; last log lines ({p.spec.log}):\n{tail}", 1, failed=name)
     return None
 
 
@@ -376,11 +437,11 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
         if resume:
             run_dir = Path(resume)
             recipe = prepare_resume(run_dir, overrides)
+            refuse_not_built(recipe)
+            check_wandb(recipe)
         else:
             run_dir = run_dir_for(recipe)
-            if recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl":
-                raise RunStopped("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built "
-                                 "yet); use 'http'. `--dry-run` prints the plan. Nothing was started.")
+            refuse_not_built(recipe)
             preflight(recipe)
             prepare_new(recipe, run_dir, force)
     except (RunStopped, RecipeError) as e:

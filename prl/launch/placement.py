@@ -50,11 +50,27 @@ def resolve_cluster(recipe: Recipe, local_run_dir: Path) -> list[ProcessConfig]:
                               port=cluster.inference_port + k, index=i, shares_trainer_fs=h is first,
                               gpus=list(range(k * p.gpus_per_server, (k + 1) * p.gpus_per_server)) if h.gpus else []))
     orch_host = first if p.orchestrator is None else None if p.orchestrator == WORKSTATION else hosts[p.orchestrator]
+    prefill_hosts = {hosts[n].address for n in p.prefill}
     orchestrator = on(orch_host, name="orchestrator", role="orchestrator",
-                      servers=[f"http://{s.host}:{s.port}" for s in servers])
+                      servers=[f"http://{s.host}:{s.port}" for s in servers],
+                      prefill_servers=[s.index for s in servers if s.host in prefill_hosts])
     ranks = [on(h, name="trainer" if len(trainers) == 1 else f"trainer-{i}", role="trainer", host=h.address,
                 port=cluster.trainer_port, index=i) for i, h in enumerate(trainers)]
-    return [*servers, orchestrator, *ranks]
+    return [*kv_master_on(recipe, hosts[recipe.inference.kv_pool.host or p.inference[0]], on, servers),
+            *servers, orchestrator, *ranks]
+
+
+def kv_master_on(recipe: Recipe, h: HostCfg, on, servers: list[ProcessConfig]) -> list[ProcessConfig]:
+    """With `inference.kv_pool`: the `kv-master` on `h` (ports from kv_pool.port, default 50051, +1
+    metadata, +2 metrics), its address told to every server."""
+    pool = recipe.inference.kv_pool
+    if not pool.enabled:
+        return []
+    rpc = pool.port or 50051
+    addr = {"host": h.address, "rpc_port": rpc, "metadata_port": rpc + 1, "metrics_port": rpc + 2}
+    for s in servers:
+        s.kv_master = addr
+    return [on(h, name="kv-master", role="kv_master", host=h.address, port=rpc, kv_master=addr)]
 
 
 def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list[int]]:
@@ -65,6 +81,8 @@ def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list
             out.setdefault(c.node, []).append(c.port)
         if c.role == "trainer" and c.index == 0:
             out[c.node].append(recipe.cluster.rendezvous_port)
+        if c.role == "kv_master":
+            out.setdefault(c.node, []).extend(c.kv_master[k] for k in ("rpc_port", "metadata_port", "metrics_port"))
     return out
 
 
@@ -89,4 +107,7 @@ def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
     links.append(Link(orch.node, *endpoint))
     links += [Link(orch.node, s.node, s.host, s.port) for s in configs if s.role == "inference"]
     links += [Link(s.node, *endpoint) for s in configs if s.role == "inference" and not s.shares_trainer_fs]
+    for m in (c for c in configs if c.role == "kv_master"):  # servers -> the pool's master and metadata
+        links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs if s.role == "inference"
+                  for k in ("rpc_port", "metadata_port")]
     return [ln for ln in dict.fromkeys(links) if WORKSTATION not in (ln.src, ln.dst)]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prl.launch.hosts import Host, HostError
-from prl.launch.plan import ProcessSpec
+from prl.launch.processes import ProcessSpec
 from prl.metrics import append_lines
 
 
@@ -120,7 +120,16 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 5.0) -> list[str]:
         """Stop every process group on every host; returns what could not be stopped (named)."""
-        running = [p for p in self.procs.values() if p.pid is not None]
+        problems = self.stop(list(self.procs.values()), grace_s)
+        try:
+            self.sync()  # the last log lines and metrics
+        except HostError as e:
+            problems.append(f"could not fetch the last logs: {e}")
+        return sorted(set(problems))
+
+    def stop(self, procs: list[HostProcess], grace_s: float = 5.0) -> list[str]:
+        """TERM these process groups at once, KILL what is left after `grace_s`; returns problems."""
+        running = [p for p in procs if p.pid is not None]
         problems = []
 
         def each(sig: str):
@@ -142,11 +151,28 @@ class Supervisor:
         problems += [f"{p.spec.name} on {p.spec.host}: still running (pid {p.pid})" for p in running if _alive(p)]
         for p in running:
             p.poll()
-        try:
-            self.sync()  # the last log lines and metrics
-        except HostError as e:
-            problems.append(f"could not fetch the last logs: {e}")
-        return sorted(set(problems))
+        return problems
+
+    def kill(self, names: list[str]) -> None:
+        """SIGKILL these process groups now (hung: nothing to wait for); their exit is seen by polling."""
+        for name in names:
+            p = self.procs[name]
+            if p.pid is not None and p.code is None:
+                p.host.signal(p.pid, "KILL")
+
+    def restart(self, names: list[str]) -> list[str]:
+        """Stop what is left of these processes (e.g. the other ranks of a trainer), start them anew
+        with the same command on the same host; returns problems stopping them (then none started)."""
+        procs = [self.procs[n] for n in names]
+        problems = self.stop(procs)
+        if problems:
+            return problems
+        self.beat()
+        for p in procs:
+            p.pull_log()
+            p.start(self.heartbeat_s)
+            p.code = None  # only once started: a failed start leaves it exited, and the run stops
+        return []
 
     def close(self) -> None:
         self.pool.shutdown()

@@ -16,11 +16,16 @@ def build_model(model_dir: str | Path, seed: int = 0, dtype: str = "float32"):
 
     from prl.model.pretrained import has_weights, load_pretrained
 
+    from prl.model import dsa
+
     if has_weights(model_dir):
-        return load_pretrained(Path(model_dir), DTYPES[dtype])
-    config = AutoConfig.from_pretrained(model_dir)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        model = load_pretrained(Path(model_dir), DTYPES[dtype])
+    else:
+        config = AutoConfig.from_pretrained(model_dir)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    dsa.install(model)  # GLM-5: the indexer's top-k breaks ties by position, the same in engine and trainer
+    return model
 
 
 def load_tokenizer(model_dir: str | Path):

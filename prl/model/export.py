@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prl.model.weights import CorruptWeightsError, read_weights, sealed
+from prl.model.weights import CorruptWeightsError, sealed
 
 
 class ExportError(RuntimeError):
@@ -27,12 +27,13 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prl.model.build import load_tokenizer
+    from prl.trainer.checkpoint import read_model_state
 
     run_dir = Path(run_dir)
     model_dir = run_dir / "model"
     path = find_checkpoint(run_dir, step)
     try:
-        state, _ = read_weights(path)
+        state, _ = read_model_state(path)
     except CorruptWeightsError as e:
         raise ExportError(str(e)) from None
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

@@ -213,6 +213,11 @@ class _Fp8Experts:
         return out
 
 
+def fp8_experts(mod) -> bool:
+    """Whether `apply_fp8` swapped this expert stack to FP8."""
+    return isinstance(mod, _Fp8Experts)
+
+
 def apply_fp8(model, swap: bool = True) -> dict[str, list[str]]:
     """Swap the eligible attention/MLP linears and expert stacks of `model` to FP8, in place
     (`swap=False` only reports).

@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from prl.model.families import routed_experts
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SMALL_SUFFIXES = {".json", ".txt", ".model", ".tiktoken", ".jinja", ".py"}
@@ -38,6 +40,7 @@ class FolderInfo:
     bytes: int
     max_position_embeddings: int | None
     head_dim: int | None  # attention head size, where the config says (nested configs: None)
+    num_experts: int | None = None  # routed experts per MoE layer, where the config says
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -107,7 +110,7 @@ def check_pretrained(folder: str | Path) -> FolderInfo:
     for f in files:
         tensors += sum(1 for k in read_header(f) if k != "__metadata__")
     return FolderInfo(config["model_type"], files, tensors, sum(f.stat().st_size for f in files),
-                      config.get("max_position_embeddings"), attention_head_dim(config))
+                      config.get("max_position_embeddings"), attention_head_dim(config), routed_experts(config))
 
 
 def attention_head_dim(config: dict) -> int | None:

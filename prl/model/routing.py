@@ -94,7 +94,7 @@ class Capture:
 
     def take(self) -> torch.Tensor:
         """Ids of the last forward as [tokens, layers, k] in the compact dtype."""
-        ids = torch.stack([t for t in self._ids], dim=1).to(self.dtype)
+        ids = torch.stack([t for t in self._ids], dim=1).to(self.dtype).cpu()  # the wire and the trainer take CPU rows
         self._ids = [None] * len(self.routers)
         return ids
 

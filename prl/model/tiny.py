@@ -3,8 +3,8 @@ built locally; or a pretrained folder, whose weights are linked in place (never 
 
 Nothing is downloaded: the config comes from transformers' `GlmMoeDsaConfig`, the tokenizer from
 the `tokenizers` package. `index_topk` defaults above the longest sample, so the DSA indexer runs
-but keeps every token: sparse selection breaks ties among ReLU-zero scores differently for packed
-and unpacked sequences, which would make trainer and engine disagree for reasons unrelated to RL.
+but keeps every token; a lower value makes the selection really sparse, and engine and trainer still
+keep the same keys (`prl.model.dsa` breaks the indexer's frequent score ties by position).
 """
 
 from __future__ import annotations

@@ -114,10 +114,15 @@ def write_weights(final: Path, state_dict: dict[str, "torch.Tensor"], meta: dict
 
 
 def read_weights(path: Path) -> tuple[dict[str, "torch.Tensor"], dict]:
+    """Every tensor of a verified folder: all the safetensors files its manifest lists (one, or one
+    per bucket as the trainer publishes)."""
     from safetensors.torch import load_file
 
     manifest = verify_dir(path)
-    return load_file(str(path / WEIGHTS_FILE)), manifest
+    state = {}
+    for name in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
+        state.update(load_file(str(path / name)))
+    return state, manifest
 
 
 def sealed(root: Path, prefix: str) -> list[int]:

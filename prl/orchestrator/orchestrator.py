@@ -16,8 +16,9 @@ import statistics
 import time
 
 from prl.inference.protocol import GenerateRequest, decode_routing
-from prl.metrics import EventLog
+from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.buffer import Group, GroupBuffer
+from prl.orchestrator.servers import ServerPool
 from prl.inference.backend import InferenceBackend, make_backend
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
@@ -52,16 +53,18 @@ class Orchestrator:
         self.rl, self.sampling = r.rl, r.sampling
         self.task = make_task(r.task, r.run.seed)
         self.tokenizer = load_tokenizer(cfg.model_dir)
-        self.servers: list[InferenceBackend] = [self.backend(u) for u in cfg.servers]
-        self.trainer = TrainerClient(cfg.trainer_url, cfg.secret())
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
+        self.changed = asyncio.Condition()
+        self.pool = ServerPool([self.backend(u) for u in cfg.servers], self.log, self.changed, r.run.hang_timeout_s,
+                               r.inference.startup_timeout_s, prefill=cfg.prefill_servers)
+        self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
+                                     on_hang=self.trainer_hung)
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
-        self.changed = asyncio.Condition()
         self.served = -1
         self.inflight_groups = 0
         self.error: Exception | None = None
-        self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
+        self.start_step = self.next_prompt = self.committed = self.position = 0  # set from the trainer in start()
         self.tasks: list[asyncio.Task] = []
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
@@ -70,26 +73,42 @@ class Orchestrator:
         options = {"eos_token_id": self.tokenizer.eos_token_id} if inf.backend == "vllm" else {}
         return make_backend(inf.backend, url, self.cfg.secret(), conns, **options)
 
+    def trainer_hung(self, cause: str) -> None:
+        self.log.emit("unresponsive", name="trainer", cause=cause[:300])
+
     # ---- main loop ----
     async def run(self) -> None:
-        await self.start()
+        self.tasks = [asyncio.create_task(self.beat())]
         try:
+            await self.start()
             for step in range(self.start_step, self.rl.max_steps):
                 t0 = time.perf_counter()
                 groups, dropped = await self.next_groups(step)
                 await self.ship(step, groups, dropped, time.perf_counter() - t0)
+            await self.pool.report_final()
         finally:
             await self.stop()
+
+    async def beat(self) -> None:
+        """Proof of life for the driver, which restarts an orchestrator that stays silent for
+        run.hang_timeout_s (the event loop is stuck, or the process stopped)."""
+        while True:
+            self.log.emit("beat")
+            await asyncio.sleep(min(5.0, self.cfg.recipe.run.hang_timeout_s / 4))
 
     async def start(self) -> None:
         self.log.emit("orchestrator", state="waiting for the trainer")
         self.start_step, self.next_prompt = await self.trainer.resume_point()
+        self.position = self.next_prompt  # data position shipped so far: never goes back
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
-        timeout = self.cfg.recipe.inference.startup_timeout_s
-        await asyncio.gather(*(s.wait_ready(timeout) for s in self.servers))
+        await self.pool.start(self.cfg.recipe.inference.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
-        await self.relay_weights(wait_for=self.start_step)
-        self.tasks = [asyncio.create_task(self.guard(t)) for t in (self.produce(), self.watch_weights(), self.poll_servers())]
+        # groups for step s may start under version s - max_async_level (a restarted orchestrator
+        # may continue ahead of the trainer, which replays the batches it already has)
+        await self.relay_weights(wait_for=max(0, self.start_step - self.rl.max_async_level))
+        background = (self.produce(), self.watch_weights(), self.log_rollouts(),
+                      *(self.pool.watch(s) for s in self.pool.servers))
+        self.tasks += [asyncio.create_task(self.guard(t)) for t in background]
 
     async def guard(self, coro) -> None:
         """A background task that fails stops the main loop (via next_groups) instead of dying silently."""
@@ -107,7 +126,7 @@ class Orchestrator:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(s.close() for s in self.servers), self.trainer.close())
+        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), self.trainer.close())
 
     # ---- batches ----
     async def next_groups(self, step: int) -> tuple[list[Group], int]:
@@ -131,10 +150,14 @@ class Orchestrator:
         tr = self.cfg.recipe.trainer
         batch = TrainBatch(
             step=step,
-            micro_batches=pack(samples, self.cfg.trainer_world, tr.micro_batch_tokens),
-            data_position=max(g.prompt_index for g in groups) + 1,
+            micro_batches=pack(samples, tr.parallel.data_parallel(self.cfg.trainer_world), tr.micro_batch_tokens),
+            # groups finish out of order: a batch may hold lower indices than the one before; the position
+            # (where a restart continues) must still never go back, or a prompt could be trained twice
+            data_position=max(self.position, max(g.prompt_index for g in groups) + 1),
+            prompt_indices=[g.prompt_index for g in groups],
         )
         await self.trainer.send_batch(batch)
+        self.position = batch.data_position
         self.log_step(step, samples, batch.data_position, dropped, wait_s)
 
     def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float) -> None:
@@ -189,8 +212,8 @@ class Orchestrator:
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
             return_routing=self.cfg.recipe.trainer.router_replay,
         )
-        server = self.servers[index % len(self.servers)]  # one server per group: its prefix cache hits
-        resp = await server.generate(req)
+        await self.pool.prefill(index, prompt_ids)  # P/D: the prompt's KV into the pool (best effort)
+        resp = await self.pool.call(index, lambda backend: backend.generate(req))
         outs = resp.completions
         texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         rewards = [self.task.reward(t, example) for t in texts]
@@ -206,27 +229,25 @@ class Orchestrator:
         """Load the newest sealed version on every server (first waiting until `wait_for` exists).
         The trainer endpoint long-polls, so a new version is relayed as soon as it is sealed."""
         while True:
-            v = await self.trainer.latest_version(after=self.served)
+            v = await self.trainer.latest_version(after=max(self.served, (wait_for or 0) - 1))
             if v > self.served and (wait_for is None or v >= wait_for):
                 break
             if wait_for is None:
                 return
         t0 = time.perf_counter()
-        paused = await asyncio.gather(*(s.load_weights(v) for s in self.servers))
+        paused = await self.pool.load_all(v)
         async with self.changed:
             self.served = v
             self.changed.notify_all()
-        self.log.emit("weights", version=v, relay_s=round(time.perf_counter() - t0, 4), pause_s=round(max(paused), 4))
+        self.log.emit("weights", version=v, relay_s=round(time.perf_counter() - t0, 4),
+                      pause_s=round(max(paused, default=0.0), 4), servers=len(paused))
 
     async def watch_weights(self) -> None:
         while True:
             await self.relay_weights()
 
-    async def poll_servers(self) -> None:
+    async def log_rollouts(self) -> None:
         while True:
-            for i, server in enumerate(self.servers):
-                m = await server.metrics()
-                self.log.emit("server", name=f"inference-{i}", **m.model_dump())
             self.log.emit("rollouts", inflight=self.inflight_groups * self.rl.group_size, buffered=len(self.buffer),
                           served_version=self.served)
             await asyncio.sleep(1.0)
@@ -236,6 +257,7 @@ def main(config_path: str) -> None:
     from prl.recipe.resolve import load_process_config
 
     cfg = load_process_config(config_path)
-    orch = Orchestrator(cfg)
-    asyncio.run(orch.run())
+    with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
+        orch = Orchestrator(cfg)
+        asyncio.run(orch.run())
     print(f"orchestrator: shipped steps {orch.start_step}..{cfg.recipe.rl.max_steps - 1}", flush=True)

@@ -22,19 +22,21 @@ class ProcessConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    role: Literal["inference", "orchestrator", "trainer"]
+    role: Literal["inference", "orchestrator", "trainer", "kv_master"]
     run_dir: str
     recipe: Recipe
     secret_file: str
     host: str = "127.0.0.1"
     port: int = 0
     servers: list[str] = []  # inference base URLs, for the orchestrator
+    prefill_servers: list[int] = []  # P/D: indices of the servers that only prefill into the KV pool
     index: int = 0
     trainer_url: str = ""  # the trainer endpoint on rank 0 (rollouts in, weights out)
     trainer_world: int = 1  # trainer ranks over all trainer hosts (the orchestrator packs for them)
     shares_trainer_fs: bool = True  # an inference server on the trainer's host reads weights in place
     node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
     gpus: list[int] = []  # GPU indices on its host (inference servers on GPU hosts)
+    kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
 
     @property
     def run_path(self) -> Path:
@@ -81,12 +83,27 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path) -> list[ProcessCon
     trainer_url = f"http://{trainer.host}:{trainer.port}"
     for c in servers:
         c.trainer_url = trainer_url
+    pool = kv_master_config(recipe, inf.host, common, servers)
     return [
+        *pool,
         *servers,
         ProcessConfig(name="orchestrator", role="orchestrator", servers=urls, trainer_url=trainer_url,
-                      trainer_world=recipe.trainer.nproc, **common),
+                      trainer_world=recipe.trainer.nproc, prefill_servers=list(range(inf.prefill_servers)), **common),
         trainer,
     ]
+
+
+def kv_master_config(recipe: Recipe, host: str, common: dict, servers: list[ProcessConfig]) -> list[ProcessConfig]:
+    """With `inference.kv_pool`, the `kv-master` process on `host`, and its address told to every
+    server (free ports unless the recipe fixes them)."""
+    if not recipe.inference.kv_pool.enabled:
+        return []
+    base = recipe.inference.kv_pool.port
+    rpc, metadata, metrics = (base, base + 1, base + 2) if base else (free_port(host), free_port(host), free_port(host))
+    addr = {"host": host, "rpc_port": rpc, "metadata_port": metadata, "metrics_port": metrics}
+    for s in servers:
+        s.kv_master = addr
+    return [ProcessConfig(name="kv-master", role="kv_master", host=host, port=rpc, kv_master=addr, **common)]
 
 
 def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:

@@ -15,10 +15,28 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class WandbCfg(Section):
+    """Log the run to Weights & Biases (the driver logs every process's metrics to one W&B run)."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None  # your default entity when unset
+    mode: Literal["online", "offline"] = "online"  # offline: files under RUN_DIR/wandb, `wandb sync` later
+    name: str | None = None  # the W&B run's display name; run.name when unset
+    group: str | None = None
+    tags: list[str] = []
+
+
 class RunCfg(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
     output_dir: str = "runs"
     seed: int = 0
+    # faults: a process that dies or hangs is restarted up to this many times (the trainer's ranks
+    # count as one); past it, or with 0, the run stops and names it
+    max_restarts: int = Field(3, ge=0)
+    # a server or trainer endpoint that answers nothing, or an orchestrator that logs nothing, for
+    # this long is hung: it is killed and restarted
+    hang_timeout_s: float = Field(60.0, ge=5)
+    wandb: WandbCfg | None = None  # off unless set, e.g. wandb = { project = "rl", mode = "offline" }
 
 
 class ModelCfg(Section):
@@ -128,6 +146,40 @@ class LossCfg(Section):
         return self
 
 
+class ParallelCfg(Section):
+    """How the trainer's ranks (trainer.nproc per trainer host) are arranged, as in torchtitan:
+    `dp_shard` x `cp` = world; expert parallelism borrows `ep` of those ranks for the experts
+    (experts are split over `ep` ranks, tokens travel to them by all-to-all)."""
+
+    dp_shard: int = Field(-1, ge=-1)  # -1: world / cp
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if self.dp_shard == 0:
+            raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
+        return self
+
+    def data_parallel(self, world: int) -> int:
+        """Ranks that each take their own micro-batches (the orchestrator packs for these)."""
+        return world // self.cp
+
+    def check(self, world: int, num_experts: int | None) -> None:
+        """Against the trainer's world size and the model (None: a pretrained folder, checked at load)."""
+        if self.dp_shard == -1 and world % self.cp:
+            raise ValueError(f"trainer.parallel.cp ({self.cp}) must divide the trainer's world size ({world} = "
+                             f"trainer.nproc x trainer hosts)")
+        dp = self.dp_shard if self.dp_shard != -1 else world // self.cp
+        if dp * self.cp != world:
+            raise ValueError(f"trainer.parallel: dp_shard ({dp}) x cp ({self.cp}) must equal the trainer's world "
+                             f"size ({world} = trainer.nproc x trainer hosts)")
+        if world % self.ep:
+            raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide the trainer's world size ({world})")
+        if num_experts is not None and num_experts % self.ep:
+            raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide the model's experts ({num_experts})")
+
+
 class TrainerCfg(Section):
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -139,10 +191,18 @@ class TrainerCfg(Section):
     micro_batch_tokens: int = Field(4096, gt=0)
     checkpoint_every: int = Field(10, ge=0)  # 0: only at the end
     keep_weights: int = Field(3, ge=2)
+    # "sharded": every rank writes its own shards (torch.distributed.checkpoint), no gather; "full":
+    # rank 0 gathers the whole state; "auto": sharded when the trainer runs on one host
+    checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads: int = Field(1, gt=0)
     router_replay: bool = False  # R3: replay the experts the inference engine chose
     fp8: bool = False  # block-scaled FP8 for eligible attention/MLP linears and experts
+    # compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    logprob_chunk_tokens: int = Field(1024, ge=0)  # logprobs per this many tokens (0: all at once)
+    parallel: ParallelCfg = ParallelCfg()
     loss: LossCfg = LossCfg()
 
 
@@ -154,7 +214,22 @@ VLLM_OWN_ARGS = {
     "logprobs_mode": "(always processed_logprobs)", "generation_config": "(always vllm)",
     "weight_transfer_config": "(always prl)", "middleware": "(prl's bearer check)", "api_key": "the run's secret",
     "load_format": "model.path", "enable_return_routed_experts": "trainer.router_replay",
+    "kv_transfer_config": "inference.kv_pool",
 }
+
+
+class KvPoolCfg(Section):
+    """A prompt-KV pool over the run's inference servers (Mooncake): a `kv-master` process plus
+    `memory_gb` of every server's memory; a server loads pooled prompt chunks instead of computing."""
+
+    enabled: bool = False
+    host: str | None = None  # cluster: the host (by name) running mooncake_master; default: the first inference host
+    port: int = Field(0, ge=0, le=65533)  # master rpc port; +1 metadata, +2 metrics (0: free ports, 50051 on a cluster)
+    memory_gb: float = Field(1.0, gt=0)  # what each server contributes to the pool
+    chunk_tokens: int = Field(256, gt=0)  # prompt KV is pooled per chunk of this many tokens
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    disk_path: str | None = None  # an SSD tier on every server's host
+    disk_gb: float = Field(0, ge=0)
 
 
 class InferenceCfg(Section):
@@ -169,6 +244,8 @@ class InferenceCfg(Section):
     prefix_cache_entries: int = Field(256, ge=0)
     startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
     vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
+    kv_pool: KvPoolCfg = KvPoolCfg()
+    prefill_servers: int = Field(0, ge=0)  # P/D on one machine: the first N servers only prefill into the KV pool
 
     @model_validator(mode="after")
     def _vllm_args(self):
@@ -179,9 +256,12 @@ class InferenceCfg(Section):
                              f"{VLLM_OWN_ARGS[k.replace('-', '_')]}); remove it")
         if self.vllm and self.backend != "vllm":
             raise ValueError("inference.vllm: only used with inference.backend = 'vllm'")
-        if self.backend == "vllm" and self.fp8:
-            raise ValueError("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM "
-                             "is not built yet; use the embedded engine or inference.fp8 = false")
+        if self.prefill_servers and not self.kv_pool.enabled:
+            raise ValueError("inference.prefill_servers: prefill servers hand prompts to decode servers through the "
+                             "KV pool; set inference.kv_pool.enabled = true")
+        if self.prefill_servers and self.prefill_servers >= self.num_servers:
+            raise ValueError(f"inference.prefill_servers ({self.prefill_servers}) must leave at least one of "
+                             f"inference.num_servers ({self.num_servers}) to decode")
         return self
 
 
@@ -219,6 +299,9 @@ class ClusterCfg(Section):
     weight_transfer: Literal["http", "nccl"] = "http"  # nccl: broadcast from rank 0 (GPU backend issue)
     heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
     env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)
+    # a folder every trainer host mounts at this path (NFS, Lustre): checkpoints of a trainer spanning
+    # several hosts go to SHARED/RUN_NAME, written sharded by every rank (run_dir/checkpoints links there)
+    shared_checkpoints: str | None = None
 
     def workdir_of(self, h: HostCfg) -> str:
         return h.workdir or self.workdir
@@ -233,7 +316,25 @@ class PlacementCfg(Section):
     trainer: list[str] = Field(min_length=1)
     inference: list[str] = Field(min_length=1)
     gpus_per_server: int = Field(1, gt=0)  # on GPU hosts: servers per host = gpus // gpus_per_server
+    prefill: list[str] = []  # P/D: inference hosts whose servers only prefill into the KV pool (the rest decode)
     orchestrator: str | None = None  # a host name or "workstation"; default: the first trainer host
+
+
+class PlanCfg(Section):
+    """The assumptions of `prl plan` (defaults: H200 GPUs, 400 Gb/s per GPU between hosts)."""
+
+    gpu_memory_gb: float = Field(141.0, gt=0)
+    memory_headroom: float = Field(0.9, gt=0, le=1)  # usable fraction (allocator, CUDA context, NCCL buffers)
+    gpu_tflops: float = Field(989.0, gt=0)  # dense bf16 peak per GPU
+    mfu: float = Field(0.35, gt=0, le=1)  # fraction of peak the trainer and prefill reach
+    hbm_tb_s: float = Field(4.8, gt=0)
+    decode_efficiency: float = Field(0.5, gt=0, le=1)  # fraction of HBM bandwidth decode reaches
+    nvlink_gb_s: float = Field(450.0, gt=0)  # per GPU, one direction, inside a host
+    network_gb_s: float = Field(50.0, gt=0)  # per GPU, between hosts
+    prompt_tokens: int = Field(0, ge=0)  # mean prompt length (0: the task's longest prompt)
+    completion_fraction: float = Field(0.5, gt=0, le=1)  # mean completion length / sampling.max_tokens
+    indexer_block: int = Field(4096, gt=0)  # DSA indexer scores computed per this many queries
+    overlap_comm: bool = False  # count communication as hidden behind compute
 
 
 class Recipe(Section):
@@ -247,6 +348,7 @@ class Recipe(Section):
     sampling: SamplingCfg = SamplingCfg()
     trainer: TrainerCfg = TrainerCfg()
     inference: InferenceCfg = InferenceCfg()
+    plan: PlanCfg = PlanCfg()
 
     @model_validator(mode="after")
     def _replay_needs_moe(self):
@@ -266,7 +368,17 @@ class Recipe(Section):
             return self
         check_placement(self.cluster, self.placement_or_default(), self.trainer.nproc)
         inf = self.inference
-        ignored = sorted(k for k in ("num_servers", "host", "port") if getattr(inf, k) != type(inf).model_fields[k].default)
+        p = self.placement_or_default()
+        if p.prefill and (not set(p.prefill) <= set(p.inference) or set(p.prefill) == set(p.inference)):
+            raise ValueError(f"placement.prefill = {p.prefill}: must be some, not all, of placement.inference "
+                             f"({', '.join(p.inference)})")
+        if p.prefill and not inf.kv_pool.enabled:
+            raise ValueError("placement.prefill: prefill servers hand prompts to decode servers through the KV pool; "
+                             "set inference.kv_pool.enabled = true")
+        if inf.kv_pool.host is not None and inf.kv_pool.host not in self.cluster.hosts_by_id():
+            raise ValueError(f"inference.kv_pool.host = {inf.kv_pool.host!r}: not a host name from cluster.hosts "
+                             f"({', '.join(self.cluster.hosts_by_id())})")
+        ignored = sorted(k for k in ("num_servers", "host", "port", "prefill_servers") if getattr(inf, k) != type(inf).model_fields[k].default)
         if ignored:
             raise ValueError(f"inference.{', inference.'.join(ignored)}: not used with [cluster]; servers come from "
                              f"[placement] (gpus_per_server), bind their host's address, and use "
@@ -278,6 +390,58 @@ class Recipe(Section):
             return self.placement
         ids = [h.id for h in self.cluster.hosts]
         return PlacementCfg(trainer=ids[:1], inference=ids[1:] or ids[:1])
+
+    def trainer_world(self) -> int:
+        hosts = 1 if self.cluster is None else len(self.placement_or_default().trainer)
+        return self.trainer.nproc * hosts
+
+    @model_validator(mode="after")
+    def _parallel(self):
+        par = self.trainer.parallel
+        moe = self.model.path is None and self.model.first_dense_layers < self.model.num_layers
+        par.check(self.trainer_world(), self.model.num_experts if self.model.path is None else None)
+        if par.cp > 1 and self.model.arch != "glm_moe_dsa":
+            raise ValueError(f"trainer.parallel.cp > 1: context parallelism is built for GLM-5's DSA attention "
+                             f"(model.arch = 'glm_moe_dsa'), not {self.model.arch!r}")
+        if par.ep > 1 and self.model.path is None and not moe:
+            raise ValueError("trainer.parallel.ep > 1 needs an MoE model, but every layer is dense")
+        return self
+
+    def not_built(self) -> list[str]:
+        """Valid settings whose implementation does not exist yet: `prl plan` and `--dry-run` take
+        them (the flagship plan needs them), `prl run` refuses them before starting anything."""
+        out = []
+        if self.cluster is not None and self.cluster.weight_transfer == "nccl":
+            out.append("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built yet); use 'http'")
+        if self.inference.backend == "vllm" and self.inference.fp8:
+            out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
+                       "not built yet; use the embedded engine or inference.fp8 = false")
+        pool = self.inference.kv_pool
+        if pool.enabled and self.inference.backend == "vllm" and self.trainer.router_replay:
+            out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
+                       "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
+        prefill = self.inference.prefill_servers or (self.placement.prefill if self.placement else [])
+        if prefill and self.inference.backend == "vllm":
+            out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
+                       "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
+                       "embedded engine")
+        if pool.enabled and pool.protocol == "rdma":
+            out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")
+        if pool.enabled and pool.disk_path:
+            out.append("inference.kv_pool.disk_path: the SSD tier of the pool is not built yet")
+        if self.trainer.checkpoint_format == "sharded" and self.trainer_hosts() > 1 and not self.shared_checkpoints():
+            out.append("trainer.checkpoint_format = 'sharded' with the trainer on several hosts needs "
+                       "cluster.shared_checkpoints (a folder every trainer host mounts): every rank may read every "
+                       "host's shards when it resumes; set it, or use 'auto'")
+        return out
+
+    def shared_checkpoints(self) -> str | None:
+        return self.cluster.shared_checkpoints if self.cluster is not None else None
+
+    def trainer_hosts(self) -> int:
+        if self.cluster is None:
+            return 1
+        return len(self.placement.trainer) if self.placement is not None else 1
 
     @model_validator(mode="after")
     def _vllm_sampling(self):

@@ -1,16 +1,28 @@
-"""Resumable checkpoints (model, optimizer, step, data position) and policy publishing.
+"""Resumable checkpoints (model, optimizer, step, data position); publishing is `prl.trainer.publish`.
 
-Both gather full state dicts from the FSDP2 shards (a collective: every rank calls) and rank 0
-writes a sealed folder (`prl.model.weights`): a checkpoint is whole or absent, and a damaged one
-is refused with the name of the damaged file.
+Checkpoints come in two formats, both sealed folders (`prl.model.weights`: manifest with every
+file's hash written last, then renamed in), so a checkpoint is whole or absent and a damaged one is
+refused with the name of the damaged file:
+- "dcp" (sharded): every rank writes its own shards of the model and optimizer state with
+  `torch.distributed.checkpoint`; nothing is gathered. Loading reshards, so a run resumes on a
+  different number of ranks or parallel layout. Every rank reads the folder: the trainer's ranks
+  share one host or a checkpoint folder (`trainer.checkpoint_format = "auto"` picks it there).
+- "full": rank 0 gathers the whole state (a collective) and writes one safetensors file and the
+  optimizer; on resume rank 0 alone reads it and broadcasts (trainer hosts share no storage).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,12 +36,9 @@ from prl.model.weights import (
     CorruptWeightsError,
     commit_dir,
     latest_checkpoint,
-    prune_versions,
-    read_weights,
     save_tensors,
     tmp_dir_for,
-    version_dir,
-    write_weights,
+    verify_dir,
 )
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -40,30 +49,19 @@ def full_model_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=FULL)
 
 
-def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None,
-            hf_format: bool = False) -> Path | None:
-    """Seal weights vN for the inference servers; older versions beyond `keep` are pruned.
-    With `fp8_names` those tensors are published block-FP8 (engine and trainer both run FP8).
-    With `hf_format` in Hugging Face checkpoint names and layouts (what vLLM's `load_weights` reads);
-    else in the model's in-memory names (what the embedded engine copies in)."""
-    state = full_model_state(model)
-    if dist.get_rank() != 0:
-        return None
-    meta = {"version": version, "format": "hf" if hf_format else "memory"}
-    if hf_format:
-        from prl.model.hf_format import to_checkpoint_format
-
-        state = to_checkpoint_format(model, state)
-    if fp8_names:
-        from prl.model.fp8_checkpoint import quantize_state_dict
-
-        state = quantize_state_dict(state, fp8_names)
-    path = write_weights(version_dir(root, version), state, meta)
-    prune_versions(root, keep)
-    return path
+def sharded_format(choice: str, shared: bool = False) -> bool:
+    """Whether checkpoints are written sharded: "auto" when every rank can read every rank's files,
+    i.e. all ranks are on this host (torchrun's local world is the whole world) or the checkpoint
+    folder is shared between the trainer hosts (`cluster.shared_checkpoints`)."""
+    if choice != "auto":
+        return choice == "sharded"
+    return shared or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
 
 
-def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int) -> Path | None:
+def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int, sharded: bool = False) -> Path | None:
+    meta = {"step": step, "data_position": data_position}
+    if sharded:
+        return save_sharded(model, optimizer, root / f"step_{step}", meta)
     model_state = full_model_state(model)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     if dist.get_rank() != 0:
@@ -72,38 +70,82 @@ def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int)
     tmp = tmp_dir_for(final)
     save_tensors(tmp / WEIGHTS_FILE, model_state)
     torch.save(optim_state, tmp / OPTIM_FILE)
-    return commit_dir(tmp, final, {"step": step, "data_position": data_position})
+    return commit_dir(tmp, final, {**meta, "format": "full"})
+
+
+def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
+    """Every rank writes its shards into one temporary folder (rank 0 names it); rank 0 seals it
+    once DCP's closing collective says every rank's files and the metadata are written."""
+    tmp = [str(tmp_dir_for(final)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tmp, src=0)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp[0], single_file_per_rank=True, sync_files=True))
+    if dist.get_rank() != 0:
+        return None
+    return commit_dir(Path(tmp[0]), final, {**meta, "format": "dcp", "ranks": dist.get_world_size()})
 
 
 def load_checkpoint(model, optimizer, root: Path) -> dict | None:
     """Restore the newest checkpoint into (model, optimizer); returns its meta or None.
 
-    Only rank 0 reads the disk (trainer hosts share no storage): it picks the checkpoint, sends
-    its meta to the other ranks, and the state is broadcast from rank 0 into every rank's shards."""
-    loaded = _read_checkpoint(root) if dist.get_rank() == 0 else None
-    info = [loaded[2] if loaded else None]
+    Rank 0 picks the checkpoint and checks every file's hash, then tells the other ranks. A sharded
+    one every rank loads its own shards from; a full one rank 0 alone reads and broadcasts."""
+    info = [_pick_checkpoint(root) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(info, src=0)
     if info[0] is None:
         return None
-    model_state, optim_state = loaded[:2] if loaded else ({}, {})
+    if info[0]["format"] == "dcp":
+        _load_sharded(model, optimizer, Path(info[0]["path"]))
+        return info[0]
+    model_state, optim_state = _read_full(Path(info[0]["path"])) if dist.get_rank() == 0 else ({}, {})
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, model_state, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
     return info[0]
 
 
-def _read_checkpoint(root: Path) -> tuple[dict, dict, dict] | None:
-    """(model state, optimizer state, meta) of the newest checkpoint under `root`, or None."""
+def _pick_checkpoint(root: Path) -> dict | None:
+    """The newest sealed checkpoint under `root`, verified: step, data position, path, format."""
     found = latest_checkpoint(root)
     if not found:
         return None
     path, _ = found
+    manifest = verify_dir(path)
+    return {"step": manifest["step"], "data_position": manifest["data_position"], "path": str(path),
+            "format": manifest.get("format", "full")}
+
+
+def _load_sharded(model, optimizer, path: Path) -> None:
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        model_state, manifest = read_weights(path)
-        optim_state = torch.load(path / OPTIM_FILE, weights_only=False)
+        dcp.load(state, storage_reader=FileSystemReader(str(path)))
+    except Exception as e:  # noqa: BLE001 - hashes matched, yet not a checkpoint of this model
+        raise CorruptWeightsError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {str(e)[:500]})") from None
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def _read_full(path: Path) -> tuple[dict, dict]:
+    """(model state, optimizer state) of a verified full checkpoint."""
+    try:
+        return load_file(str(path / WEIGHTS_FILE)), torch.load(path / OPTIM_FILE, weights_only=False)
     except CorruptWeightsError:
         raise
     except Exception as e:  # noqa: BLE001 - unreadable despite a matching manifest
         raise CorruptWeightsError(f"{path}: unreadable checkpoint ({e})") from None
-    return model_state, optim_state, {"step": manifest["step"], "data_position": manifest["data_position"],
-                                      "path": str(path)}
+
+
+def read_model_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole model state of a sealed checkpoint of either format (one process, no ranks: for
+    `prl ckpt export` and tests), and its manifest."""
+    manifest = verify_dir(path)
+    if manifest.get("format") != "dcp":
+        return load_file(str(path / WEIGHTS_FILE)), manifest
+    reader = FileSystemReader(str(path))
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for key, m in entries.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state, manifest

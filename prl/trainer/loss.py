@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from prl.recipe.schema import LossCfg
-from prl.transport.batch import MicroBatch
+from prl.transport.batch import MicroBatch, sample_ids
 
 
 def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -57,7 +57,7 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
 
 def sequence_ratio(d_L: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """exp(mean of d over each packed sample's loss tokens), broadcast back to its tokens."""
-    seg = torch.cumsum((mb.position_ids == 0).long(), 0) - 1
+    seg = sample_ids(mb.position_ids)
     n = int(seg.max()) + 1
     m = mb.loss_mask.float()
     sums = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, d_L * m)

@@ -1,20 +1,57 @@
 """Apply parallelism to a plain Hugging Face model; the model file stays untouched.
 
-Order as in torchtitan: (activation checkpointing, compile: not yet) then FSDP2. Each decoder
-layer is its own FSDP unit, then the root (embeddings, final norm, lm_head). FSDP2 is applied even
-with one rank so the code path is the same on 1 and N ranks.
+The trainer's ranks form named dimensions (`[trainer.parallel]`, as torchtitan's `ParallelDims`):
+`dp_shard` x `cp` = world, and `ep` borrowed from them for the experts. Features are applied in
+torchtitan's order, each by its own function: expert parallelism (experts split over `ep`), context
+parallelism (GLM-5's DSA attention over `cp`), the chunked-logprob head, activation checkpointing, then FSDP2 (each decoder layer its own unit, then
+the root) with mixed precision (`trainer.dtype` compute, fp32 weights, reductions and optimizer
+state). FSDP2 is applied even with one rank so the code path is the same on 1 and N ranks.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from prl.recipe.schema import TrainerCfg
+from prl.trainer import context_parallel, head
+from prl.trainer.expert_parallel import reduce_expert_grads, shard_experts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def make_mesh(device: torch.device) -> DeviceMesh:
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+@dataclass
+class Meshes:
+    """`dp_shard`: every rank (FSDP); `cp`: (dp, cp), a row split over `cp` consecutive ranks;
+    `ep`: (ep_replica, ep), experts split on `ep`."""
+
+    world: int
+    dp_shard: DeviceMesh
+    ep: DeviceMesh | None
+    cp: DeviceMesh | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank: which micro-batches this rank (with its CP peers) takes."""
+        return self.cp.get_local_rank("dp") if self.cp is not None else self.dp_shard.get_local_rank()
+
+
+def make_meshes(device: torch.device, tcfg: TrainerCfg) -> Meshes:
+    world = dist.get_world_size()
+    tcfg.parallel.check(world, None)
+    ranks = torch.arange(world)
+    dp_shard = DeviceMesh(device.type, ranks, mesh_dim_names=("dp_shard",))
+    ep = tcfg.parallel.ep
+    ep_mesh = DeviceMesh(device.type, ranks.view(world // ep, ep), mesh_dim_names=("ep_replica", "ep")) if ep > 1 else None
+    cp = tcfg.parallel.cp
+    cp_mesh = DeviceMesh(device.type, ranks.view(world // cp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
+    return Meshes(world, dp_shard, ep_mesh, cp_mesh)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -25,8 +62,74 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh) -> torch.nn.Module:
+class Parallel:
+    """The model as the trainer holds it, and what its parallel layout needs after backward."""
+
+    def __init__(self, model, meshes: Meshes, tcfg: TrainerCfg):
+        self.meshes = meshes
+        self.expert_params = shard_experts(model, meshes.ep) if meshes.ep is not None else []
+        self.seq = None  # the context-parallel row state, with cp > 1
+        if meshes.cp is not None:
+            cp_dim = meshes.cp["cp"]
+            self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank())
+        head.install(model)
+        if tcfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        self.model = apply_fsdp(model, meshes.dp_shard, DTYPES[tcfg.dtype], set(self.expert_params))
+
+    def finish_grads(self) -> None:
+        """After backward, before the norm: expert gradients averaged as FSDP averaged the rest."""
+        if self.expert_params:
+            reduce_expert_grads(self.expert_params, self.meshes.ep["ep_replica"], self.meshes.world)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(list(self.model.parameters()), max_norm)
+
+
+def apply_activation_checkpointing(model) -> None:
+    """Each decoder layer recomputes its activations in backward (transformers' layers support it)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(model, mesh: DeviceMesh, dtype: torch.dtype, ignored: set) -> torch.nn.Module:
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(layer.parameters()) or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     return model
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm over parameters sharded on different meshes (FSDP's over every
+    rank, the experts' over `ep`), then every gradient scaled by min(1, max_norm / norm). Each
+    shard's squared norm is summed over the ranks that hold distinct parts of that parameter."""
+    by_group: dict[object, torch.Tensor] = {}
+    for p in params:  # grouped by the parameter's layout, so every rank reduces the same groups
+        group = shard_group(p)
+        g = p.grad
+        local = torch.zeros(()) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
+        by_group[group] = by_group.get(group, 0) + local.detach().float().pow(2).sum()
+    total = 0.0
+    for group, sq in by_group.items():
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        total += float(sq)
+    norm = math.sqrt(total)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def shard_group(g: torch.Tensor):
+    """The process group over which a tensor's shards are distinct (None: whole on every rank)."""
+    if not isinstance(g, DTensor):
+        return None
+    dims = [i for i, pl in enumerate(g.placements) if pl.is_shard()]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        raise NotImplementedError("a gradient sharded over several mesh dimensions")
+    return g.device_mesh.get_group(dims[0])

@@ -4,12 +4,13 @@ Rules:
 - every RL step trains exactly the batch the orchestrator shipped for it, and publishes weights
   version step+1 (sealed, atomic) right after the optimizer step;
 - the loss is normalised by the loss tokens of the whole step across all ranks;
-- a checkpoint (model, optimizer, step, data position) is whole or absent.
+- a checkpoint (model, optimizer, step, data position) is whole or absent;
+- batches stay in the inbox until a checkpoint covers them, so a trainer restarted after a fault
+  replays the steps after its checkpoint from the same batches (`prl.trainer.ledger`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -17,16 +18,21 @@ import time
 import torch
 import torch.distributed as dist
 
-from prl.metrics import EventLog
+from prl.metrics import EventLog, reporting_errors
 from prl.model.fp8 import apply_fp8
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.model.routing import Replay, routers
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
-from prl.trainer.checkpoint import load_checkpoint, publish, save_checkpoint
-from prl.trainer.loss import rl_loss, sft_loss, token_logprobs
-from prl.trainer.parallelize import make_mesh, parallelize
+from prl.model.weights import published_versions
+from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
+from prl.trainer.publish import publish
+from prl.trainer.ledger import read_ledger, record
+from prl.trainer.sharded_load import load_sharded, meta_model
+from prl.model.pretrained import has_weights
+from prl.trainer.step import forward_backward
+from prl.trainer.parallelize import Parallel, make_meshes
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
 
@@ -52,6 +58,12 @@ def sft_sample(tokenizer, example: dict) -> Sample:
     return Sample(prompt, answer, [0.0] * len(answer), [0] * len(answer), advantage=1.0)
 
 
+def vocab_size(model_dir) -> int | None:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+
+
 class Trainer:
     def __init__(self, cfg: ProcessConfig):
         self.cfg, r = cfg, cfg.recipe
@@ -72,13 +84,18 @@ class Trainer:
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.rank == 0:
-            self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port).start()
+            self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
+                                            world=self.tcfg.parallel.data_parallel(self.world),
+                                            vocab_size=vocab_size(self.cfg.model_dir)).start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import build_model, load_tokenizer
 
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
-        model = build_model(self.cfg.model_dir, seed=self.cfg.recipe.run.seed).to(self.device)
+        # a pretrained folder is read shard by shard into a meta-built model (no rank holds it whole);
+        # FP8 quantises full weights at install, so it keeps the whole-model path for now
+        sharded = has_weights(self.cfg.model_dir) and not self.tcfg.fp8
+        model = meta_model(self.cfg.model_dir) if sharded else build_model(self.cfg.model_dir, seed=self.cfg.recipe.run.seed).to(self.device)
         self.replay = Replay(model, replay=self.tcfg.router_replay) if routers(model) else None
         self.fp8_names = None
         if self.tcfg.fp8:
@@ -86,7 +103,12 @@ class Trainer:
             self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(report["fp8"]), kept=report["kept"])
             if self.cfg.recipe.inference.fp8:  # the engine takes FP8 weights as published: half the bytes
                 self.fp8_names = tensor_names(report["fp8"])
-        self.model = parallelize(model, mesh=make_mesh(self.device))
+        self.par = Parallel(model, make_meshes(self.device, self.tcfg), self.tcfg)
+        self.model = self.par.model
+        if sharded:
+            self.model.to_empty(device=self.device)
+            read = load_sharded(self.model, self.cfg.model_dir)
+            print(f"trainer: rank {self.rank} read {read / 2**20:.1f} MiB of its shards of {self.cfg.model_dir}", flush=True)
         self.model.train()
 
     def make_optimizer(self, lr: float, total_steps: int):
@@ -114,9 +136,11 @@ class Trainer:
             start, self.data_position = meta["step"], meta["data_position"]
             self.resume_schedule(start)
             self.log_main("resumed", step=start, path=meta["path"])
+        self.ledger = read_ledger(self.run_dir) if self.rank == 0 else {}
         if self.endpoint:
-            self.endpoint.resume = {"step": start, "data_position": self.data_position}
-        self.publish(start)
+            self.endpoint.set_base(start, self.data_position)
+        if not self.is_published(start):
+            self.publish(start)
         for step in range(start, self.rl.max_steps):
             self.rl_step(step)
             if step + 1 == self.rl.max_steps or (self.tcfg.checkpoint_every and (step + 1) % self.tcfg.checkpoint_every == 0):
@@ -136,24 +160,29 @@ class Trainer:
         for step in range(steps):
             t0 = time.perf_counter()
             samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
-            mbs = pack(samples, self.world, self.tcfg.micro_batch_tokens)[self.rank]
+            dp = self.tcfg.parallel.data_parallel(self.world)
+            mbs = pack(samples, dp, self.tcfg.micro_batch_tokens)[self.par.meshes.dp_rank]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
             self.log_main("trainer_step", stage="sft", step=step, total=steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
 
     def rl_step(self, step: int) -> None:
+        """Train `step`; after a restart, a step the ledger holds is replayed (same batch): its
+        weights version was published before the fault, so it is neither republished nor recorded."""
         t0 = time.perf_counter()
-        mbs, data_position = self.receive(step)
+        mbs, data_position, prompts, replayed = self.receive(step)
         t1 = time.perf_counter()
         stats = self.forward_backward(mbs, kind="rl")
         stats["grad_norm"] = self.optimizer_step(self.optimizer, self.scheduler)
         t2 = time.perf_counter()
-        self.publish(step + 1)
+        if not replayed and not self.is_published(step + 1):
+            self.publish(step + 1)
         t3 = time.perf_counter()
         self.data_position = data_position
-        if self.endpoint:
-            self.endpoint.inbox.discard_before(step)
+        if self.rank == 0 and not replayed:
+            record(self.run_dir, step, prompts)
+            self.ledger[step] = prompts
         n = max(stats["loss_tokens"], 1)
         self.log_main(
             "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / n,
@@ -162,65 +191,64 @@ class Trainer:
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
-            tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1,
+            tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
         )
 
-    def receive(self, step: int) -> tuple[list[MicroBatch], int]:
-        """Rank 0 takes the step's batch from its inbox and scatters each rank its micro-batches
-        (ranks on other hosts need no shared storage)."""
+    def receive(self, step: int) -> tuple[list[MicroBatch], int, list[int], bool]:
+        """Rank 0 takes the step's batch from its inbox and scatters each rank the micro-batches of
+        its data-parallel rank (CP peers get the same ones and each computes its slice; ranks on
+        other hosts need no shared storage), with whether the step is a replay."""
         parts = None
         if self.endpoint:
             batch = self.endpoint.inbox.receive(step)
-            parts = [(mbs, batch.data_position) for mbs in batch.micro_batches]
-            if len(parts) != self.world:
-                raise RuntimeError(f"batch {step} is packed for {len(parts)} ranks, the trainer has {self.world}")
+            replayed = step in self.ledger
+            dp = self.tcfg.parallel.data_parallel(self.world)
+            if len(batch.micro_batches) != dp:
+                raise RuntimeError(f"batch {step} is packed for {len(batch.micro_batches)} ranks, the trainer has "
+                                   f"{dp} data-parallel ranks")
+            cp = self.tcfg.parallel.cp
+            parts = [(batch.micro_batches[r // cp], batch.data_position, batch.prompt_indices, replayed)
+                     for r in range(self.world)]
         out = [None]
         dist.scatter_object_list(out, parts, src=0)
         return out[0]
 
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
-        """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks."""
-        local_tokens = torch.tensor(float(sum(mb.loss_tokens for mb in mbs)), device=self.device)
-        dist.all_reduce(local_tokens)
-        scale = self.world / max(float(local_tokens), 1.0)  # FSDP averages gradients over ranks
-        totals: dict[str, torch.Tensor] = {}
-        for mb in mbs:
-            mb = MicroBatch(**{k: None if v is None else v.to(self.device) for k, v in vars(mb).items()})
-            with self.replay.use(mb.routing) if self.replay else contextlib.nullcontext():
-                out = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
-            logp = token_logprobs(out.logits[0], mb.target_ids, self.temperature if kind == "rl" else 1.0)
-            loss_sum, stats = rl_loss(logp, mb, self.tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
-            (loss_sum * scale).backward()
-            stats["loss_sum"] = loss_sum.detach()
-            stats["tokens"] = torch.tensor(float(mb.input_ids.numel()))
-            if self.replay:
-                stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, self.replay.agreement())
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0) + v.detach().float().to(self.device)
-        keys = sorted(totals)
-        packed = torch.stack([totals[k] for k in keys])
-        dist.all_reduce(packed)
-        return dict(zip(keys, packed.tolist()))
+        temperature = self.temperature if kind == "rl" else 1.0
+        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq)
 
     def optimizer_step(self, opt, sched) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.max_grad_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        self.par.finish_grads()
+        norm = self.par.clip_grad_norm(self.tcfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         return float(norm)
 
     # ---- outputs ----
+    def is_published(self, version: int) -> bool:
+        """Whether rank 0 holds sealed weights `version` or newer (published before a restart: an
+        older version pruned since is not brought back); every rank gets rank 0's answer, since
+        publishing is a collective."""
+        versions = published_versions(self.run_dir / "weights") if self.rank == 0 else []
+        found = [bool(versions) and versions[-1] >= version] if self.rank == 0 else [None]
+        dist.broadcast_object_list(found, src=0)
+        return bool(found[0])
+
     def publish(self, version: int) -> None:
         publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names,
                 hf_format=self.cfg.recipe.inference.backend == "vllm")
 
     def checkpoint(self, step: int) -> None:
-        path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position)
+        path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,
+                               sharded=sharded_format(self.tcfg.checkpoint_format,
+                                                      shared=bool(self.cfg.recipe.shared_checkpoints())))
         if path:
             self.log_main("checkpoint", step=step, path=str(path))
+        if self.endpoint:  # batches before a checkpoint are never replayed: drop them (base first: /resume
+            self.endpoint.set_base(step, self.data_position)  # never walks from a base whose files are gone)
+            self.endpoint.inbox.discard_before(step)
 
     def log_main(self, kind: str, **fields) -> None:
         if self.rank == 0:
@@ -232,7 +260,10 @@ def main(config_path: str) -> None:
 
     from prl.recipe.resolve import load_process_config
 
-    Trainer(load_process_config(config_path)).run()
+    cfg = load_process_config(config_path)
+    name = f"{cfg.name} rank {os.environ.get('RANK', '0')}"
+    with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", "trainer"), name):
+        Trainer(cfg).run()
     # Everything is sealed and the process group destroyed: leave without the interpreter's teardown,
     # where a C++ thread of torch.distributed can abort a finished rank ("terminate called without an
     # active exception", SIGABRT; seen in 2 of 3 full suite runs after the last checkpoint was written).

@@ -53,6 +53,7 @@ class TrainBatch:
     step: int
     micro_batches: list[list[MicroBatch]]  # [rank][i]
     data_position: int = 0  # prompts consumed up to this batch (for resume)
+    prompt_indices: list[int] = field(default_factory=list)  # the data indices of the batch's groups
     stats: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -61,7 +62,51 @@ class TrainBatch:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainBatch":
         mbs = [[MicroBatch(**m) for m in rank] for rank in d["micro_batches"]]
-        return cls(step=d["step"], micro_batches=mbs, data_position=d["data_position"], stats=d["stats"])
+        return cls(step=d["step"], micro_batches=mbs, data_position=d["data_position"], stats=d["stats"],
+                   prompt_indices=d.get("prompt_indices", []))
+
+
+class BadBatch(ValueError):
+    """A batch the trainer cannot train; the message names what is wrong."""
+
+
+def load_batch(data: bytes, step: int, world: int | None = None, vocab_size: int | None = None) -> TrainBatch:
+    """Deserialize and check a batch as it arrives (the trainer endpoint refuses it with 400), so a
+    malformed one never reaches the training loop, where it would kill every restart of the trainer."""
+    import io
+
+    try:
+        batch = TrainBatch.from_dict(torch.load(io.BytesIO(data), weights_only=True))
+    except Exception as e:  # noqa: BLE001 - anything unreadable is the sender's error
+        raise BadBatch(f"not a prl batch ({type(e).__name__}: {str(e)[:200]})") from None
+    if batch.step != step:
+        raise BadBatch(f"batch for step {batch.step} sent as step {step}")
+    if world is not None and len(batch.micro_batches) != world:
+        raise BadBatch(f"packed for {len(batch.micro_batches)} ranks, the trainer has {world}")
+    for r, rank in enumerate(batch.micro_batches):
+        for i, mb in enumerate(rank):
+            check_micro_batch(mb, f"rank {r} micro-batch {i}", vocab_size)
+    return batch
+
+
+def check_micro_batch(mb: MicroBatch, where: str, vocab_size: int | None) -> None:
+    fields = {k: v for k, v in vars(mb).items() if k != "routing"}
+    for name, t in fields.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise BadBatch(f"{where}: {name} is not a 1-D tensor")
+        if len(t) != len(mb.input_ids):
+            raise BadBatch(f"{where}: {name} has {len(t)} entries, input_ids {len(mb.input_ids)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise BadBatch(f"{where}: {name} holds non-finite values")
+    for name in ("input_ids", "target_ids", "position_ids"):
+        t = fields[name]
+        if t.is_floating_point() or (len(t) and int(t.min()) < 0):
+            raise BadBatch(f"{where}: {name} must hold non-negative integers")
+        if vocab_size and name != "position_ids" and len(t) and int(t.max()) >= vocab_size:
+            raise BadBatch(f"{where}: {name} holds id {int(t.max())}, outside the vocabulary ({vocab_size})")
+    if mb.routing is not None and (not isinstance(mb.routing, torch.Tensor) or mb.routing.dim() != 3
+                                   or len(mb.routing) != len(mb.input_ids)):
+        raise BadBatch(f"{where}: routing must be [tokens, MoE layers, k] with one row per input token")
 
 
 def sample_arrays(s: Sample) -> dict[str, list]:
@@ -100,9 +145,29 @@ def make_micro_batch(samples: list[Sample]) -> MicroBatch:
     return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES[k]) for k, v in cols.items()}, routing=routing)
 
 
+def pad_row(mb: MicroBatch, multiple: int) -> MicroBatch:
+    """The row grown to a multiple of `multiple` tokens with one-token samples that carry no loss,
+    each what an empty slot holds (zeros; routing: experts 0..k-1, k distinct ids)."""
+    pad = -mb.input_ids.numel() % multiple
+    if not pad:
+        return mb
+    fields = {k: torch.cat([getattr(mb, k), torch.zeros(pad, dtype=dt)]) for k, dt in DTYPES.items()}
+    routing = mb.routing
+    if routing is not None:
+        ids = torch.arange(routing.shape[-1], dtype=routing.dtype).expand(pad, *routing.shape[1:])
+        routing = torch.cat([routing, ids])
+    return MicroBatch(**fields, routing=routing)
+
+
+def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sample each token of a row belongs to (a sample starts where its position is 0)."""
+    return torch.cumsum((position_ids == 0).long(), 0) - 1
+
+
 def shard_sequence(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
     """The `rank`-th of `size` contiguous chunks of a packed row, every per-token tensor (routing
-    included) cut at the same places: the split a context-parallel trainer applies."""
+    included) cut at the same places: the split a context-parallel trainer applies (to a row
+    `pad_row` made a multiple of `size`, so the chunks are equal)."""
     n = mb.input_ids.numel()
     bounds = [n * i // size for i in range(size + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]

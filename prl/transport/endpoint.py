@@ -1,9 +1,11 @@
 """The trainer endpoint: a small HTTP server on trainer rank 0, the one network door of the trainer.
 
 - `PUT /rollouts/{step}`: a packed batch from the orchestrator (bytes of `torch.save`). The whole
-  body must arrive (Content-Length) or it is refused; it lands in the rank-0 inbox by rename, so the
+  body must arrive (Content-Length) and be a well-formed batch for that step (ranks, shapes, ids in
+  the vocabulary, finite numbers) or it is refused with 400; it lands in the rank-0 inbox by rename, so the
   trainer sees a whole batch or none. A repeated PUT for a step replaces it (senders retry).
-- `GET /resume`: where the trainer (re)starts: `{"step", "data_position"}` (503 until known).
+- `GET /resume`: where a (re)started orchestrator continues: `{"step", "data_position"}`, the step
+  after the last batch the inbox holds in a row from the trainer's checkpoint (503 until known).
 - `GET /weights/latest?after=N&wait=S`: the newest sealed weight version, waiting up to S seconds
   for one newer than N (long poll, so new weights are relayed without a polling delay).
 - `GET /weights/v{N}/{file}`: a file of a sealed version; only names listed in its manifest.
@@ -29,6 +31,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from prl.model.weights import MANIFEST, published_versions, version_dir
+from prl.transport.batch import BadBatch, load_batch
 from prl.transport.rollouts import FilesystemRolloutTransport
 
 FILE_RE = re.compile(r"^/weights/v(\d+)/([\w.-]+)$")
@@ -36,11 +39,15 @@ MAX_WAIT_S = 30.0
 
 
 class TrainerEndpoint:
-    def __init__(self, run_dir: Path, secret: str, host: str, port: int):
+    def __init__(self, run_dir: Path, secret: str, host: str, port: int, world: int | None = None,
+                 vocab_size: int | None = None):
+        """`world`, `vocab_size`: what an arriving batch is checked against (None: not checked)."""
         self.inbox = FilesystemRolloutTransport(Path(run_dir) / "rollouts")
+        self.world, self.vocab_size = world, vocab_size
         self.weights_root = Path(run_dir) / "weights"
         self.secret = secret
-        self.resume: dict | None = None
+        self.base: tuple[int, int] | None = None  # (step, data position) of the trainer's checkpoint
+        self.positions: dict[int, int] = {}  # step -> data position of a batch in the inbox
         endpoint = self
 
         class Handler(_Handler):
@@ -61,6 +68,28 @@ class TrainerEndpoint:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def set_base(self, step: int, data_position: int) -> None:
+        self.base = (step, data_position)
+
+    def resume(self) -> dict | None:
+        """The first step with no batch yet: batches after the checkpoint are kept (the trainer
+        replays them after a restart), so a restarted orchestrator must not ship them again."""
+        if self.base is None:
+            return None
+        base = self.base
+        step, position = base
+        while self.inbox.path(step).exists():
+            if step not in self.positions:
+                try:
+                    self.positions[step] = self.inbox.data_position(step)
+                except (OSError, RuntimeError):  # discarded under us by a checkpoint: walk from its base
+                    if self.base != base:
+                        return self.resume()
+                    break
+            position = max(position, self.positions[step])
+            step += 1
+        return {"step": step, "data_position": position}
 
     def latest(self, after: int, wait_s: float) -> int:
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
@@ -114,7 +143,13 @@ class _Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(length) if length > 0 else b""
         if length <= 0 or len(data) != length:
             return self._reply(400, {"detail": f"incomplete body: {len(data)} of {length} bytes"})
-        self.ep.inbox.put_bytes(int(m.group(1)), data)
+        step = int(m.group(1))
+        try:
+            batch = load_batch(data, step, self.ep.world, self.ep.vocab_size)
+        except BadBatch as e:
+            return self._reply(400, {"detail": f"batch {step} refused: {e}"})
+        self.ep.positions[step] = batch.data_position
+        self.ep.inbox.put_bytes(step, data)
         self._reply(200, {"step": int(m.group(1)), "bytes": length})
 
     def do_GET(self):
@@ -122,9 +157,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         url = urlparse(self.path)
         if url.path == "/resume":
-            if self.ep.resume is None:
+            point = self.ep.resume()
+            if point is None:
                 return self._reply(503, {"detail": "trainer still loading"})
-            return self._reply(200, self.ep.resume)
+            return self._reply(200, point)
         if url.path == "/weights/latest":
             q = parse_qs(url.query)
             after, wait = int(q.get("after", ["-1"])[0]), float(q.get("wait", ["0"])[0])

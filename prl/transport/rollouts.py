@@ -45,6 +45,9 @@ class FilesystemRolloutTransport:
             time.sleep(self.poll_s)
         return TrainBatch.from_dict(torch.load(path, weights_only=True))
 
+    def data_position(self, step: int) -> int:
+        return int(torch.load(self.path(step), weights_only=True)["data_position"])
+
     def discard_before(self, step: int) -> None:
         for p in self.root.glob("step_*.pt"):
             if int(p.stem.split("_")[1]) < step:

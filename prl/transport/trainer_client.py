@@ -2,13 +2,16 @@
 
 Rule: the trainer endpoint may be not up yet (loading, warm start) or briefly unreachable (a
 reconnect); every call retries transport errors and 5xx answers with backoff until its deadline.
-A batch PUT is idempotent per step, so a retry after a lost reply is harmless.
+A batch PUT is idempotent per step, so a retry after a lost reply is harmless. An endpoint that
+accepts a connection but answers nothing within `hang_timeout_s` (its process stopped) is reported
+once per outage through `on_hang`: the orchestrator tells the driver, which restarts the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -21,11 +24,13 @@ class TrainerUnreachable(RuntimeError):
 
 
 class TrainerClient:
-    def __init__(self, base_url: str, secret: str, deadline_s: float = 600.0):
+    def __init__(self, base_url: str, secret: str, deadline_s: float = 600.0, hang_timeout_s: float = 120.0,
+                 on_hang: Callable[[str], None] | None = None):
         self.base_url = base_url
-        self.deadline_s = deadline_s
+        self.deadline_s, self.hang_timeout_s, self.on_hang = deadline_s, hang_timeout_s, on_hang
+        self.hung = False  # reported, until the endpoint answers again
         self.http = httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
-                                      timeout=httpx.Timeout(120.0, connect=10.0))
+                                      timeout=httpx.Timeout(hang_timeout_s, connect=10.0))
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -35,12 +40,16 @@ class TrainerClient:
         while True:
             try:
                 r = await self.http.request(method, path, **kw)
+                self.hung = False
                 if r.status_code < 500:
                     r.raise_for_status()
                     return r
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
+                if isinstance(e, httpx.TimeoutException) and not self.hung and self.on_hang:
+                    self.hung = True
+                    self.on_hang(f"trainer endpoint {self.base_url}{path} answered nothing: {last}")
             if time.monotonic() > deadline:
                 raise TrainerUnreachable(f"trainer endpoint {self.base_url}{path} failed for "
                                          f"{self.deadline_s:.0f}s; last error: {last}")
@@ -58,5 +67,5 @@ class TrainerClient:
 
     async def latest_version(self, after: int, wait_s: float = 10.0) -> int:
         r = await self._request("GET", "/weights/latest", params={"after": after, "wait": wait_s},
-                                timeout=wait_s + 30)
+                                timeout=wait_s + self.hang_timeout_s)
         return r.json()["version"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prl.metrics import read_events
+from prl.tui.curves import CurveSet
 
 
 LOCAL_HOSTS = ("local", "workstation")  # pids of processes on other hosts mean nothing here
@@ -23,10 +24,18 @@ class RunState:
     servers: dict[str, dict] = field(default_factory=dict)
     rollouts: dict = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    server_states: dict[str, str] = field(default_factory=dict)  # up / down (cause), as the orchestrator sees them
+    restarts: dict[str, dict] = field(default_factory=dict)  # unit -> its last restart event
+    unresponsive: list[dict] = field(default_factory=list)  # hang reports, for the driver
+    seen: dict[str, int] = field(default_factory=dict)  # events per source: the driver's proof of life
+    curves: CurveSet = field(default_factory=CurveSet)  # the whole run, one value per step
     offset: int = 0
 
     def apply(self, e: dict) -> None:
         kind = e.get("kind")
+        src = e.get("src", "")
+        self.seen[src] = self.seen.get(src, 0) + 1
+        self.curves.add(e)
         if kind == "run":
             self.run.update(e)
         elif kind == "process":
@@ -42,6 +51,12 @@ class RunState:
             self.rollouts = e
         elif kind == "error":
             self.errors[e["name"]] = e["line"]
+        elif kind == "server_state":
+            self.server_states[e["name"]] = e["state"] + (f" ({e['cause'][:60]})" if e.get("cause") else "")
+        elif kind == "restart":
+            self.restarts[e["name"]] = e
+        elif kind == "unresponsive":
+            self.unresponsive.append(e)
 
     def update_from(self, path: Path) -> "RunState":
         events, self.offset = read_events(path, self.offset)

@@ -10,6 +10,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from prl.tui.curves import curves_table
 from prl.tui.state import RunState
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -31,13 +32,20 @@ def fmt(v, spec: str = ".3f") -> str:
 
 def processes_table(s: RunState) -> Table:
     t = Table(title="processes", expand=True, title_justify="left")
-    for col in ("name", "role", "host", "pid", "state"):
+    for col in ("name", "role", "host", "pid", "state", "restarts"):
         t.add_column(col)
     for name, p in s.processes.items():
         state = p.get("state", "?")
+        unit = "trainer" if p.get("role") == "trainer" else name
         t.add_row(name, p.get("role", ""), p.get("host", ""), str(p.get("pid", "")),
-                  Text(state, style=STATE_STYLE.get(state, "")))
+                  Text(state, style=STATE_STYLE.get(state, "")), str(s.restarts.get(unit, {}).get("count", 0)))
     return t
+
+
+def restarts_lines(s: RunState) -> list[Text]:
+    """One line per restarted unit: how often, and the last cause."""
+    return [Text(f"restarted {name} {e['count']}/{e['max_restarts']}x, last: {e['cause']}", style="yellow")
+            for name, e in s.restarts.items()]
 
 
 def progress(s: RunState) -> Table:
@@ -75,19 +83,22 @@ def metrics_table(s: RunState) -> Table:
 
 def servers_table(s: RunState) -> Table:
     t = Table(title="inference", expand=True, title_justify="left")
-    for col in ("server", "version", "tokens/s", "running", "waiting", "busy"):
+    for col in ("server", "version", "tokens/s", "running", "waiting", "busy", "state"):
         t.add_column(col)
     for name, m in s.servers.items():
         t.add_row(name, str(m["version"]), fmt(m["tokens_per_s"], ".0f"), str(m["running"]), str(m["waiting"]),
-                  f"{m['busy_frac']:.0%}")
+                  f"{m['busy_frac']:.0%}", s.server_states.get(name, "up"))
     return t
 
 
-def render(s: RunState) -> Panel:
-    parts = [processes_table(s), progress(s), metrics_table(s), servers_table(s)]
+def render(s: RunState, curves: bool = False, width: int = 100, hint: str = "") -> Panel:
+    """The dashboard; with `curves` the whole-run curves panel too (key `c` in the live view)."""
+    parts = [processes_table(s), *restarts_lines(s), progress(s), metrics_table(s), servers_table(s)]
+    if curves:
+        parts.append(curves_table([(s.run.get("name", "run"), s.curves)], width - 4))  # inside the panel
     for name, line in s.errors.items():
         parts.append(Text(f"{name}: {line}", style="red"))
     end = s.run.get("ended", time.time())
     elapsed = end - s.run["started"] if s.run.get("started") else 0
     title = f"prl · {s.run.get('name', '?')} · {s.run.get('state', '?')} · {elapsed:.0f}s"
-    return Panel(Group(*parts), title=title, title_align="left")
+    return Panel(Group(*parts), title=title, title_align="left", subtitle=hint or None, subtitle_align="right")

@@ -25,7 +25,7 @@ import base64
 import io
 import time
 
-from prl.inference.backend import BackendError, InferenceBackend, WeightsRejected
+from prl.inference.backend import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
 from prl.inference.vllm.rejected import REJECTED
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
@@ -94,11 +94,11 @@ class VllmBackend(InferenceBackend):
             tokens = choice["token_ids"]
             logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
             if len(logprobs) != len(tokens):
-                raise BackendError(f"{self.base_url}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+                raise MalformedResponse(f"{self.base_url}: {len(tokens)} tokens but {len(logprobs)} logprobs")
             routing = None
             if req.return_routing:
                 if choice.get("routed_experts") is None:
-                    raise BackendError(f"{self.base_url}: no routed_experts in the answer (trainer.router_replay "
+                    raise MalformedResponse(f"{self.base_url}: no routed_experts in the answer (trainer.router_replay "
                                        f"needs vLLM's Model Runner V2 on a GPU)")
                 rows = decode_npy(choice["routed_experts"])
                 prompt_routing = prompt_routing or to_routing(rows[:n_prompt])
@@ -110,6 +110,10 @@ class VllmBackend(InferenceBackend):
         return GenerateResponse(completions=completions, prompt_routing=prompt_routing)
 
     # ---- weights ----
+    def reset(self) -> None:
+        super().reset()
+        self.staged_version = None  # a restarted server holds no staged session
+
     async def load_weights(self, version: int) -> float:
         """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
         stood still (from the pause to the resume)."""
@@ -121,7 +125,7 @@ class VllmBackend(InferenceBackend):
         returns once all are ready (the session stays open for `swap`)."""
         if self.staged_version == version:
             return
-        await self.weight_call("/start_weight_update")
+        await self.open_session()
         try:
             await self.update(version, "stage")
             await self.wait_staged(version)
@@ -129,6 +133,17 @@ class VllmBackend(InferenceBackend):
             await self.end_session()
             raise
         self.staged_version = version
+
+    async def open_session(self) -> None:
+        """Start a weight-update session; one left open by a client that went away (an orchestrator
+        restarted between stage and swap) is ended first: nothing of it was loaded."""
+        try:
+            await self.weight_call("/start_weight_update")
+        except BackendError as e:
+            if "already active" not in str(e):
+                raise
+            await self.end_session()
+            await self.weight_call("/start_weight_update")
 
     async def swap(self, version: int) -> float:
         """Pause (keep), load the staged `version`, label it, resume."""
@@ -205,6 +220,7 @@ class VllmBackend(InferenceBackend):
             prompt_tokens=int(m.get("vllm:prompt_tokens_total", 0)),
             prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)),
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
+            pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
             tokens_per_s=self.rate(generated), busy_frac=0.0, busy_s=0.0,
         )
 

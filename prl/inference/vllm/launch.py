@@ -71,10 +71,20 @@ def vllm_args(cfg: ProcessConfig) -> list[str]:
         args += ["--load-format", "dummy"]  # a tiny random-init model: version 0 arrives before any rollout
     if r.trainer.router_replay:
         args.append("--enable-return-routed-experts")
+    if cfg.kv_master:  # the run's KV pool: prompt blocks through Mooncake, keyed by the run and (cache_salt) version
+        args += ["--kv-transfer-config", json.dumps(kv_transfer(r), separators=(",", ":"))]
     parallel = {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}
     if len(cfg.gpus) > 1 and not parallel & {k.replace("-", "_") for k in inf.vllm}:
         args += ["--tensor-parallel-size", str(len(cfg.gpus))]  # one server spans placement.gpus_per_server
     return args + passthrough(inf.vllm)
+
+
+def kv_transfer(recipe) -> dict:
+    """vLLM's MooncakeStoreConnector: keys start with the run's name; each request's `cache_salt`
+    (prl-vN) is hashed into its first block, so KV from another weights version never matches; a
+    block that cannot be loaded is recomputed, not a failed request."""
+    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"cache_prefix": recipe.run.name}}
 
 
 def launch_command(cfg: ProcessConfig, python: str) -> list[str]:
@@ -90,9 +100,26 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m prl.inference.vllm.launch --config CFG -- VLLM_COMMAND...")
     cfg = load_process_config(argv[1])
     env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
+    if cfg.kv_master:
+        env.update(join_pool(cfg))
     command = argv[3:]
     print(f"{cfg.name}: exec {' '.join(command)}", flush=True)
     os.execvpe(command[0], command, env)
+
+
+def join_pool(cfg: ProcessConfig) -> dict[str, str]:
+    """Wait for the run's KV-pool master, write the store config vLLM's connector reads, and return
+    the environment that points it there."""
+    from pathlib import Path
+
+    from prl.inference.kv_master import MasterAddress, vllm_store_config, wait_for_master
+
+    addr = MasterAddress(**cfg.kv_master)
+    wait_for_master(addr, cfg.recipe.inference.startup_timeout_s)
+    path = Path(cfg.run_dir) / "config" / f"{cfg.name}-mooncake.json"
+    path.write_text(json.dumps(vllm_store_config(addr, cfg.host, cfg.recipe.inference.kv_pool.memory_gb)))
+    print(f"{cfg.name}: KV pool at {addr.master} ({path})", flush=True)
+    return {"MOONCAKE_CONFIG_PATH": str(path), "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ def trainer_command(cfg: ProcessConfig, python: str) -> list[str]:
 def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[str]:
     if cfg.role == "trainer":
         return trainer_command(cfg, python)
+    if cfg.role == "kv_master":
+        from prl.inference.kv_master import MasterAddress, master_command
+
+        return master_command(MasterAddress(**cfg.kv_master), python)
     if cfg.role == "inference" and cfg.recipe.inference.backend == "vllm":
         from prl.inference.vllm.launch import launch_command
 

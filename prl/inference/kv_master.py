@@ -1,0 +1,66 @@
+"""The run's `mooncake_master` (the KV pool's master and its HTTP metadata server), a process prl
+starts, supervises and stops like any other (`[inference.kv_pool]`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MasterAddress:
+    host: str
+    rpc_port: int
+    metadata_port: int
+    metrics_port: int
+
+    @property
+    def master(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    @property
+    def health(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/health"
+
+
+def master_command(addr: MasterAddress, python: str = sys.executable) -> list[str]:
+    """`mooncake_master` through the package's own launcher (`python -m mooncake.cli`), which execs
+    the packaged binary: the pid prl supervises is the master's, and any interpreter that imports
+    `mooncake` (a host's layered venv too) finds it."""
+    return [python, "-m", "mooncake.cli", f"--rpc_address={addr.host}", f"--rpc_port={addr.rpc_port}",
+            "--enable_http_metadata_server=true", f"--http_metadata_server_host={addr.host}",
+            f"--http_metadata_server_port={addr.metadata_port}", f"--metrics_host={addr.host}",
+            f"--metrics_port={addr.metrics_port}", "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.05",
+            "--client_ttl=10"]
+
+
+def healthy(addr: MasterAddress, timeout: float = 2.0) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(addr.health, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for_master(addr: MasterAddress, timeout_s: float) -> None:
+    """Until the master answers its health route (it starts beside the servers)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not healthy(addr):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the KV pool's master at {addr.master} did not answer {addr.health} within "
+                               f"{timeout_s:.0f} s (inference.startup_timeout_s)")
+        time.sleep(0.2)
+
+
+def vllm_store_config(addr: MasterAddress, hostname: str, memory_gb: float) -> dict:
+    """The JSON vLLM's MooncakeStoreConnector reads from MOONCAKE_CONFIG_PATH."""
+    return {"metadata_server": addr.metadata, "master_server_address": addr.master, "protocol": "tcp",
+            "device_name": "", "mode": "embedded", "local_hostname": hostname,
+            "global_segment_size": f"{max(1, int(memory_gb * 1024))}MB", "local_buffer_size": "64MB"}

@@ -1,0 +1,77 @@
+"""GLM-5's DSA indexer with a deterministic top-k: ties broken by position, lower first.
+
+The indexer scores every earlier key with ReLU'd dot products, so many scores tie (often at exactly
+0), and transformers' `topk` leaves the order of ties to the kernel: the engine (one query against
+its KV cache) and the trainer (a packed row, other samples masked) can then keep different keys for
+the same token, a train/inference mismatch unrelated to RL. prl's engine, trainer and
+context-parallel attention all select with `stable_topk` on the same scores, so they keep the same
+keys, and tiny recipes can set `index_topk` below the sequence length.
+
+`install(model)` swaps each `GlmMoeDsaIndexer`'s class for one whose forward is transformers'
+computation with that selection (state-dict keys unchanged); other models are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INDEXER_CLASS = "GlmMoeDsaIndexer"
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """GLM-5's interleaved rope (pairs (x0, x1), (x2, x3), ...), as transformers applies it."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(dim)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@torch.no_grad()
+def indexer_parts(ix, hidden: torch.Tensor, q_resid: torch.Tensor, cos, sin):
+    """Per-token parts of the indexer: queries [B, S, H, D], keys [B, S, D], head weights [B, S, H]."""
+    B, S, _ = hidden.shape
+    q = ix.wq_b(q_resid).view(B, S, ix.n_heads, ix.head_dim)
+    q_rot, q_pass = torch.split(q, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+    k = ix.k_norm(ix.wk(hidden)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+    q = torch.cat([rotate_interleaved(q_rot, cos, sin, 2), q_pass], dim=-1)
+    k = torch.cat([rotate_interleaved(k_rot, cos, sin, 2), k_pass], dim=-1).squeeze(2)
+    w = ix.weights_proj(hidden.to(ix.weights_proj.weight.dtype)).float() * (ix.n_heads ** -0.5)
+    return q, k, w
+
+
+@torch.no_grad()
+def index_scores(ix, q: torch.Tensor, k_all: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[B, S, T]: per query, the head-weighted ReLU scores of every key."""
+    scores = F.relu(torch.matmul(q.float(), k_all.transpose(-1, -2).float().unsqueeze(1)) * ix.softmax_scale)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim; equal scores: the lower index first."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class StableIndexer:
+    """Mixin placed before transformers' GlmMoeDsaIndexer: its forward, with `stable_topk`."""
+
+    @torch.no_grad()
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                past_key_values=None):
+        cos, sin = position_embeddings
+        q, k, w = indexer_parts(self, hidden_states, q_resid, cos, sin)
+        if past_key_values is not None:
+            k = past_key_values.update_indexer(k, self.layer_idx)
+        scores = index_scores(self, q, k, w)
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+        return stable_topk(scores, min(self.index_topk, scores.shape[-1])).to(torch.int32)
+
+
+def install(model) -> None:
+    for m in model.modules():
+        if type(m).__name__ == INDEXER_CLASS:
+            m.__class__ = type(f"Stable{type(m).__name__}", (StableIndexer, type(m)), {})

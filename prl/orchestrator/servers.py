@@ -1,0 +1,208 @@
+"""The inference servers as the orchestrator sees them: which take requests, and watching them.
+
+Rules:
+- a server that fails a request without answering (refused, reset), answers 5xx, or stops answering
+  `/metrics` for `run.hang_timeout_s` is taken out: its in-flight requests are cancelled and their
+  groups re-issued to the servers still up (a run with one server waits for it);
+- a hung server is reported to the driver (an `unresponsive` event), which kills and restarts it;
+  a dead one the driver sees exit and restarts by itself;
+- a server comes back once it answers `/health` again and has loaded the version being served, so
+  no request ever runs on stale or half-loaded weights;
+- a 4xx answer is the request's fault, not the server's: it is raised, never retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from prl.inference.backend import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
+from prl.metrics import EventLog
+
+MAX_ATTEMPTS = 8  # a group that failed this often on servers that kept coming back ends the run
+
+
+class Server:
+    def __init__(self, index: int, backend: InferenceBackend, prefill: bool = False):
+        self.index, self.backend = index, backend
+        self.prefill = prefill  # P/D: puts prompts' KV into the pool, generates nothing
+        self.name = f"inference-{index}"
+        self.up = False
+        self.calls: set[asyncio.Task] = set()  # requests in flight on it, cancelled when it goes down
+        self.down_since = time.monotonic()  # for reporting a server that does not come back
+
+    def track(self, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+        return task
+
+
+class ServerPool:
+    def __init__(self, backends: list[InferenceBackend], log: EventLog, changed: asyncio.Condition,
+                 hang_timeout_s: float, startup_timeout_s: float = 600.0, prefill: list[int] = ()):
+        self.servers = [Server(i, b, prefill=i in prefill) for i, b in enumerate(backends)]
+        self.log, self.changed, self.hang_timeout_s = log, changed, hang_timeout_s
+        self.startup_timeout_s = startup_timeout_s  # a down server not back after this is reported hung
+        self.weights_lock = asyncio.Lock()  # a rejoin loads the served version; a relay may not change it meanwhile
+        self.served = -1
+
+    # ---- membership ----
+    async def start(self, timeout: float) -> None:
+        """Wait for the servers at startup; those not ready are left to the monitor (they rejoin)."""
+        results = await asyncio.gather(*(s.backend.wait_ready(timeout) for s in self.servers), return_exceptions=True)
+        for s, r in zip(self.servers, results):
+            if isinstance(r, BaseException) and not isinstance(r, BackendError):
+                raise r
+            s.up = not isinstance(r, BaseException)
+        if not any(s.up for s in self.servers):
+            raise next(r for r in results if isinstance(r, BaseException))
+
+    async def mark_down(self, server: Server, cause: str, hung: bool = False) -> None:
+        if not server.up:
+            return
+        server.up, server.down_since = False, time.monotonic()
+        for task in list(server.calls):
+            task.cancel()
+        self.log.emit("server_state", name=server.name, state="down", cause=("hung: " if hung else "") + cause[:300])
+        if hung:
+            self.log.emit("unresponsive", name=server.name, cause=cause[:300])
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def pick(self, index: int, prefill: bool = False) -> Server:
+        """Among the decode servers (or the prefill ones): the group's own (index modulo their number:
+        its prefix cache hits) when it is up, else the least busy one that is; waits while none is."""
+        kind = [s for s in self.servers if s.prefill == prefill]
+        async with self.changed:
+            await self.changed.wait_for(lambda: any(s.up for s in kind))
+        own = kind[index % len(kind)]
+        return own if own.up else min((s for s in kind if s.up), key=lambda s: len(s.calls))
+
+    async def prefill(self, index: int, prompt_ids: list[int]) -> None:
+        """P/D: have a prefill server put the prompt's KV into the pool, where the decode server
+        finds it under the same weights version (another version's keys never match: it computes).
+        Best effort: with the prefill servers down or failing, the decode server computes it all."""
+        kind = [s for s in self.servers if s.prefill and s.up]
+        if not kind:
+            return
+        server = kind[index % len(kind)]
+        task = server.track(server.backend.prefill(prompt_ids))
+        try:
+            await asyncio.wait({task})
+        finally:
+            task.cancel()
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, BackendError) and not error.client_error and not isinstance(error, MalformedResponse):
+            await self.mark_down(server, f"prefill failed: {error}")
+        elif error is not None:
+            raise error
+
+    # ---- requests ----
+    async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable]):
+        """Run one request for group `index` on a server that is up, re-issuing it on another server
+        when the one it ran on went down under it."""
+        for attempt in range(MAX_ATTEMPTS):
+            server = await self.pick(index)
+            task = server.track(make(server.backend))
+            try:
+                await asyncio.wait({task})
+            finally:
+                task.cancel()  # the group itself was cancelled (the run stops)
+            if task.cancelled():
+                continue  # its server went down: re-issue
+            error = task.exception()
+            if error is None:
+                return task.result()
+            if not isinstance(error, BackendError) or error.client_error or isinstance(error, MalformedResponse):
+                raise error  # the request's fault or a protocol mismatch: another server would do the same
+            await self.mark_down(server, f"request failed: {error}")
+        raise BackendError(f"group {index}: failed on {MAX_ATTEMPTS} attempts on servers that kept failing")
+
+    # ---- weights ----
+    async def load_all(self, version: int) -> list[float]:
+        """Load `version` on every server that is up; a server that fails to is taken out (it rejoins
+        with the served version). A version a server rejects ends the run (the weights are bad)."""
+        async with self.weights_lock:
+            up = [s for s in self.servers if s.up]
+            results = await asyncio.gather(*(s.track(s.backend.load_weights(version)) for s in up),
+                                           return_exceptions=True)
+            self.served = version
+            paused = []
+            for s, r in zip(up, results):
+                if isinstance(r, WeightsRejected):
+                    raise r
+                if isinstance(r, asyncio.CancelledError):
+                    continue  # went down meanwhile
+                if isinstance(r, BackendError):
+                    await self.mark_down(s, f"loading weights v{version} failed: {r}")
+                elif isinstance(r, BaseException):
+                    raise r
+                else:
+                    paused.append(r)
+            return paused
+
+    # ---- watching ----
+    async def watch(self, server: Server) -> None:
+        """Every second: an up server's metrics (logged), or a down server's way back."""
+        while True:
+            if server.up:
+                await self.check(server)
+            else:
+                await self.rejoin(server)
+            await asyncio.sleep(1.0)
+
+    async def check(self, server: Server) -> None:
+        try:
+            m = await asyncio.wait_for(server.backend.metrics(), self.hang_timeout_s)
+        except asyncio.TimeoutError:
+            await self.mark_down(server, f"/metrics not answered for {self.hang_timeout_s:.0f}s", hung=True)
+            return
+        except BackendError as e:
+            if e.client_error:
+                raise
+            await self.mark_down(server, f"not answering: {e}")
+            return
+        if m.version < self.served and server.up:  # restarted between two checks: fresh weights
+            await self.mark_down(server, f"serves v{m.version}, not the served v{self.served} (restarted?)")
+            return
+        self.log.emit("server", name=server.name, **m.model_dump())
+
+    async def report_final(self) -> None:
+        """Each server's counters once more when the run is done (a short run may end between two
+        checks); a server that does not answer now is left out."""
+        for server in (s for s in self.servers if s.up):
+            try:
+                m = await asyncio.wait_for(server.backend.metrics(), self.hang_timeout_s)
+            except (BackendError, asyncio.TimeoutError):
+                continue
+            self.log.emit("server", name=server.name, **m.model_dump())
+
+    async def rejoin(self, server: Server) -> None:
+        if time.monotonic() - server.down_since > max(self.startup_timeout_s, self.hang_timeout_s):
+            server.down_since = time.monotonic()  # reported once per period: the driver restarts it
+            self.log.emit("unresponsive", name=server.name,
+                          cause=f"down and not back for {max(self.startup_timeout_s, self.hang_timeout_s):.0f}s")
+        server.backend.reset()  # before wait_ready, which learns the new server's state
+        try:
+            await asyncio.wait_for(server.backend.wait_ready(5.0), self.hang_timeout_s)
+        except (BackendError, asyncio.TimeoutError):
+            return  # still down (the driver is restarting it)
+        t0 = time.perf_counter()
+        async with self.weights_lock:
+            if self.served >= 0:
+                try:  # bounded: a server hung while loading must not hold the relay of new versions
+                    await asyncio.wait_for(server.backend.load_weights(self.served), self.hang_timeout_s)
+                except asyncio.TimeoutError:
+                    self.log.emit("unresponsive", name=server.name,
+                                  cause=f"loading v{self.served} took over {self.hang_timeout_s:.0f}s")
+                    return
+                except BackendError as e:  # rejected too: the served version may have been pruned meanwhile
+                    self.log.emit("server_state", name=server.name, state="down", cause=f"rejoin failed: {e}"[:300])
+                    return
+            server.up = True
+        self.log.emit("server_state", name=server.name, state="up", version=self.served,
+                      rejoin_s=round(time.perf_counter() - t0, 3))
+        async with self.changed:
+            self.changed.notify_all()

@@ -1,0 +1,167 @@
+"""Context parallelism for GLM-5's DSA attention: one all-gather per attention layer.
+
+Each of the `cp` ranks of a group holds a contiguous slice of the packed micro-batch (tokens
+c*S .. (c+1)*S). Everything per token (embeddings, norms, projections, experts, the loss) stays
+local. Attention needs, for its local queries, the keys of every earlier token of the same sample,
+wherever it lives: each rank computes its tokens' compressed KV latent (normed), rope key (rotated
+at the token's own position) and DSA indexer key, concatenates them, and one differentiable
+all-gather gives every rank all of them (its backward sums the key gradients back to the ranks that
+own the tokens; the indexer keys carry no gradient, as the indexer is not trained by the loss).
+Queries, the indexer's queries and weights, the top-k selection and the attention itself stay
+local, with global positions: a key is allowed for a query when both are in the same packed sample
+and the key is not later (`Sequence.allowed`).
+
+The top-k selection breaks ties by position (`prl.model.dsa`, as the engine and the unsplit trainer
+do), so it picks the same keys however the sequence is split. This
+adapter replaces `GlmMoeDsaAttention.forward` (batch of one packed row, no KV cache: training only)
+and fails loudly on other attention classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
+from prl.transport.batch import MicroBatch, pad_row, sample_ids, shard_sequence
+
+ATTENTION_CLASS = "GlmMoeDsaAttention"
+
+
+@dataclass
+class Sequence:
+    """The packed row this rank holds a slice of: sample id of every global token, and where the
+    local slice starts."""
+
+    group: object
+    size: int
+    rank: int
+    segments: torch.Tensor | None = None  # [T] sample id per global token
+    offset: int = 0
+
+    def allowed(self, local: int) -> torch.Tensor:
+        """[S, T] bool: query i (global offset + i) may see key j."""
+        seg = self.segments
+        q = torch.arange(self.offset, self.offset + local, device=seg.device)
+        k = torch.arange(seg.shape[0], device=seg.device)
+        return (seg[q][:, None] == seg[None, :]) & (k[None, :] <= q[:, None])
+
+
+def install(model, group, size: int, rank: int) -> Sequence:
+    attns = [m for m in model.modules() if type(m).__name__ == ATTENTION_CLASS]
+    if not attns:
+        raise NotImplementedError(f"trainer.parallel.cp > 1: {type(model).__name__} has no {ATTENTION_CLASS}; "
+                                  f"context parallelism is built for GLM-5's DSA attention only")
+    seq = Sequence(group, size, rank)
+    for a in attns:
+        a.__class__ = type(f"CP{type(a).__name__}", (ContextParallelAttention, type(a)), {})
+        a._prl_seq = seq
+    return seq
+
+
+@contextlib.contextmanager
+def sequence(seq: Sequence, segments: torch.Tensor, offset: int):
+    seq.segments, seq.offset = segments, offset
+    try:
+        yield
+    finally:
+        seq.segments = None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of row slices along dim 0; backward: each rank's slice of the summed gradients
+    (reduce-scatter; gloo has none, so there an all-reduce and a slice). Written here on public
+    collectives: torch's autograd all_gather falls back, on gloo, to scatters that name group
+    ranks as global ranks and fail on any group not starting at rank 0."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.rank, ctx.rows = group, size, rank, local.shape[0]
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = grad.new_empty(ctx.rows, *grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        else:
+            dist.all_reduce(grad, group=ctx.group)
+            out = grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+        return out, None, None, None
+
+
+def gather(local_BSF: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The one collective of a layer: every rank's [1, S, F] slice -> [1, T, F], differentiable."""
+    if seq.size == 1:
+        return local_BSF
+    return _GatherRows.apply(local_BSF[0], seq.group, seq.size, seq.rank)[None]
+
+
+def select(ix, q, k_all, w, allowed: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Top-k keys per local query, ties broken by position (`prl.model.dsa.stable_topk`, as the engine
+    and the unsplit trainer select): [1, S, topk] int32. Scores are computed for `block` queries at a
+    time against every key (never [S, heads, T] at once)."""
+    topk = min(ix.index_topk, k_all.shape[1])
+    picked = []
+    for a in range(0, q.shape[1], block):
+        scores = index_scores(ix, q[:, a:a + block], k_all, w[:, a:a + block])
+        scores = scores.masked_fill(~allowed[None, a:a + block], float("-inf"))
+        picked.append(stable_topk(scores, topk))
+    return torch.cat(picked, dim=1).to(torch.int32)
+
+
+class ContextParallelAttention:
+    """Mixin placed before transformers' GlmMoeDsaAttention (see the module docstring)."""
+
+    _prl_seq: Sequence
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                position_ids=None, prev_topk_indices=None, **kwargs):
+        seq = self._prl_seq
+        if seq.segments is None or past_key_values is not None or hidden_states.shape[0] != 1:
+            raise RuntimeError("context-parallel attention runs inside prl's training step only (one packed row)")
+        B, S = hidden_states.shape[:2]
+        cos, sin = position_embeddings
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        query = torch.cat((q_pass, rotate_interleaved(q_rot, cos, sin, 1)), dim=-1)
+        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1).view(B, S, -1)
+        parts = [self.kv_a_layernorm(kv_pass), k_rot]
+        if self.indexer is not None:
+            iq, ik, iw = indexer_parts(self.indexer, hidden_states, q_resid, cos, sin)
+            parts.append(ik.to(k_rot.dtype))
+        every = gather(torch.cat(parts, dim=-1), seq)  # [1, T, kv_lora + rope (+ indexer key)]
+        T = every.shape[1]
+        k_pass_all = every[..., : self.kv_lora_rank].reshape(B, 1, T, self.kv_lora_rank)
+        k_rot_all = every[..., self.kv_lora_rank: self.kv_lora_rank + self.qk_rope_head_dim].reshape(B, 1, T, -1)
+        key_states, value_states = self.expand_kv(k_pass_all, k_rot_all)
+        allowed = seq.allowed(S)
+        if self.indexer is not None:
+            topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed)
+        elif prev_topk_indices is not None:
+            topk = prev_topk_indices
+        else:
+            raise ValueError("shared DSA layers need the top-k indices of a previous full indexer layer")
+        keep = torch.zeros_like(allowed).scatter(-1, topk[0].long(), True) & allowed
+        mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(~keep, torch.finfo(query.dtype).min)
+        scores = torch.matmul(query, key_states.transpose(2, 3)) * self.scaling + mask[None, None]
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, value_states).transpose(1, 2).reshape(B, S, -1)
+        return self.o_proj(out), None, topk
+
+
+def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, int]:
+    """This rank's contiguous slice of a packed micro-batch, the row's sample ids and the slice's
+    offset. The row is first padded to a multiple of `cp` with loss-free one-token samples."""
+    row = pad_row(mb, seq.size)
+    per = row.input_ids.numel() // seq.size
+    return shard_sequence(row, seq.rank, seq.size), sample_ids(row.position_ids), seq.rank * per

@@ -1,0 +1,136 @@
+"""Expert parallelism: each MoE layer's routed experts split over the `ep` ranks, tokens sent to the
+ranks that own their experts and brought back with all-to-all.
+
+Transformers' MoE families (GLM-5, DeepSeek-V3, Qwen3-MoE) keep a layer's routed experts in one
+module with stacked weights `gate_up_proj [E, 2I, D]` and `down_proj [E, D, I]`, called as
+`experts(hidden_TD, topk_ids_TK, topk_weights_TK)`. `shard_experts` makes those two parameters
+DTensors sharded on dim 0 over the `ep` mesh dimension (rank r owns experts r*E/ep ..) and swaps
+the module's class for one whose forward:
+  1. sorts the (token, slot) pairs by expert, so each destination rank's rows are contiguous;
+  2. exchanges the per-expert counts (all-to-all of E integers), then the rows (all-to-all);
+  3. runs each local expert on the rows it received (SwiGLU, as the HF eager path);
+  4. sends the outputs back (all-to-all) and sums them into their tokens with the routing weights.
+Both row exchanges are differentiable (their backward is the reverse exchange), so gradients reach
+the router, the attention below and the experts. The routing ids come from the router or, with R3,
+from the replayed ids: EP does not care which.
+
+Gradients: FSDP averages the other parameters' gradients over all ranks. An expert's gradient
+arrives summed over the tokens its `ep` group sent it; `reduce_expert_grads` sums it over the
+replicas of that expert (ranks with the same `ep` coordinate, other data) and divides by the world
+size, which is the same average. Expert weights are not also FSDP-sharded over the replicas yet:
+with `ep` = world (the intended layout for a large MoE) there are none. FP8 expert stacks
+(`trainer.fp8`) run their local experts through the same block-FP8 GEMMs as on one rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dnn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+STACKED = ("gate_up_proj", "down_proj")
+
+
+def expert_modules(model) -> list[torch.nn.Module]:
+    """Modules holding a layer's stacked routed experts (the families' `*Experts` classes)."""
+    return [m for m in model.modules()
+             if all(isinstance(getattr(m, n, None), torch.nn.Parameter) and getattr(m, n).dim() == 3 for n in STACKED)]
+
+
+def shard_experts(model, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
+    """Shard every experts module over the mesh's `ep` dimension; returns the sharded parameters
+    (FSDP must leave them alone). Every rank must hold the same full weights before the call."""
+    ep = ep_mesh["ep"]
+    mods = expert_modules(model)
+    if not mods:
+        raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
+                         f"experts (gate_up_proj/down_proj [E, ...]) prl can split")
+    params = []
+    for m in mods:
+        n_experts = m.gate_up_proj.shape[0]
+        if n_experts % ep.size():
+            raise ValueError(f"trainer.parallel.ep ({ep.size()}) must divide the model's experts ({n_experts})")
+        for name in STACKED:
+            full = getattr(m, name)
+            p = torch.nn.Parameter(distribute_tensor(full.data, ep, [Shard(0)]), requires_grad=full.requires_grad)
+            setattr(m, name, p)
+            params.append(p)
+        m.__class__ = type(f"EP{type(m).__name__}", (ExpertParallel, type(m)), {})
+        m._prl_ep = ep
+        m._prl_num_experts = n_experts
+    return params
+
+
+class ExpertParallel:
+    """Mixin placed before the HF experts class: the all-to-all forward described above."""
+
+    _prl_ep: DeviceMesh
+    _prl_num_experts: int
+
+    def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        group, ep = self._prl_ep.get_group(), self._prl_ep.size()
+        E, K = self._prl_num_experts, ids_TK.shape[1]
+        local_E = E // ep
+        flat = ids_TK.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        rows_RD = hidden_TD[order // K]  # one row per (token, slot), grouped by expert
+        send_E = torch.bincount(flat, minlength=E)
+        recv_E = torch.empty_like(send_E)
+        dist.all_to_all_single(recv_E, send_E, group=group)  # rows per (source rank, my local expert)
+        send_split = send_E.view(ep, local_E).sum(1).tolist()
+        recv_split = recv_E.view(ep, local_E).sum(1).tolist()
+        got = exchange(rows_RD, recv_split, send_split, group)
+        local_ids = torch.arange(local_E, device=flat.device).repeat(ep).repeat_interleave(recv_E)
+        out = self.local_experts(got, local_ids, local_E)
+        back = exchange(out, send_split, recv_split, group)
+        weighted = back * weights_TK.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(hidden_TD).index_add(0, order // K, weighted.to(hidden_TD.dtype))
+
+    def local_experts(self, x_RD: torch.Tensor, ids_R: torch.Tensor, local_E: int) -> torch.Tensor:
+        """Each local expert's SwiGLU on its rows; block-scaled FP8 GEMMs where `apply_fp8` made the
+        stack FP8 (this rank's slice of the stack is quantised as the whole one would be: per expert)."""
+        from prl.model.fp8 import fp8_experts, fp8_linear
+
+        linear = fp8_linear if fp8_experts(self) else torch.nn.functional.linear
+        gate_up = local(self.gate_up_proj).to(x_RD.dtype)
+        down = local(self.down_proj).to(x_RD.dtype)
+        # `x_RD * 0`, not new zeros: the output stays in the graph when no row came here, so this
+        # rank joins the backward all-to-all its peers run (else their exchange waits forever)
+        out = x_RD * 0
+        for e in range(local_E):
+            rows = (ids_R == e).nonzero()[:, 0]
+            if rows.numel() == 0:
+                continue
+            gate, up = linear(x_RD[rows], gate_up[e]).chunk(2, dim=-1)
+            out = out.index_add(0, rows, linear(self.act_fn(gate) * up, down[e]))
+        return out
+
+
+def exchange(rows: torch.Tensor, recv_split: list[int], send_split: list[int], group) -> torch.Tensor:
+    """Differentiable all-to-all of rows (backward: the reverse exchange). The public autograd
+    collective is marked deprecated in favour of a private module; prl stays on the public one."""
+    out = rows.new_empty(sum(recv_split), *rows.shape[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+        return dnn.all_to_all_single(out, rows, recv_split, send_split, group=group)
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def reduce_expert_grads(params: list[torch.nn.Parameter], replicas: DeviceMesh | None, world: int) -> None:
+    """Turn each expert's gradient (summed over the tokens of its ep group) into the average over
+    all ranks that FSDP gives the other parameters. An expert no token reached on this rank gets a
+    zero gradient first: every rank must join the same collectives."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = local(p.grad)
+        if replicas is not None and replicas.size() > 1:
+            dist.all_reduce(g, group=replicas.get_group())
+        g.div_(world)

@@ -1,0 +1,73 @@
+"""Publishing policy weights vN for the inference servers, bucket by bucket.
+
+The model's state is walked one decoder layer at a time (then what is left: embeddings, final norm,
+output head): each tensor of the bucket is gathered from its shards (`DTensor.full_tensor`, a
+collective every rank joins; a rank other than 0 drops it at once), and rank 0 converts the bucket
+(Hugging Face names and layouts for vLLM, block-FP8 where the engine runs FP8), writes it as one
+safetensors file and frees it before the next. No rank ever holds more than one layer of the full
+model. The folder is sealed as every weight folder is (manifest last, renamed in).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from prl.model.weights import commit_dir, prune_versions, save_tensors, tmp_dir_for, version_dir
+
+LAYER = re.compile(r"\blayers\.(\d+)\.")
+
+
+def buckets(names: list[str]) -> list[list[str]]:
+    """Names grouped by decoder layer, in layer order, then the rest (kept in their order)."""
+    layers: dict[int, list[str]] = {}
+    rest = []
+    for name in names:
+        m = LAYER.search(name)
+        (layers.setdefault(int(m.group(1)), []) if m else rest).append(name)
+    return [layers[i] for i in sorted(layers)] + ([rest] if rest else [])
+
+
+def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().to("cpu", copy=True) if keep else None
+
+
+def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: list[str] | None) -> dict:
+    if hf_format:
+        from prl.model.hf_format import to_checkpoint_format
+
+        part = to_checkpoint_format(model, part)
+    names = [n for n in fp8_names or [] if n in part]
+    if names:
+        from prl.model.fp8_checkpoint import quantize_state_dict
+
+        part = quantize_state_dict(part, names)
+    return part
+
+
+def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None,
+            hf_format: bool = False) -> Path | None:
+    """Seal weights vN (every rank calls; rank 0 writes and returns the folder); versions beyond
+    `keep` are pruned. `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads),
+    else the model's in-memory names (what the embedded engine copies in). `fp8_names`: published
+    block-FP8."""
+    state = get_model_state_dict(model)  # this rank's shards, nothing gathered
+    rank0 = dist.get_rank() == 0
+    final = version_dir(root, version)
+    tmp = tmp_dir_for(final) if rank0 else None
+    for i, names in enumerate(buckets(list(state))):
+        part = {name: gathered(state[name], rank0) for name in names}
+        if rank0:
+            save_tensors(tmp / f"model-{i:05d}.safetensors", converted(model, part, hf_format, fp8_names))
+        del part
+    if not rank0:
+        return None
+    path = commit_dir(tmp, final, {"version": version, "format": "hf" if hf_format else "memory"})
+    prune_versions(root, keep)
+    return path

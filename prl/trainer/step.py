@@ -1,0 +1,56 @@
+"""One rank's share of a training step: forward and backward over its micro-batches.
+
+Kept apart from the trainer's process wiring so tests can run exactly this under any parallel
+layout and compare losses and gradients. Rules: the loss is normalised by the loss tokens of the
+whole step across all ranks (FSDP then averages gradients over ranks, hence the `world` factor);
+logprobs come from the chunked head (`prl.trainer.head`), never from full logits; with R3 the
+micro-batch's routing is replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from prl.recipe.schema import TrainerCfg
+from prl.trainer import context_parallel as cp
+from prl.trainer import head
+from prl.trainer.context_parallel import local_slice
+from prl.trainer.loss import rl_loss, sft_loss
+from prl.transport.batch import MicroBatch
+
+
+def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
+                     device: torch.device, seq=None) -> dict[str, float]:
+    """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
+    With context parallelism (`seq`), this rank computes its slice of each micro-batch."""
+    rows = [local_slice(mb, seq) if seq is not None else (mb, None, 0) for mb in mbs]
+    local_tokens = torch.tensor(float(sum(mb.loss_tokens for mb, _, _ in rows)), device=device)
+    dist.all_reduce(local_tokens)
+    scale = dist.get_world_size() / max(float(local_tokens), 1.0)  # FSDP averages gradients over ranks
+    totals: dict[str, torch.Tensor] = {}
+    for mb, segments, offset in rows:
+        mb = MicroBatch(**{k: None if v is None else v.to(device) for k, v in vars(mb).items()})
+        # the replayed ids and the CP row stay set through backward: activation checkpointing reruns
+        # the routers and the attention there
+        with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
+              cp.sequence(seq, segments.to(device), offset) if seq is not None else contextlib.nullcontext()):
+            with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens):
+                out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+            logp = out.logits[0, :, 0]
+            loss_sum, stats = rl_loss(logp, mb, tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
+            if replay:
+                stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, replay.agreement())
+            (loss_sum * scale).backward()
+            if replay:
+                replay.agreement()  # what the recomputation counted again
+        stats["loss_sum"] = loss_sum.detach()
+        stats["tokens"] = torch.tensor(float(mb.input_ids.numel()))
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0) + v.detach().float().to(device)
+    keys = sorted(totals)
+    packed = torch.stack([totals[k] for k in keys])
+    dist.all_reduce(packed)
+    return dict(zip(keys, packed.tolist()))

