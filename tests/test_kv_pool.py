@@ -140,7 +140,7 @@ def test_a_run_with_a_kv_pool_starts_its_master_and_servers_reuse_each_others_pr
     for e in events(run_dir, "server"):
         last[e["name"]] = e
     assert set(last) == {"inference-0", "inference-1"}
-    assert all(m["pool_stored_chunks"] > 0 for m in last.values()), last
+    assert all(m["pool_stored_chunks"] > 0 and m["pool_errors"] == 0 for m in last.values()), last
     assert sum(m["pool_hit_tokens"] for m in last.values()) > 0, "no prompt chunk came from the pool"
     assert "joined the KV pool" in (run_dir / "logs" / "inference-1.log").read_text()
     assert_nothing_left(run_dir)
@@ -176,7 +176,7 @@ def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp
 
     from test_pretrained import make_pretrained
     from test_vllm import make, ready, reference_logprobs, req
-    from vllm_rig import SERVER_ARGS, start_server
+    from vllm_rig import SERVER_ARGS, pin_to_core, start_server
 
     from prl.inference.kv_master import MasterAddress, master_command
     from prl.model.build import build_model
@@ -190,8 +190,9 @@ def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp
     try:
         for i in range(2):
             servers.append(start_server(tmp_path / f"s{i}", folder, inference__vllm=SERVER_ARGS, inference__kv_pool=pool))
-        for s in servers:
+        for i, s in enumerate(servers):
             asyncio.run(ready(make(s)))
+            pin_to_core(s, i)
         prompt = [(7 * i) % 40 + 3 for i in range(100)]  # 3 full blocks of 32 before the last token
 
         async def go(s, salt_version=None):
@@ -205,8 +206,22 @@ def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp
             finally:
                 await b.close()
 
+        async def stored_by_first():  # vLLM's connector puts after the request returns
+            while (await metrics(servers[0])).pool_stored_chunks < 3:
+                await asyncio.sleep(0.2)
+
+        async def metrics(s):
+            b = make(s)
+            try:
+                return await b.metrics()
+            finally:
+                await b.close()
+
         first, hits0 = asyncio.run(go(servers[0]))
+        asyncio.run(asyncio.wait_for(stored_by_first(), 300))
         second, hits1 = asyncio.run(go(servers[1]))
+        errors = [asyncio.run(metrics(s)).pool_errors for s in servers]
+        assert errors == [0, 0], f"Mooncake store operations failed: {errors} (see the servers' logs)"
         assert hits0 == 0 and hits1 == 96, "the second server loaded the first one's three prompt blocks"
         ref = reference_logprobs(build_model(folder), prompt, second.token_ids)
         torch.testing.assert_close(torch.tensor(second.logprobs), ref, atol=2e-4, rtol=0)
@@ -239,6 +254,7 @@ def test_prefill_and_decode_servers_split_the_work_through_the_pool(tmp_path):
     prefill, decode = last["inference-0"], last["inference-1"]
     assert prefill["generated_tokens"] == 0 and prefill["pool_stored_chunks"] > 0, prefill
     assert decode["pool_hit_tokens"] > 0 and decode["generated_tokens"] > 0, decode
+    assert prefill["pool_errors"] == decode["pool_errors"] == 0, (prefill, decode)
     assert decode["prefill_tokens"] < decode["prompt_tokens"], "the decode server computed only prompt tails"
     steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in steps] == [0, 1, 2]

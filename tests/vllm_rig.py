@@ -92,3 +92,17 @@ def start_server(run_root: Path, model_path: Path, backend: str = "vllm", **reci
                             start_new_session=True)
     cfg = next(c for c in configs if c.role == "inference")
     return Server(f"http://{cfg.host}:{cfg.port}", cfg.secret(), run_dir, proc, cfg)
+
+
+def pin_to_core(server: Server, core: int) -> None:
+    """Every thread of a started server's process tree onto one core. Two vLLM servers on 2 cores
+    each spin two threads while a KV load is in flight (the worker's shm busy-loop, the Mooncake
+    receive poll); under gVisor the peer whose transfer thread must answer then got no CPU for the
+    whole 60 s transfer timeout. A host that runs several servers gives each its own cores anyway."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    root = psutil.Process(server.proc.pid)
+    for proc in [root, *root.children(recursive=True)]:
+        for thread in proc.threads():
+            os.sched_setaffinity(thread.id, {cores[core % len(cores)]})

@@ -143,3 +143,5 @@ class Metrics(Msg):
     busy_s: float
     pool_hit_tokens: int = 0  # prompt tokens loaded from the KV pool instead of computed
     pool_stored_chunks: int = 0
+    pool_errors: int = 0  # failed store operations (each falls back to computing the prompt)
+    pool_full: int = 0  # chunks not stored because the pool was full

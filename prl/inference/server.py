@@ -153,6 +153,8 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
             prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
             pool_hit_tokens=core.pool.stats.hit_tokens if core.pool else 0,
             pool_stored_chunks=core.pool.stats.stored_chunks if core.pool else 0,
+            pool_errors=core.pool.stats.errors if core.pool else 0,
+            pool_full=core.pool.stats.full if core.pool else 0,
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)), busy_s=st.busy_s,
         )
 

@@ -221,6 +221,10 @@ class VllmBackend(InferenceBackend):
             prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)),
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
+            pool_stored_chunks=int(sum(v for lab, v in labelled(r.text, "vllm:mooncake_store_operation_keys_total")
+                                       if lab.get("operation") == "save_put" and lab.get("status") == "ok")),
+            pool_errors=int(sum(v for lab, v in labelled(r.text, "vllm:mooncake_store_operation_total")
+                                if lab.get("status") != "ok")),
             tokens_per_s=self.rate(generated), busy_frac=0.0, busy_s=0.0,
         )
 
@@ -253,6 +257,21 @@ def to_routing(rows) -> Routing:
 
     return encode_routing(torch.from_numpy(np.ascontiguousarray(rows.astype(np.uint8 if rows.max(initial=0) < 256
                                                                            else np.int16))))
+
+
+def labelled(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of metric `name` with its labels, from Prometheus text format."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels, _, value = line[len(name) + 1:].rpartition("} ")
+        pairs = (item.split("=", 1) for item in labels.split('",') if "=" in item)
+        try:
+            out.append(({k.strip(): v.strip().strip('"') for k, v in pairs}, float(value)))
+        except ValueError:
+            continue
+    return out
 
 
 def prometheus_values(text: str) -> dict[str, float]:

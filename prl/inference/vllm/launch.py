@@ -119,7 +119,10 @@ def join_pool(cfg: ProcessConfig) -> dict[str, str]:
     path = Path(cfg.run_dir) / "config" / f"{cfg.name}-mooncake.json"
     path.write_text(json.dumps(vllm_store_config(addr, cfg.host, cfg.recipe.inference.kv_pool.memory_gb)))
     print(f"{cfg.name}: KV pool at {addr.master} ({path})", flush=True)
-    return {"MOONCAKE_CONFIG_PATH": str(path), "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+    # vLLM's connector ignores the config's local_hostname and advertises the address of the default
+    # route unless told; peers read this server's segment there, so it must be the placed address.
+    return {"MOONCAKE_CONFIG_PATH": str(path), "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+            "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": cfg.host}
 
 
 if __name__ == "__main__":
