@@ -303,3 +303,25 @@ def test_placement_errors_name_the_key(tmp_path, extra, words):
     bad.write_text("[cluster]\n[[cluster.hosts]]\naddress = '10.0.0.1'\nname = 'a'\ngpus = 8\n" + extra)
     p = subprocess.run(prl_cmd("run", bad, "--dry-run"), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and all(w in p.stderr for w in words), p.stderr
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_staging_links_checkpoints_to_the_shared_folder(tmp_path, resume):
+    """A trainer host's `checkpoints` becomes a link to the shared folder. A resumed run whose
+    `checkpoints` is still a folder of its own (shared checkpoints turned on for the resume) moves
+    its checkpoints into the shared folder first, instead of linking inside it; a new run empties it."""
+    from prl.launch.cluster import link_checkpoints
+    from prl.launch.hosts import LocalHost
+
+    local, shared = tmp_path / "work" / "checkpoints", tmp_path / "shared" / "run"
+    local.parent.mkdir()
+    if resume:  # a new run's work folder was emptied by `stage` before this
+        (local / "step_2").mkdir(parents=True)
+        (local / "step_2" / "MANIFEST.json").write_text("{}")
+    (shared / "step_0").mkdir(parents=True)
+    r = LocalHost().run(link_checkpoints(str(local), str(shared), resume))
+    assert r.code == 0, r.stderr
+    assert local.is_symlink() and local.resolve() == shared.resolve()
+    assert sorted(p.name for p in shared.iterdir()) == (["step_0", "step_2"] if resume else [])
+    r = LocalHost().run(link_checkpoints(str(local), str(shared), True))  # again: the link stays one link
+    assert r.code == 0 and local.is_symlink() and not (shared / "run").exists(), r.stderr

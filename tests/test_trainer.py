@@ -2,8 +2,10 @@
 weights; checkpoints (sharded or full) are sealed, resume on another number of ranks, and a damaged
 one is refused by name."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,48 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, fmt, first, then):
     b, _ = read_weights(resumed / "weights" / "v4")
     # 2 ranks and 1 agree to rounding (token-normalised loss); the same layout exactly
     assert max((a[k] - b[k]).abs().max().item() for k in a) < (1e-6 if first == then else 1e-5)
+
+
+def dist_ckpt(tmp_path, mode: str, root0, root1) -> list[dict]:
+    out = tmp_path / f"{mode}-out"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(Path(__file__).parent / "dist_ckpt.py"), mode, str(root0), str(root1), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_sharded_checkpoint_where_each_rank_has_its_own_path_to_a_shared_folder(tmp_path):
+    """Rank 1 reaches the checkpoint folder by another path (as a host with another workdir does):
+    every rank writes into the same folder (rank 0 sends the folder's name, not its path), each rank
+    hashes its own shard, and a resume on the same two paths restores the weights; a damaged shard
+    that rank 1 hashes is reported by name on every rank."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    other = tmp_path / "host1"
+    other.mkdir()
+    (other / "checkpoints").symlink_to(shared)
+    saved = dist_ckpt(tmp_path, "save", shared, other / "checkpoints")
+    assert "error" not in saved[0], saved
+    step = shared / "step_5"
+    assert sorted(p.name for p in step.iterdir()) == [".metadata", "MANIFEST.json", "__0_0.distcp", "__1_0.distcp"]
+    loaded = dist_ckpt(tmp_path, "load", shared, other / "checkpoints")
+    assert [r.get("step") for r in loaded] == [5, 5], loaded
+    assert loaded[0]["sum"] == pytest.approx(saved[0]["sum"], abs=1e-5)
+    shard = step / "__0_0.distcp"  # sorted files [.metadata, __0_0, __1_0]: rank 1 hashes __0_0
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    broken = dist_ckpt(tmp_path, "load", shared, other / "checkpoints")
+    assert all("__0_0.distcp" in r.get("error", "") and "corrupted" in r["error"] for r in broken), broken
+
+
+def test_sharded_checkpoint_across_unshared_folders_is_refused_before_writing(tmp_path):
+    """Each rank's checkpoint folder is its own (trainer hosts without a shared folder): every rank
+    raises the same error naming the rank that cannot see rank 0's folder, and nothing is left."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    results = dist_ckpt(tmp_path, "save", a, b)
+    for r in results:
+        assert "CheckpointError" in r.get("error", "") and "rank 1" in r["error"], results
+        assert "cluster.shared_checkpoints" in r["error"]
+    assert not any(a.iterdir()) and not any(b.rglob("*.distcp")), "nothing was written"

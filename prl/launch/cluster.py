@@ -73,13 +73,20 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: 
     q = shlex.quote
     clear = (f"mkdir -p {q(remote_dir)} && find {q(remote_dir)} -mindepth 1 -maxdepth 1 ! -name checkpoints "
              f"-exec rm -rf {{}} +" if resume else f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)}")
-    link = ""
-    if shared:
-        fresh = "" if resume else f"rm -rf {q(shared)} && "
-        link = f" && {fresh}mkdir -p {q(shared)} && ln -sfn {q(shared)} {q(remote_dir + '/checkpoints')}"
+    link = f" && {link_checkpoints(remote_dir + '/checkpoints', shared, resume)}" if shared else ""
     r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}{link}")
     if r.code:
         raise HostError(f"{host.name}: could not unpack the run files into {remote_dir}: {r.stderr.strip()}")
+
+
+def link_checkpoints(local: str, shared: str, resume: bool) -> str:
+    """The shell that makes `local` (a trainer host's `checkpoints`) a link to `shared`. A new run
+    empties `shared`; a resumed one whose `local` is still a folder of its own (the run turned
+    `cluster.shared_checkpoints` on) first copies what it holds into `shared`, keeping what is there."""
+    q = shlex.quote
+    fresh = "" if resume else f"rm -rf {q(shared)} && "
+    adopt = f"if [ -d {q(local)} ] && [ ! -L {q(local)} ]; then cp -a -n {q(local)}/. {q(shared)}/ && rm -rf {q(local)}; fi"
+    return f"{fresh}mkdir -p {q(shared)} && {adopt} && ln -sfn {q(shared)} {q(local)}"
 
 
 def write_local(configs: list[ProcessConfig], run_dir: Path) -> None:

@@ -44,13 +44,21 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def commit_dir(tmp: Path, final: Path, meta: dict) -> Path:
-    """Seal `tmp` with a manifest and rename it to `final` (atomic on one filesystem)."""
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry (size and sha256), after it is synced to disk."""
+    _fsync(path)
+    return {"size": path.stat().st_size, "sha256": sha256(path)}
+
+
+def commit_dir(tmp: Path, final: Path, meta: dict, known: dict[str, dict] | None = None) -> Path:
+    """Seal `tmp` with a manifest and rename it to `final` (atomic on one filesystem). `known`: entries
+    other processes already took (each rank hashes its own shard); a file whose size differs from
+    its known entry is hashed again."""
     files = {}
     for p in sorted(tmp.iterdir()):
         if p.is_file() and p.name != MANIFEST:
-            _fsync(p)
-            files[p.name] = {"size": p.stat().st_size, "sha256": sha256(p)}
+            entry = (known or {}).get(p.name)
+            files[p.name] = entry if entry and entry["size"] == p.stat().st_size else file_entry(p)
     (tmp / MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=1))
     _fsync(tmp / MANIFEST)
     if final.exists():
@@ -68,8 +76,9 @@ def tmp_dir_for(final: Path) -> Path:
     return tmp
 
 
-def verify_dir(path: Path) -> dict:
-    """Return the manifest after checking every file's size and hash; raise naming what is wrong."""
+def verify_dir(path: Path, hash_only: set[str] | None = None) -> dict:
+    """Return the manifest after checking every file's size and hash; raise naming what is wrong.
+    `hash_only`: hash just these files (the rest by size), where ranks share the hashing."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CorruptWeightsError(f"{path}: no {MANIFEST}; the folder is incomplete (interrupted write?)")
@@ -84,7 +93,7 @@ def verify_dir(path: Path) -> dict:
             raise CorruptWeightsError(f"{f}: listed in the manifest but missing")
         if f.stat().st_size != want["size"]:
             raise CorruptWeightsError(f"{f}: size {f.stat().st_size} != {want['size']} in the manifest (truncated?)")
-        if sha256(f) != want["sha256"]:
+        if (hash_only is None or name in hash_only) and sha256(f) != want["sha256"]:
             raise CorruptWeightsError(f"{f}: sha256 does not match the manifest (corrupted)")
     return manifest
 

@@ -14,6 +14,9 @@ refused with the name of the damaged file:
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import socket
 import warnings
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from prl.model.weights import (
     WEIGHTS_FILE,
     CorruptWeightsError,
     commit_dir,
+    file_entry,
     latest_checkpoint,
     save_tensors,
     tmp_dir_for,
@@ -43,6 +47,7 @@ from prl.model.weights import (
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 OPTIM_FILE = "optim.pt"
+SHARE_TOKEN = ".prl-share-check"
 
 
 def full_model_state(model) -> dict[str, torch.Tensor]:
@@ -73,46 +78,126 @@ def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int,
     return commit_dir(tmp, final, {**meta, "format": "full"})
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read where this run put it; the message says why."""
+
+
+def shard_file(rank: int) -> str:
+    """The file `torch.distributed.checkpoint` writes for one rank (`single_file_per_rank`)."""
+    return f"__{rank}_0.distcp"
+
+
 def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
-    """Every rank writes its shards into one temporary folder (rank 0 names it); rank 0 seals it
+    """Every rank writes its shards into one temporary folder (rank 0 makes it and sends its name;
+    each rank finds it under its own path to the checkpoint folder, which must be the same shared
+    folder: checked before anything is written) and hashes its own file; rank 0 seals the folder
     once DCP's closing collective says every rank's files and the metadata are written."""
-    tmp = [str(tmp_dir_for(final)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(tmp, src=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = _shared_tmp(final)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, storage_writer=FileSystemWriter(tmp[0], single_file_per_rank=True, sync_files=True))
-    if dist.get_rank() != 0:
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
+    own = tmp / shard_file(rank)
+    entries: list = [None] * world
+    dist.all_gather_object(entries, {own.name: file_entry(own)} if own.is_file() else {})
+    if rank != 0:
         return None
-    return commit_dir(Path(tmp[0]), final, {**meta, "format": "dcp", "ranks": dist.get_world_size()})
+    known = {name: entry for part in entries for name, entry in part.items()}
+    missing = [r for r in range(world) if shard_file(r) not in known or not (tmp / shard_file(r)).is_file()]
+    if missing:
+        raise CheckpointError(f"{final}: the shards of ranks {missing} are not in the checkpoint folder")
+    return commit_dir(tmp, final, {**meta, "format": "dcp", "ranks": world}, known=known)
+
+
+def _shared_tmp(final: Path) -> Path:
+    """The temporary folder every rank writes into: rank 0 makes it with a token file, every rank
+    reads the token under its own path. A rank that cannot is on a host that does not share the
+    checkpoint folder: every rank raises the same error, before any shard is written."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sent = [None]
+    if rank == 0:
+        tmp = tmp_dir_for(final)
+        token = secrets.token_hex(16)
+        (tmp / SHARE_TOKEN).write_text(token)
+        sent = [(tmp.name, token)]
+    dist.broadcast_object_list(sent, src=0)
+    name, token = sent[0]
+    tmp = final.parent / name
+    try:
+        seen = (tmp / SHARE_TOKEN).read_text() == token
+    except OSError:
+        seen = False
+    views: list = [None] * world
+    dist.all_gather_object(views, (seen, socket.gethostname(), str(final.parent)))
+    blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(views) if not ok]
+    if blind:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"sharded checkpoint {final.name}: {', '.join(blind)} cannot see rank 0's checkpoint folder on "
+            f"{views[0][1]}: the trainer hosts do not share it. Set cluster.shared_checkpoints to a folder every "
+            f"trainer host mounts, or trainer.checkpoint_format = \"full\"")
+    dist.barrier()  # every rank has read the token
+    if rank == 0:
+        (tmp / SHARE_TOKEN).unlink()
+    return tmp
 
 
 def load_checkpoint(model, optimizer, root: Path) -> dict | None:
     """Restore the newest checkpoint into (model, optimizer); returns its meta or None.
 
-    Rank 0 picks the checkpoint and checks every file's hash, then tells the other ranks. A sharded
-    one every rank loads its own shards from; a full one rank 0 alone reads and broadcasts."""
-    info = [_pick_checkpoint(root) if dist.get_rank() == 0 else None]
+    Rank 0 picks the checkpoint and checks it: a full one (which rank 0 alone reads and broadcasts)
+    every file's hash; a sharded one (every rank reads the shards it needs) the sizes, with the
+    hashing shared out between the ranks. Every rank raises the same error for a damaged one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = [_pick_checkpoint(root, world) if rank == 0 else None]
     dist.broadcast_object_list(info, src=0)
     if info[0] is None:
         return None
+    if "error" in info[0]:
+        raise CorruptWeightsError(info[0]["error"])
     if info[0]["format"] == "dcp":
+        _verify_share(Path(info[0]["path"]), info[0]["files"], rank, world)
         _load_sharded(model, optimizer, Path(info[0]["path"]))
         return info[0]
-    model_state, optim_state = _read_full(Path(info[0]["path"])) if dist.get_rank() == 0 else ({}, {})
+    model_state, optim_state = _read_full(Path(info[0]["path"])) if rank == 0 else ({}, {})
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, model_state, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
     return info[0]
 
 
-def _pick_checkpoint(root: Path) -> dict | None:
-    """The newest sealed checkpoint under `root`, verified: step, data position, path, format."""
+def _pick_checkpoint(root: Path, world: int) -> dict | None:
+    """The newest sealed checkpoint under `root` with its step, data position, path and format,
+    checked as far as rank 0's part goes; {"error": why} where it is damaged."""
     found = latest_checkpoint(root)
     if not found:
         return None
     path, _ = found
-    manifest = verify_dir(path)
+    try:
+        manifest = verify_dir(path, hash_only=set())
+        files = sorted(manifest["files"])
+        sharded = manifest.get("format") == "dcp"
+        verify_dir(path, hash_only=set(files[0::world]) if sharded else None)
+    except CorruptWeightsError as e:
+        return {"error": str(e)}
     return {"step": manifest["step"], "data_position": manifest["data_position"], "path": str(path),
-            "format": manifest.get("format", "full")}
+            "format": manifest.get("format", "full"), "files": files}
+
+
+def _verify_share(path: Path, files: list[str], rank: int, world: int) -> None:
+    """Ranks 1.. hash their share of a sharded checkpoint's files (rank 0 did its own in
+    `_pick_checkpoint`); every rank raises the first error any rank found."""
+    error = None
+    if rank != 0:
+        try:
+            verify_dir(path, hash_only=set(files[rank::world]))
+        except CorruptWeightsError as e:
+            error = str(e)
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CorruptWeightsError(first)
 
 
 def _load_sharded(model, optimizer, path: Path) -> None:
