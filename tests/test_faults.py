@@ -158,3 +158,30 @@ def test_a_process_past_its_restarts_stops_the_run(tmp_path):
     assert proc.returncode == 1, out
     assert "inference-0" in out and "after 1 restarts of inference-0 (run.max_restarts = 1)" in out
     assert_nothing_left(run_dir)
+
+
+def test_kv_master_killed_mid_run_costs_only_recomputation(tmp_path):
+    """`inference.kv_pool` on 2 servers: SIGKILL of `mooncake_master` after a random RL step. The
+    master is restarted like any process; the servers' store clients reconnect to it (Mooncake
+    mounts their memory again), so the pool serves prompts again after the restart, and any store
+    operation that failed meanwhile only cost recomputation (`pool_errors`). The run finishes every
+    step with the usual checks."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    at = fault_rng("kv-master").randrange(2, 12)
+    print(f"SIGKILL kv-master after RL step {at}")
+    proc = start(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
+                 "--set", "inference.kv_pool.memory_gb=0.05", "--set", "inference.num_servers=2")
+    run_dir = tmp_path / "reverse-tiny"
+    wait_for(run_dir, proc, rl_step_reached(at))
+    os.kill(pid_of(run_dir, "kv-master"), signal.SIGKILL)
+    wait_for(run_dir, proc, restarted("kv-master"))
+    finish(proc, run_dir)
+    evs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    restart = next(i for i, e in enumerate(evs) if e["kind"] == "restart" and e["name"] == "kv-master")
+    before, last = {}, {}
+    for i, e in enumerate(evs):
+        if e["kind"] == "server":
+            (before if i < restart else last)[e["name"]] = e
+    print({n: {k: v for k, v in m.items() if k.startswith("pool_")} for n, m in last.items()})
+    hits = lambda ms: sum(m["pool_hit_tokens"] for m in ms.values())  # noqa: E731
+    assert hits(last) > hits(before), "the pool served prompts again after the master's restart"

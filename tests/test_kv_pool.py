@@ -14,6 +14,7 @@ from vllm_rig import needs_vllm
 
 pytestmark = pytest.mark.slow
 CHUNK = 16
+OPEN = []  # pool clients, closed before their master stops
 
 
 def free_port() -> int:
@@ -38,6 +39,8 @@ def master():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
     proc, addr = start_master()
     yield addr
+    while OPEN:  # clients left open after their master goes retry it until the interpreter exits
+        OPEN.pop().close()
     proc.terminate()
     proc.wait(30)
 
@@ -57,6 +60,7 @@ def engine(model_dir, addr, run="run-a", capture=True):
 
     pool = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname="127.0.0.1",
                           segment_bytes=32 << 20, run=run, chunk_tokens=CHUNK)
+    OPEN.append(pool)
     return EngineCore(build_model(model_dir, seed=1), capture_routing=capture, prefix_cache_entries=0, pool=pool)
 
 
@@ -78,6 +82,7 @@ def test_a_second_server_loads_the_prompt_kv_the_first_computed(model_dir, maste
     generate(a, [4, 5, 6])  # each engine's first prefill learns its cache layout (never pooled)
     generate(b, [4, 5, 7])
     first = generate(a, PROMPT)
+    a.pool.flush()
     assert a.pool.stats.stored_chunks >= 3
     before = b.stats.prefill_tokens
     second = generate(b, PROMPT)
@@ -93,14 +98,54 @@ def test_a_second_server_loads_the_prompt_kv_the_first_computed(model_dir, maste
     assert b.pool.stats.hit_tokens - hits == CHUNK
 
 
+def test_a_prefill_only_request_answers_once_its_chunks_are_in_the_pool(model_dir, master):
+    """P/D: the prefill server's sequence reports what it left in the pool, under its version, only
+    after the puts are done: a decode server looking right after (no flush) finds every chunk, and
+    its sampled tokens, logprobs and routing are one server's for the same seed."""
+    from prl.inference.engine import SamplingParams, Sequence
+
+    a, b = engine(model_dir, master, run="run-pd"), engine(model_dir, master, run="run-pd")
+    generate(a, [4, 5, 6])
+    generate(b, [4, 5, 7])
+    a.version = b.version = 2
+    seq = Sequence(list(PROMPT), SamplingParams(max_tokens=1))
+    seq.prefill_only = True
+    a.add(seq)
+    while seq.finish_reason is None:
+        a.step()
+    assert seq.finish_reason == "prefill" and not seq.out_ids
+    assert seq.pooled == (2, 3 * CHUNK), "three full chunks; the last token is the decode server's"
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=11)
+    decoded = Sequence(list(PROMPT), sampled, generator=torch.Generator().manual_seed(11))  # as the server seeds it
+    b.add(decoded)
+    while decoded.finish_reason is None:
+        b.step()
+    assert b.pool.stats.hit_tokens == 3 * CHUNK
+    # one server alone (no pool), same weights and seed: the same tokens and logprobs
+    from prl.inference.engine import EngineCore
+    from prl.model.build import build_model
+
+    alone = EngineCore(build_model(model_dir, seed=1), capture_routing=True, prefix_cache_entries=0)
+    alone.version = 2
+    whole = Sequence(list(PROMPT), sampled, generator=torch.Generator().manual_seed(11))
+    alone.add(whole)
+    while whole.finish_reason is None:
+        alone.step()
+    assert decoded.out_ids == whole.out_ids
+    torch.testing.assert_close(torch.tensor(decoded.logprobs), torch.tensor(whole.logprobs), atol=1e-5, rtol=0)
+    assert torch.equal(decoded.prompt_routing, whole.prompt_routing)
+
+
 def test_another_version_never_matches(model_dir, master):
     a, b = engine(model_dir, master, run="run-v"), engine(model_dir, master, run="run-v")
     generate(a, [4, 5, 6])
     generate(b, [4, 5, 7])
     generate(a, PROMPT)
+    a.pool.flush()
     b.version = 3  # as after loading weights v3: the chunks a computed under -1 are not v3's
     generate(b, PROMPT)
     assert b.pool.stats.hit_tokens == 0
+    b.pool.flush()
     a.version = 3
     generate(a, PROMPT)
     assert a.pool.stats.hit_tokens == 3 * CHUNK, "b pooled them under v3"
@@ -113,6 +158,7 @@ def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
         a = engine(model_dir, addr, run="run-d")
         generate(a, [4, 5, 6])
         reference = generate(a, PROMPT)
+        a.pool.flush()
     finally:
         proc.kill()
         proc.wait(30)
@@ -121,6 +167,8 @@ def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
     assert again.finish_reason is not None and len(again.out_ids) == len(reference.out_ids)
     assert a.pool.stats.errors >= 1 and not a.pool.usable(), "the pool is off for a while"
     assert again.out_ids == reference.out_ids
+    OPEN.remove(a.pool)
+    a.pool.close()
 
 
 def test_a_run_with_a_kv_pool_starts_its_master_and_servers_reuse_each_others_prompt_kv(tmp_path):
@@ -255,7 +303,32 @@ def test_prefill_and_decode_servers_split_the_work_through_the_pool(tmp_path):
     assert prefill["generated_tokens"] == 0 and prefill["pool_stored_chunks"] > 0, prefill
     assert decode["pool_hit_tokens"] > 0 and decode["generated_tokens"] > 0, decode
     assert prefill["pool_errors"] == decode["pool_errors"] == 0, (prefill, decode)
+    assert not events(run_dir, "prefill_skipped"), "every prefill was answered"
     assert decode["prefill_tokens"] < decode["prompt_tokens"], "the decode server computed only prompt tails"
     steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in steps] == [0, 1, 2]
     assert_nothing_left(run_dir)
+
+
+def test_doctor_and_preflight_run_mooncake_not_just_find_it(tmp_path):
+    """The KV-pool check runs the store client's import (it links libibverbs) and the packaged
+    `mooncake_master`, with the host's Python: ours passes; one without Mooncake fails naming it."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import sys
+
+    from prl.inference.kv_master import MOONCAKE_PROBE, probe_mooncake
+    from prl.launch.doctor import package_check
+    from prl.launch.hosts import LocalHost
+    from prl.recipe.schema import ClusterCfg
+
+    assert probe_mooncake() is None
+    bare = tmp_path / "bare-python"  # an interpreter that cannot see this venv's packages
+    bare.write_text(f"#!/bin/sh\nexec {sys.base_prefix}/bin/python3 -S \"$@\"\n")
+    bare.chmod(0o755)
+    assert "mooncake" in probe_mooncake(str(bare))
+    ok = package_check(LocalHost(), ClusterCfg(hosts=[{"address": "127.0.0.1"}], python=sys.executable),
+                       "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE)
+    assert ok.ok and "mooncake_master version" in ok.detail, ok
+    bad = package_check(LocalHost(), ClusterCfg(hosts=[{"address": "127.0.0.1"}], python=str(bare)),
+                        "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE)
+    assert not bad.ok and "No module named 'mooncake'" in bad.detail and "cluster.extras" in bad.detail, bad

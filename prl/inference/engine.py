@@ -55,6 +55,7 @@ class Sequence:
     admitted_at_step: int = -1
     aborted: bool = False  # its client went away: dropped at the next step
     prefill_only: bool = False  # P/D: compute the prompt's KV into the pool, generate nothing
+    pooled: tuple[int, int] = (0, 0)  # (weights version, prompt tokens) its prefill left in the KV pool
     prompt_routing: torch.Tensor | None = None  # [prompt tokens, MoE layers, k] when capturing
     routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
 
@@ -206,7 +207,8 @@ class EngineCore:
         seq.prompt_routing = routing
         self.stats.prefill_tokens += seq.length - pooled * (self.pool.chunk if self.pool else 0)
         if self.pool is not None:
-            self.pool.put(self.version, seq.prompt_ids, out.cache, routing, skip=pooled)
+            stored = self.pool.put(self.version, seq.prompt_ids, out.cache, routing, skip=pooled, wait=seq.prefill_only)
+            seq.pooled = (self.version, stored * self.pool.chunk)
         if self.prefix_cache_entries:
             self.prefix[key] = (clone_cache(out.cache), logits, seq.prompt_routing)
             if len(self.prefix) > self.prefix_cache_entries:
@@ -221,6 +223,8 @@ class EngineCore:
         if chunks and self.capture is not None and routing_before is None:
             chunks, cache = [], None  # pooled by a server that did not capture routing: compute it all
         done = len(chunks) * self.pool.chunk if chunks else 0
+        if done:
+            self.pool.stats.hit_tokens += done
         ids = torch.tensor([prompt[done:]], device=self.device)
         if done:
             pos = torch.arange(done, len(prompt), device=self.device)[None]

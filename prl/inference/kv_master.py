@@ -38,6 +38,28 @@ def master_command(addr: MasterAddress, python: str = sys.executable) -> list[st
             "--client_ttl=10"]
 
 
+# What a host needs for the KV pool, run by its Python: the store client imports (it links libibverbs,
+# even over TCP) and the packaged `mooncake_master` runs. Prints the master's version line.
+MOONCAKE_PROBE = (
+    "import os, subprocess, mooncake, mooncake.store\n"
+    "b = os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master')\n"
+    "r = subprocess.run([b, '--version'], capture_output=True, text=True, timeout=60)\n"
+    "print((r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr).strip() else '')\n"
+    "raise SystemExit(r.returncode)\n"
+)
+
+
+def probe_mooncake(python: str = sys.executable) -> str | None:
+    """None when this machine's `python` can run the KV pool, else why not (last lines of the error)."""
+    import subprocess
+
+    try:
+        r = subprocess.run([python, "-c", MOONCAKE_PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return None if r.returncode == 0 else (r.stderr.strip() or r.stdout.strip())[-400:]
+
+
 def healthy(addr: MasterAddress, timeout: float = 2.0) -> bool:
     import httpx
 

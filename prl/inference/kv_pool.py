@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 import time
 from array import array
 from dataclasses import dataclass
@@ -51,13 +53,16 @@ class PoolStats:
     stored_chunks: int = 0
     full: int = 0  # puts refused: the pool was full
     errors: int = 0  # store errors (the pool was turned off for a while after each)
+    dropped: int = 0  # chunks not put because the put queue was full (the store is slower than prefill)
 
 
 class KvPool:
-    def __init__(self, store, run: str, chunk_tokens: int, retry_s: float = 30.0):
+    def __init__(self, store, run: str, chunk_tokens: int, retry_s: float = 30.0, queue_depth: int = 64):
         self.store, self.run, self.chunk, self.retry_s = store, run, chunk_tokens, retry_s
         self.stats = PoolStats()
         self.off_until = 0.0
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_depth)  # prompts whose chunks wait for a put
+        self.worker: threading.Thread | None = None
 
     @classmethod
     def connect(cls, *, master: str, metadata: str, hostname: str, segment_bytes: int, run: str,
@@ -74,7 +79,14 @@ class KvPool:
         return cls(store, run, chunk_tokens)
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.jobs.put(None)
+            self.worker.join(60)
         self.store.close()
+
+    def flush(self) -> None:
+        """Wait until every queued put is done (tests; a server never waits)."""
+        self.jobs.join()
 
     def usable(self) -> bool:
         return time.monotonic() >= self.off_until
@@ -105,7 +117,6 @@ class KvPool:
             if blob is None:
                 break
             chunks.append(blob)
-        self.stats.hit_tokens += len(chunks) * self.chunk
         return chunks
 
     def read(self, key: str) -> dict[str, torch.Tensor] | None:
@@ -124,26 +135,58 @@ class KvPool:
         return tensors
 
     # ---- store ----
-    def put(self, version: int, ids: list[int], cache, routing: torch.Tensor | None, skip: int = 0) -> None:
-        """Put every full chunk of the prompt after the first `skip` ones (those came from the pool)."""
-        if not self.usable():
-            return
-        for i, key in enumerate(chunk_keys(self.run, version, ids, self.chunk)):
-            if i < skip:
-                continue
-            blob = save_blob({**chunk_tensors(cache, routing, i * self.chunk, self.chunk), "key": key_tensor(key)})
+    def put(self, version: int, ids: list[int], cache, routing: torch.Tensor | None, skip: int = 0,
+            wait: bool = False) -> int:
+        """Put every full chunk of the prompt after the first `skip` ones (those came from the pool).
+        The chunks are copied out of the cache here; the writes are a worker thread's, so the engine
+        never waits on the store (a full queue drops the prompt: counted in `dropped`). `wait`: write
+        now and return how many of the prompt's chunks are in the pool (P/D's prefill server answers
+        with that)."""
+        keys = chunk_keys(self.run, version, ids, self.chunk)
+        if not self.usable() or len(keys) <= skip:
+            return skip if self.usable() else 0
+        items = [(key, chunk_tensors(cache, routing, i * self.chunk, self.chunk))
+                 for i, key in enumerate(keys) if i >= skip]
+        if wait:
+            return skip + self.store_chunks(items)
+        if self.worker is None:
+            self.worker = threading.Thread(target=self.work, name="kv-pool-put", daemon=True)
+            self.worker.start()
+        try:
+            self.jobs.put_nowait(items)
+        except queue.Full:
+            self.stats.dropped += len(items)
+        return skip
+
+    def work(self) -> None:
+        while True:
+            items = self.jobs.get()
             try:
-                rc = self.store.put(key, blob)
-            except Exception:  # noqa: BLE001
+                if items is None:
+                    return
+                if self.usable():
+                    self.store_chunks(items)
+            finally:
+                self.jobs.task_done()
+
+    def store_chunks(self, items: list[tuple[str, dict[str, torch.Tensor]]]) -> int:
+        """Write the chunks in order; how many of them are now in the pool (the first failure or
+        refusal ends the run, as a lookup stops at the first missing chunk)."""
+        for n, (key, tensors) in enumerate(items):
+            try:
+                rc = self.store.put(key, save_blob({**tensors, "key": key_tensor(key)}))
+            except Exception:  # noqa: BLE001 - the pool is an optimisation: never fail the request
                 self.failed()
-                return
+                return n
             if rc == 0:
                 self.stats.stored_chunks += 1
             elif rc == -200:  # no space now: Mooncake evicts in the background
                 self.stats.full += 1
+                return n
             else:
                 self.failed()
-                return
+                return n
+        return len(items)
 
 
 def chunk_tensors(cache, routing: torch.Tensor | None, start: int, n: int) -> dict[str, torch.Tensor]:

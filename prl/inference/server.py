@@ -89,8 +89,8 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         seq = _sequence(req.prompt_ids, SamplingParams(max_tokens=1))
         seq.prefill_only = True
         [seq] = await _unless_disconnected(request, [loop.generate(seq)])
-        chunk = loop.core.pool.chunk
-        return PrefillResponse(version=loop.core.version, pooled_tokens=len(req.prompt_ids) // chunk * chunk)
+        version, pooled = seq.pooled  # what the prefill left in the pool, under the version it ran with
+        return PrefillResponse(version=version, pooled_tokens=pooled)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from prl.inference.kv_master import MOONCAKE_PROBE
 from prl.launch.hosts import Host, HostError, SshHost, SshTarget
 from prl.launch.placement import Link
 from prl.recipe.schema import ClusterCfg, HostCfg
@@ -150,15 +151,16 @@ def model_check(host: Host, path: str) -> Check:
                  f"exist at the same path on every trainer and inference host)")
 
 
-def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str) -> Check:
-    """`name` importable by the hosts' Python, or installed by provisioning."""
+def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, code: str | None = None) -> Check:
+    """`name` importable by the hosts' Python (or `code` runs), or installed by provisioning."""
     if extra in cfg.extras:
         return Check(name, True, "installed by provisioning (cluster.extras)")
-    r = host.run(_py(cfg, f"import {name}; print(getattr({name}, '__version__', 'importable'))"))
+    r = host.run(_py(cfg, code or f"import {name}; print(getattr({name}, '__version__', 'importable'))"))
     if r.code == 0:
-        return Check(name, True, f"{name} {r.stdout.strip()}")
-    return Check(name, False, f"{cfg.python} cannot import {name} ({why}): install it in the host image or add "
-                              f"'{extra}' to cluster.extras")
+        return Check(name, True, r.stdout.strip() if code else f"{name} {r.stdout.strip()}")
+    error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+    return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {error[0][:200]}; "
+                              f"install it in the host image or add '{extra}' to cluster.extras")
 
 
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
@@ -198,7 +200,7 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
     if "vllm" in needs:
         out.append(package_check(host, cfg, "vllm", "vllm", "inference.backend = 'vllm'"))
     if "mooncake" in needs:
-        out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool"))
+        out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE))
     return out
 
 

@@ -142,12 +142,13 @@ def check_kv_pool(recipe: Recipe) -> None:
     """`inference.kv_pool` needs Mooncake (its store client and `mooncake_master`) where it runs."""
     if not recipe.inference.kv_pool.enabled or recipe.cluster is not None:  # hosts: checked by prl doctor
         return
-    import importlib.util
+    from prl.inference.kv_master import probe_mooncake
 
-    if importlib.util.find_spec("mooncake") is None:
-        raise RecipeError("inference.kv_pool: Mooncake is not installed here (pip install "
-                          "mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA; bin/prl installs "
-                          "it); nothing was started")
+    why = probe_mooncake()
+    if why is not None:
+        raise RecipeError(f"inference.kv_pool: Mooncake cannot run here: {why.splitlines()[-1]} (pip install "
+                          "mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA, bin/prl installs "
+                          "it; its store links libibverbs: apt-get install libibverbs1); nothing was started")
 
 
 def gpu_present() -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.recipe.resolve import ProcessConfig
+from prl.recipe.resolve import ProcessConfig, attach_kv_master
 from prl.recipe.schema import HostCfg, PlacementCfg, Recipe
 
 WORKSTATION = "workstation"
@@ -50,10 +50,9 @@ def resolve_cluster(recipe: Recipe, local_run_dir: Path) -> list[ProcessConfig]:
                               port=cluster.inference_port + k, index=i, shares_trainer_fs=h is first,
                               gpus=list(range(k * p.gpus_per_server, (k + 1) * p.gpus_per_server)) if h.gpus else []))
     orch_host = first if p.orchestrator is None else None if p.orchestrator == WORKSTATION else hosts[p.orchestrator]
-    prefill_hosts = {hosts[n].address for n in p.prefill}
     orchestrator = on(orch_host, name="orchestrator", role="orchestrator",
                       servers=[f"http://{s.host}:{s.port}" for s in servers],
-                      prefill_servers=[s.index for s in servers if s.host in prefill_hosts])
+                      prefill_servers=[s.index for s in servers if s.node in set(p.prefill)])
     ranks = [on(h, name="trainer" if len(trainers) == 1 else f"trainer-{i}", role="trainer", host=h.address,
                 port=cluster.trainer_port, index=i) for i, h in enumerate(trainers)]
     return [*kv_master_on(recipe, hosts[recipe.inference.kv_pool.host or p.inference[0]], on, servers),
@@ -67,9 +66,7 @@ def kv_master_on(recipe: Recipe, h: HostCfg, on, servers: list[ProcessConfig]) -
     if not pool.enabled:
         return []
     rpc = pool.port or 50051
-    addr = {"host": h.address, "rpc_port": rpc, "metadata_port": rpc + 1, "metrics_port": rpc + 2}
-    for s in servers:
-        s.kv_master = addr
+    addr = attach_kv_master(h.address, (rpc, rpc + 1, rpc + 2), servers)
     return [on(h, name="kv-master", role="kv_master", host=h.address, port=rpc, kv_master=addr)]
 
 

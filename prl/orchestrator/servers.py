@@ -83,21 +83,24 @@ class ServerPool:
     async def prefill(self, index: int, prompt_ids: list[int]) -> None:
         """P/D: have a prefill server put the prompt's KV into the pool, where the decode server
         finds it under the same weights version (another version's keys never match: it computes).
-        Best effort: with the prefill servers down or failing, the decode server computes it all."""
+        Best effort: with the prefill servers down, failing, refusing the prompt or slower than
+        `hang_timeout_s`, the decode server computes it all (a failing server is marked down, the
+        rest is logged as a `prefill_skipped` event)."""
         kind = [s for s in self.servers if s.prefill and s.up]
         if not kind:
             return
         server = kind[index % len(kind)]
         task = server.track(server.backend.prefill(prompt_ids))
         try:
-            await asyncio.wait({task})
+            done, _ = await asyncio.wait({task}, timeout=self.hang_timeout_s)
         finally:
             task.cancel()
-        error = None if task.cancelled() else task.exception()
+        error = None if task.cancelled() or not done else task.exception()
         if isinstance(error, BackendError) and not error.client_error and not isinstance(error, MalformedResponse):
             await self.mark_down(server, f"prefill failed: {error}")
-        elif error is not None:
-            raise error
+        elif not done or error is not None:
+            why = f"no answer within {self.hang_timeout_s:g} s" if not done else f"{type(error).__name__}: {error}"
+            self.log.emit("prefill_skipped", name=server.name, group=index, reason=why[:500])
 
     # ---- requests ----
     async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable]):

@@ -99,11 +99,17 @@ def kv_master_config(recipe: Recipe, host: str, common: dict, servers: list[Proc
     if not recipe.inference.kv_pool.enabled:
         return []
     base = recipe.inference.kv_pool.port
-    rpc, metadata, metrics = (base, base + 1, base + 2) if base else (free_port(host), free_port(host), free_port(host))
-    addr = {"host": host, "rpc_port": rpc, "metadata_port": metadata, "metrics_port": metrics}
+    ports = (base, base + 1, base + 2) if base else (free_port(host), free_port(host), free_port(host))
+    addr = attach_kv_master(host, ports, servers)
+    return [ProcessConfig(name="kv-master", role="kv_master", host=host, port=ports[0], kv_master=addr, **common)]
+
+
+def attach_kv_master(host: str, ports: tuple[int, int, int], servers: list[ProcessConfig]) -> dict:
+    """The KV-pool master's address (rpc, metadata and metrics ports on `host`), told to every server."""
+    addr = {"host": host, "rpc_port": ports[0], "metadata_port": ports[1], "metrics_port": ports[2]}
     for s in servers:
         s.kv_master = addr
-    return [ProcessConfig(name="kv-master", role="kv_master", host=host, port=rpc, kv_master=addr, **common)]
+    return addr
 
 
 def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:

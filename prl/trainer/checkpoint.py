@@ -224,13 +224,16 @@ def read_model_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model state of a sealed checkpoint of either format (one process, no ranks: for
     `prl ckpt export` and tests), and its manifest."""
     manifest = verify_dir(path)
-    if manifest.get("format") != "dcp":
-        return load_file(str(path / WEIGHTS_FILE)), manifest
-    reader = FileSystemReader(str(path))
-    entries = reader.read_metadata().state_dict_metadata
-    state = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-             for key, m in entries.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    try:
+        if manifest.get("format") != "dcp":
+            return load_file(str(path / WEIGHTS_FILE)), manifest
+        reader = FileSystemReader(str(path))
+        entries = reader.read_metadata().state_dict_metadata
+        state = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+                 for key, m in entries.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    except Exception as e:  # noqa: BLE001 - sealed and hashed, yet not a checkpoint prl can read
+        raise CorruptWeightsError(f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:300]})") from None
     return state, manifest

@@ -61,13 +61,19 @@ def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | N
     rank0 = dist.get_rank() == 0
     final = version_dir(root, version)
     tmp = tmp_dir_for(final) if rank0 else None
+    unmatched = set(fp8_names or [])
     for i, names in enumerate(buckets(list(state))):
         part = {name: gathered(state[name], rank0) for name in names}
         if rank0:
-            save_tensors(tmp / f"model-{i:05d}.safetensors", converted(model, part, hf_format, fp8_names))
+            part = converted(model, part, hf_format, fp8_names)
+            unmatched -= part.keys()
+            save_tensors(tmp / f"model-{i:05d}.safetensors", part)
         del part
     if not rank0:
         return None
+    if unmatched:  # the engine expects these in FP8: publishing them as they are would load wrong
+        raise RuntimeError(f"weights v{version}: FP8 tensors {sorted(unmatched)[:5]} are in no bucket of the "
+                           f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
     path = commit_dir(tmp, final, {"version": version, "format": "hf" if hf_format else "memory"})
     prune_versions(root, keep)
     return path

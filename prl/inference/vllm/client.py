@@ -218,7 +218,8 @@ class VllmBackend(InferenceBackend):
             version=self.version, running=int(m.get("vllm:num_requests_running", 0)),
             waiting=int(m.get("vllm:num_requests_waiting", 0)), paused=bool(paused), generated_tokens=generated,
             prompt_tokens=int(m.get("vllm:prompt_tokens_total", 0)),
-            prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)),
+            prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)
+                               - m.get("vllm:external_prefix_cache_hits_total", 0)),  # computed here
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
             pool_stored_chunks=int(sum(v for lab, v in labelled(r.text, "vllm:mooncake_store_operation_keys_total")
