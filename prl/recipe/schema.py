@@ -365,6 +365,9 @@ class Recipe(Section):
         if self.cluster is None:
             if self.placement is not None:
                 raise ValueError("[placement] needs a [cluster] section listing the hosts")
+            if self.inference.kv_pool.host is not None:
+                raise ValueError(f"inference.kv_pool.host = {self.inference.kv_pool.host!r} names a cluster host; on one "
+                                 f"machine the master runs beside the servers (at inference.host): remove it")
             return self
         check_placement(self.cluster, self.placement_or_default(), self.trainer.nproc)
         inf = self.inference
