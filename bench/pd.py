@@ -2,10 +2,11 @@
 
 Two embedded engines, each its own process with one thread (one core each), a real `mooncake_master`
 over TCP on loopback. The workload: `--streams` short-prompt decode streams kept running (a finished
-one is replaced), and a long prompt arriving every `--every` seconds, which wants a few tokens too.
+one is replaced), and a long prompt (each a different one) arriving every `--every` seconds, which
+wants a few tokens too.
 
-- colocated: both engines decode half the streams; the long prompts alternate between them, and
-  each long prefill stalls the decode steps of the engine that runs it.
+- colocated (no pool): both engines decode half the streams; the long prompts alternate between
+  them, and each long prefill stalls the decode steps of the engine that runs it.
 - split: engine P only prefills the long prompts into the pool (`prefill_only`); engine D decodes
   every stream and continues each long prompt from its pooled chunks (computing only the tail).
 
@@ -21,6 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import queue
+import random
 import socket
 import subprocess
 import sys
@@ -90,7 +92,8 @@ def drain(inbox, block: bool) -> list:
 def run_mode(mode: str, args, model_dir: str, pool_cfg: dict) -> dict:
     ctx = mp.get_context("spawn")
     inboxes, outbox = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(model_dir, pool_cfg | {"run": mode}, inboxes[i], outbox)) for i in range(2)]
+    pool = pool_cfg | {"run": mode} if mode == "split" else None  # colocated: no pool at all
+    procs = [ctx.Process(target=worker, args=(model_dir, pool, inboxes[i], outbox)) for i in range(2)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -111,7 +114,8 @@ def run_mode(mode: str, args, model_dir: str, pool_cfg: dict) -> dict:
         now = time.perf_counter()
         if now >= next_long:
             tag = next(tags)
-            prompt = [3 + (tag * 11 + i) % 37 for i in range(args.long)]
+            rng = random.Random(tag)  # every long prompt its own: none is found in the pool
+            prompt = [rng.randrange(3, 40) for _ in range(args.long)]
             arrived[tag] = (now, prompt)
             target = longs % 2 if mode == "colocated" else 0
             inboxes[target].put(("long", tag, prompt, LONG_TOKENS if mode == "colocated" else 1, mode == "split"))

@@ -71,6 +71,26 @@ def test_prometheus_text_sums_labelled_samples():
     assert prometheus_values(text) == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 1500.0}
 
 
+def test_mooncake_counters_become_pool_metrics():
+    """vLLM's MooncakeStoreConnector counters (as its /metrics prints them) -> stored blocks (keys put
+    minus failed ones), puts refused, and errors (failed lookups/loads and whole failed operations)."""
+    from prl.inference.vllm.client import mooncake_counts
+
+    def line(metric, op, status, value):
+        return f'vllm:mooncake_store_operation_{metric}{{engine="0",model_name="m",operation="{op}",status="{status}"}} {value}'
+
+    text = "\n".join([
+        "# TYPE vllm:mooncake_store_operation_keys_total counter",
+        line("keys_total", "save_put", "ok", "6.0"), line("keys_total", "save_put", "partial_failure", "3.0"),
+        line("failed_keys_total", "save_put", "partial_failure", "2.0"),
+        line("keys_total", "load_get", "partial_failure", "3.0"),
+        line("failed_keys_total", "load_get", "partial_failure", "1.0"),
+        line("total", "load_get", "partial_failure", "1.0"), line("total", "lookup_exists", "error", "2.0"),
+        line("total", "save_put", "ok", "2.0"),
+    ])
+    assert mooncake_counts(text) == {"pool_stored_chunks": 7, "pool_full": 2, "pool_errors": 3}
+
+
 def test_vllm_command_line_from_a_recipe(tmp_path):
     from prl.inference.vllm.launch import launch_command
     from prl.recipe.load import validate

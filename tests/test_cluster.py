@@ -316,12 +316,17 @@ def test_staging_links_checkpoints_to_the_shared_folder(tmp_path, resume):
     local, shared = tmp_path / "work" / "checkpoints", tmp_path / "shared" / "run"
     local.parent.mkdir()
     if resume:  # a new run's work folder was emptied by `stage` before this
-        (local / "step_2").mkdir(parents=True)
-        (local / "step_2" / "MANIFEST.json").write_text("{}")
+        for step, text in (("step_0", "local"), ("step_2", "{}")):
+            (local / step).mkdir(parents=True)
+            (local / step / "MANIFEST.json").write_text(text)
     (shared / "step_0").mkdir(parents=True)
+    (shared / "step_0" / "MANIFEST.json").write_text("shared")
     r = LocalHost().run(link_checkpoints(str(local), str(shared), resume))
     assert r.code == 0, r.stderr
     assert local.is_symlink() and local.resolve() == shared.resolve()
     assert sorted(p.name for p in shared.iterdir()) == (["step_0", "step_2"] if resume else [])
+    if resume:
+        assert (shared / "step_0" / "MANIFEST.json").read_text() == "shared", "a step the shared folder has is kept"
+        assert (shared / "step_2" / "MANIFEST.json").read_text() == "{}"
     r = LocalHost().run(link_checkpoints(str(local), str(shared), True))  # again: the link stays one link
     assert r.code == 0 and local.is_symlink() and not (shared / "run").exists(), r.stderr

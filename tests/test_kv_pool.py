@@ -332,3 +332,9 @@ def test_doctor_and_preflight_run_mooncake_not_just_find_it(tmp_path):
     bad = package_check(LocalHost(), ClusterCfg(hosts=[{"address": "127.0.0.1"}], python=str(bare)),
                         "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE)
     assert not bad.ok and "No module named 'mooncake'" in bad.detail and "cluster.extras" in bad.detail, bad
+    provisioned = ClusterCfg(hosts=[{"address": "127.0.0.1"}], python=str(bare), extras=["mooncake"])
+    assert package_check(LocalHost(), provisioned, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
+                         libs=("libibverbs.so.1",)).ok, "provisioning installs the package; the library is here"
+    lacking = package_check(LocalHost(), provisioned, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
+                            libs=("libprl-missing.so.7",))
+    assert not lacking.ok and "libprl-missing.so.7" in lacking.detail, lacking

@@ -104,5 +104,8 @@ def pin_to_core(server: Server, core: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     root = psutil.Process(server.proc.pid)
     for proc in [root, *root.children(recursive=True)]:
-        for thread in proc.threads():
-            os.sched_setaffinity(thread.id, {cores[core % len(cores)]})
+        try:
+            for thread in proc.threads():
+                os.sched_setaffinity(thread.id, {cores[core % len(cores)]})
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue  # a thread or process that ended meanwhile

@@ -197,7 +197,7 @@ class EngineCore:
         seq.length = len(seq.prompt_ids)
         self.stats.prompt_tokens += seq.length
         key = (self.version, tuple(seq.prompt_ids))
-        if key in self.prefix:
+        if key in self.prefix and not seq.prefill_only:  # a prefill-only prompt is for the pool: put it
             self.prefix.move_to_end(key)
             self.stats.prefix_hits += 1
             cache, logits, seq.prompt_routing = self.prefix[key]
@@ -208,7 +208,8 @@ class EngineCore:
         self.stats.prefill_tokens += seq.length - pooled * (self.pool.chunk if self.pool else 0)
         if self.pool is not None:
             stored = self.pool.put(self.version, seq.prompt_ids, out.cache, routing, skip=pooled, wait=seq.prefill_only)
-            seq.pooled = (self.version, stored * self.pool.chunk)
+            loadable = (seq.length - 1) // self.pool.chunk  # a lookup leaves the last token to compute
+            seq.pooled = (self.version, min(stored, loadable) * self.pool.chunk)
         if self.prefix_cache_entries:
             self.prefix[key] = (clone_cache(out.cache), logits, seq.prompt_routing)
             if len(self.prefix) > self.prefix_cache_entries:

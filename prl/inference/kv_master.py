@@ -57,7 +57,9 @@ def probe_mooncake(python: str = sys.executable) -> str | None:
         r = subprocess.run([python, "-c", MOONCAKE_PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
-    return None if r.returncode == 0 else (r.stderr.strip() or r.stdout.strip())[-400:]
+    if r.returncode == 0:
+        return None
+    return (r.stderr.strip() or r.stdout.strip())[-400:] or f"the probe exited with status {r.returncode}"
 
 
 def healthy(addr: MasterAddress, timeout: float = 2.0) -> bool:

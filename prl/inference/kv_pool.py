@@ -63,10 +63,11 @@ class KvPool:
         self.off_until = 0.0
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_depth)  # prompts whose chunks wait for a put
         self.worker: threading.Thread | None = None
+        self.closing = False
 
     @classmethod
     def connect(cls, *, master: str, metadata: str, hostname: str, segment_bytes: int, run: str,
-                chunk_tokens: int, buffer_bytes: int = 64 << 20) -> "KvPool":
+                chunk_tokens: int, buffer_bytes: int = 64 << 20, retry_s: float = 30.0) -> "KvPool":
         """A store client contributing `segment_bytes` of this process's memory to the pool."""
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # else setup retries for ~90 s
         from mooncake.store import MooncakeDistributedStore
@@ -76,12 +77,23 @@ class KvPool:
         if rc != 0:
             raise PoolError(f"cannot join the KV pool: Mooncake master {master} (metadata {metadata}) "
                             f"answered setup with {rc}")
-        return cls(store, run, chunk_tokens)
+        return cls(store, run, chunk_tokens, retry_s=retry_s)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the put worker (queued puts are dropped) and leave the pool. The store is closed only
+        once the worker is out of it; a worker stuck on a dead master is left to the process exit."""
         if self.worker is not None:
-            self.jobs.put(None)
-            self.worker.join(60)
+            self.closing = True
+            try:
+                while True:
+                    self.jobs.get_nowait()
+                    self.jobs.task_done()
+            except queue.Empty:
+                pass
+            self.jobs.put_nowait(None)
+            self.worker.join(timeout)
+            if self.worker.is_alive():
+                return
         self.store.close()
 
     def flush(self) -> None:
@@ -145,6 +157,9 @@ class KvPool:
         keys = chunk_keys(self.run, version, ids, self.chunk)
         if not self.usable() or len(keys) <= skip:
             return skip if self.usable() else 0
+        if not wait and self.jobs.full():  # the store is slower than prefill: drop before copying
+            self.stats.dropped += len(keys) - skip
+            return skip
         items = [(key, chunk_tensors(cache, routing, i * self.chunk, self.chunk))
                  for i, key in enumerate(keys) if i >= skip]
         if wait:
@@ -164,7 +179,7 @@ class KvPool:
             try:
                 if items is None:
                     return
-                if self.usable():
+                if self.usable() and not self.closing:
                     self.store_chunks(items)
             finally:
                 self.jobs.task_done()

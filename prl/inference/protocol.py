@@ -144,4 +144,5 @@ class Metrics(Msg):
     pool_hit_tokens: int = 0  # prompt tokens loaded from the KV pool instead of computed
     pool_stored_chunks: int = 0
     pool_errors: int = 0  # failed store operations (each falls back to computing the prompt)
-    pool_full: int = 0  # chunks not stored because the pool was full
+    pool_full: int = 0  # puts the pool refused because it was full
+    pool_dropped: int = 0  # chunks not put because puts fell behind prefill (embedded engine)

@@ -155,6 +155,7 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
             pool_stored_chunks=core.pool.stats.stored_chunks if core.pool else 0,
             pool_errors=core.pool.stats.errors if core.pool else 0,
             pool_full=core.pool.stats.full if core.pool else 0,
+            pool_dropped=core.pool.stats.dropped if core.pool else 0,
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)), busy_s=st.busy_s,
         )
 
@@ -290,7 +291,8 @@ def join_pool(cfg):
     pool, addr = cfg.recipe.inference.kv_pool, MasterAddress(**cfg.kv_master)
     wait_for_master(addr, cfg.recipe.inference.startup_timeout_s)
     kv = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname=cfg.host,
-                        segment_bytes=int(pool.memory_gb * 2**30), run=cfg.recipe.run.name, chunk_tokens=pool.chunk_tokens)
+                        segment_bytes=int(pool.memory_gb * 2**30), run=cfg.recipe.run.name, chunk_tokens=pool.chunk_tokens,
+                        retry_s=pool.retry_s)
     print(f"{cfg.name}: joined the KV pool at {addr.master} with {pool.memory_gb:g} GB", flush=True)
     return kv
 
@@ -329,3 +331,5 @@ def serve(cfg, log) -> None:
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600,
                 timeout_graceful_shutdown=5)
     loop.stop()
+    if loop.core.pool is not None:
+        loop.core.pool.close()  # leave the pool: the master frees this server's memory at once

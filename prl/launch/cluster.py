@@ -74,7 +74,8 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: 
     clear = (f"mkdir -p {q(remote_dir)} && find {q(remote_dir)} -mindepth 1 -maxdepth 1 ! -name checkpoints "
              f"-exec rm -rf {{}} +" if resume else f"rm -rf {q(remote_dir)} && mkdir -p {q(remote_dir)}")
     link = f" && {link_checkpoints(remote_dir + '/checkpoints', shared, resume)}" if shared else ""
-    r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}{link}")
+    r = host.run(f"{clear} && tar -xzf {q(remote_tar)} -C {q(remote_dir)} && rm -f {q(remote_tar)}{link}",
+                 timeout=3600 if link else 60)  # adopting checkpoints into the shared folder copies them
     if r.code:
         raise HostError(f"{host.name}: could not unpack the run files into {remote_dir}: {r.stderr.strip()}")
 
@@ -82,10 +83,16 @@ def stage(host: Host, run_dir: Path, remote_dir: str, names: list[str], resume: 
 def link_checkpoints(local: str, shared: str, resume: bool) -> str:
     """The shell that makes `local` (a trainer host's `checkpoints`) a link to `shared`. A new run
     empties `shared`; a resumed one whose `local` is still a folder of its own (the run turned
-    `cluster.shared_checkpoints` on) first copies what it holds into `shared`, keeping what is there."""
+    `cluster.shared_checkpoints` on) first adopts its checkpoints one by one: a step `shared` lacks is
+    copied under a temporary name and renamed in (a copy cut short never looks sealed), a step it
+    has is kept; the local folder goes only once every step is in."""
     q = shlex.quote
     fresh = "" if resume else f"rm -rf {q(shared)} && "
-    adopt = f"if [ -d {q(local)} ] && [ ! -L {q(local)} ]; then cp -a -n {q(local)}/. {q(shared)}/ && rm -rf {q(local)}; fi"
+    adopt = (f'if [ -d {q(local)} ] && [ ! -L {q(local)} ]; then '
+             f'for d in {q(local)}/*/; do [ -d "$d" ] || continue; n=$(basename "$d"); '
+             f'[ -e {q(shared)}/"$n" ] && continue; '
+             f'rm -rf {q(shared)}/".adopt-$n" && cp -a "$d" {q(shared)}/".adopt-$n" '
+             f'&& mv {q(shared)}/".adopt-$n" {q(shared)}/"$n" || exit 1; done; rm -rf {q(local)}; fi')
     return f"{fresh}mkdir -p {q(shared)} && {adopt} && ln -sfn {q(shared)} {q(local)}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -151,16 +152,28 @@ def model_check(host: Host, path: str) -> Check:
                  f"exist at the same path on every trainer and inference host)")
 
 
-def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, code: str | None = None) -> Check:
-    """`name` importable by the hosts' Python (or `code` runs), or installed by provisioning."""
+def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, code: str | None = None,
+                  libs: tuple[str, ...] = ()) -> Check:
+    """`name` importable by the hosts' Python (or `code` runs), or installed by provisioning; `libs`:
+    system libraries it links, which provisioning does not install (checked either way)."""
+    missing = [lib for lib in libs if host.run(f"ldconfig -p | grep -q {shlex.quote(lib)}").code != 0]
+    apt = f"; the host lacks {', '.join(missing)} (apt-get install {' '.join(lib_package(m) for m in missing)})" if missing else ""
     if extra in cfg.extras:
-        return Check(name, True, "installed by provisioning (cluster.extras)")
-    r = host.run(_py(cfg, code or f"import {name}; print(getattr({name}, '__version__', 'importable'))"))
-    if r.code == 0:
+        return Check(name, not missing, f"installed by provisioning (cluster.extras){apt}")
+    try:
+        r = host.run(_py(cfg, code or f"import {name}; print(getattr({name}, '__version__', 'importable'))"), timeout=180)
+    except (HostError, subprocess.TimeoutExpired) as e:
+        return Check(name, False, f"{cfg.python} could not be asked about {name} ({why}): {e}")
+    if r.code == 0 and not missing:
         return Check(name, True, r.stdout.strip() if code else f"{name} {r.stdout.strip()}")
     error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
-    return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {error[0][:200]}; "
+    return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {error[0][:200]}{apt}; "
                               f"install it in the host image or add '{extra}' to cluster.extras")
+
+
+def lib_package(soname: str) -> str:
+    """The Debian package of a shared library prl checks for."""
+    return {"libibverbs.so.1": "libibverbs1"}.get(soname, soname)
 
 
 def check_cluster(cfg: ClusterCfg, console: Console, ports: dict[str, list[int]] | None = None,
@@ -200,7 +213,8 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
     if "vllm" in needs:
         out.append(package_check(host, cfg, "vllm", "vllm", "inference.backend = 'vllm'"))
     if "mooncake" in needs:
-        out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE))
+        out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
+                                 libs=("libibverbs.so.1",)))
     return out
 
 

@@ -146,7 +146,7 @@ def check_kv_pool(recipe: Recipe) -> None:
 
     why = probe_mooncake()
     if why is not None:
-        raise RecipeError(f"inference.kv_pool: Mooncake cannot run here: {why.splitlines()[-1]} (pip install "
+        raise RecipeError(f"inference.kv_pool: Mooncake cannot run here: {why.strip().splitlines()[-1]} (pip install "
                           "mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA, bin/prl installs "
                           "it; its store links libibverbs: apt-get install libibverbs1); nothing was started")
 

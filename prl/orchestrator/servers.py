@@ -31,12 +31,16 @@ class Server:
         self.up = False
         self.calls: set[asyncio.Task] = set()  # requests in flight on it, cancelled when it goes down
         self.down_since = time.monotonic()  # for reporting a server that does not come back
+        self.prefill_timeouts = 0  # consecutive prefills it did not answer in time
 
     def track(self, coro: Awaitable) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self.calls.add(task)
         task.add_done_callback(self.calls.discard)
         return task
+
+
+PREFILL_TIMEOUTS = 3  # a prefill server this many prefills in a row late is taken as hung
 
 
 class ServerPool:
@@ -85,7 +89,7 @@ class ServerPool:
         finds it under the same weights version (another version's keys never match: it computes).
         Best effort: with the prefill servers down, failing, refusing the prompt or slower than
         `hang_timeout_s`, the decode server computes it all (a failing server is marked down, the
-        rest is logged as a `prefill_skipped` event)."""
+        rest is logged as a `prefill_skipped` event; `PREFILL_TIMEOUTS` late ones in a row mark it hung)."""
         kind = [s for s in self.servers if s.prefill and s.up]
         if not kind:
             return
@@ -96,11 +100,14 @@ class ServerPool:
         finally:
             task.cancel()
         error = None if task.cancelled() or not done else task.exception()
+        server.prefill_timeouts = 0 if done else server.prefill_timeouts + 1
         if isinstance(error, BackendError) and not error.client_error and not isinstance(error, MalformedResponse):
             await self.mark_down(server, f"prefill failed: {error}")
         elif not done or error is not None:
             why = f"no answer within {self.hang_timeout_s:g} s" if not done else f"{type(error).__name__}: {error}"
             self.log.emit("prefill_skipped", name=server.name, group=index, reason=why[:500])
+            if server.prefill_timeouts >= PREFILL_TIMEOUTS:  # answers /metrics, never a prefill: restart it
+                await self.mark_down(server, f"{PREFILL_TIMEOUTS} prefills in a row unanswered", hung=True)
 
     # ---- requests ----
     async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable]):

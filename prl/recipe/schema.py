@@ -227,6 +227,7 @@ class KvPoolCfg(Section):
     port: int = Field(0, ge=0, le=65533)  # master rpc port; +1 metadata, +2 metrics (0: free ports, 50051 on a cluster)
     memory_gb: float = Field(1.0, gt=0)  # what each server contributes to the pool
     chunk_tokens: int = Field(256, gt=0)  # prompt KV is pooled per chunk of this many tokens
+    retry_s: float = Field(30.0, gt=0)  # after a store error a server computes everything this long, then retries
     protocol: Literal["tcp", "rdma"] = "tcp"
     disk_path: str | None = None  # an SSD tier on every server's host
     disk_gb: float = Field(0, ge=0)

@@ -97,14 +97,18 @@ def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
     own = tmp / shard_file(rank)
+    try:
+        entry = {own.name: file_entry(own)}
+    except OSError:
+        entry = {}
     entries: list = [None] * world
-    dist.all_gather_object(entries, {own.name: file_entry(own)} if own.is_file() else {})
+    dist.all_gather_object(entries, entry)
+    known = {name: e for part in entries for name, e in part.items()}
+    missing = [r for r in range(world) if shard_file(r) not in known]
+    if missing:  # on every rank: none goes on into the next step's collectives alone
+        raise CheckpointError(f"{final}: the shards of ranks {missing} are not in the checkpoint folder")
     if rank != 0:
         return None
-    known = {name: entry for part in entries for name, entry in part.items()}
-    missing = [r for r in range(world) if shard_file(r) not in known or not (tmp / shard_file(r)).is_file()]
-    if missing:
-        raise CheckpointError(f"{final}: the shards of ranks {missing} are not in the checkpoint folder")
     return commit_dir(tmp, final, {**meta, "format": "dcp", "ranks": world}, known=known)
 
 
@@ -115,12 +119,17 @@ def _shared_tmp(final: Path) -> Path:
     rank, world = dist.get_rank(), dist.get_world_size()
     sent = [None]
     if rank == 0:
-        tmp = tmp_dir_for(final)
-        token = secrets.token_hex(16)
-        (tmp / SHARE_TOKEN).write_text(token)
-        sent = [(tmp.name, token)]
+        try:
+            tmp = tmp_dir_for(final)
+            token = secrets.token_hex(16)
+            (tmp / SHARE_TOKEN).write_text(token)
+            sent = [(tmp.name, token)]
+        except OSError as e:
+            sent = [(None, f"rank 0 cannot write into {final.parent}: {e}")]
     dist.broadcast_object_list(sent, src=0)
     name, token = sent[0]
+    if name is None:
+        raise CheckpointError(f"sharded checkpoint {final.name}: {token}")
     tmp = final.parent / name
     try:
         seen = (tmp / SHARE_TOKEN).read_text() == token
@@ -155,6 +164,7 @@ def load_checkpoint(model, optimizer, root: Path) -> dict | None:
         return None
     if "error" in info[0]:
         raise CorruptWeightsError(info[0]["error"])
+    info[0]["path"] = str(root / info[0]["name"])  # each rank's own path to it (hosts' workdirs differ)
     if info[0]["format"] == "dcp":
         _verify_share(Path(info[0]["path"]), info[0]["files"], rank, world)
         _load_sharded(model, optimizer, Path(info[0]["path"]))
@@ -169,19 +179,19 @@ def load_checkpoint(model, optimizer, root: Path) -> dict | None:
 def _pick_checkpoint(root: Path, world: int) -> dict | None:
     """The newest sealed checkpoint under `root` with its step, data position, path and format,
     checked as far as rank 0's part goes; {"error": why} where it is damaged."""
-    found = latest_checkpoint(root)
-    if not found:
-        return None
-    path, _ = found
-    try:
+    try:  # every failure goes to the other ranks through the broadcast that follows
+        found = latest_checkpoint(root)
+        if not found:
+            return None
+        path, _ = found
         manifest = verify_dir(path, hash_only=set())
         files = sorted(manifest["files"])
         sharded = manifest.get("format") == "dcp"
         verify_dir(path, hash_only=set(files[0::world]) if sharded else None)
-    except CorruptWeightsError as e:
-        return {"error": str(e)}
-    return {"step": manifest["step"], "data_position": manifest["data_position"], "path": str(path),
-            "format": manifest.get("format", "full"), "files": files}
+        return {"step": manifest["step"], "data_position": manifest["data_position"], "name": path.name,
+                "format": manifest.get("format", "full"), "files": files}
+    except Exception as e:  # noqa: BLE001 - damaged, unreadable or not a checkpoint of prl's
+        return {"error": str(e) if isinstance(e, CorruptWeightsError) else f"{root}: {type(e).__name__}: {e}"}
 
 
 def _verify_share(path: Path, files: list[str], rank: int, world: int) -> None:
@@ -193,6 +203,8 @@ def _verify_share(path: Path, files: list[str], rank: int, world: int) -> None:
             verify_dir(path, hash_only=set(files[rank::world]))
         except CorruptWeightsError as e:
             error = str(e)
+        except Exception as e:  # noqa: BLE001 - unreadable here (e.g. not this host's folder): say so on every rank
+            error = f"{path}: {type(e).__name__}: {e}"
     errors: list = [None] * world
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

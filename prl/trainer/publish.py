@@ -1,9 +1,9 @@
 """Publishing policy weights vN for the inference servers, bucket by bucket.
 
 The model's state is walked one decoder layer at a time (then what is left: embeddings, final norm,
-output head): each tensor of the bucket is gathered from its shards to rank 0 alone (`dist.gather`
-of every rank's dim-0 rows, a collective every rank joins; no other rank holds the whole tensor, as
-`DTensor.full_tensor` would on every rank), and rank 0 converts the bucket
+output head): each sharded tensor of the bucket is sent to rank 0 shard by shard by the other ranks
+of rank 0's shard group (point to point; replicas elsewhere send nothing; no rank but 0 holds the
+whole tensor, as `DTensor.full_tensor` would on every rank), and rank 0 converts the bucket
 (Hugging Face names and layouts for vLLM, block-FP8 where the engine runs FP8), writes it as one
 safetensors file and frees it before the next. No rank ever holds more than one layer of the full
 model. The folder is sealed as every weight folder is (manifest last, renamed in).
@@ -35,9 +35,10 @@ def buckets(names: list[str]) -> list[list[str]]:
 
 
 def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The whole tensor on rank 0 (`keep`), None elsewhere. A sharded one is gathered to rank 0
-    alone: every rank sends its dim-0 rows, padded to the largest shard (a collective every rank
-    joins); no other rank ever holds the whole tensor."""
+    """The whole tensor on rank 0 (`keep`, in CPU memory), None elsewhere. A sharded one is sent to
+    rank 0 shard by shard by the other ranks of rank 0's shard group (replicas elsewhere send
+    nothing): no rank but 0 ever holds the whole tensor, and rank 0 holds one shard at a time on its
+    device."""
     if isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements):
         return gather_rows(tensor, keep)
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -47,22 +48,26 @@ def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
 def gather_rows(tensor: DTensor, keep: bool) -> torch.Tensor | None:
     from prl.trainer.sharded_load import row_range
 
+    mesh_dim = next(i for i, p in enumerate(tensor.placements) if p.is_shard())
+    members = dist.get_process_group_ranks(tensor.device_mesh.get_group(mesh_dim))  # in shard order
+    if 0 not in members:
+        return None  # a replica of shards rank 0's group already has
     local = tensor.to_local().detach()
     start, stop = row_range(tensor)
-    shards = max(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if p.is_shard())
-    per = -(-tensor.shape[0] // shards)  # torch.chunk's rows per shard, as FSDP2 and EP split
-    padded = local.new_zeros((per, *tensor.shape[1:]))
-    padded[:stop - start] = local
-    world = dist.get_world_size()
-    rows = [torch.zeros(2, dtype=torch.int64, device=local.device) for _ in range(world)] if keep else None
-    bufs = [torch.empty_like(padded) for _ in range(world)] if keep else None
-    dist.gather(torch.tensor([start, stop], device=local.device), rows, dst=0)
-    dist.gather(padded, bufs, dst=0)
+    n, per = tensor.shape[0], -(-tensor.shape[0] // len(members))  # torch.chunk's rows per shard
     if not keep:
+        padded = local.new_zeros((per, *tensor.shape[1:]))
+        padded[:stop - start] = local
+        dist.send(padded, dst=0)
         return None
     full = torch.empty(tensor.shape, dtype=local.dtype)
-    for (a, b), buf in zip((r.tolist() for r in rows), bufs):
-        full[a:b] = buf[:b - a].cpu()  # replicas of a shard write the same rows
+    full[start:stop] = local.cpu()
+    buf = local.new_empty((per, *tensor.shape[1:]))
+    for k, src in enumerate(members):
+        if src != 0:
+            dist.recv(buf, src=src)
+            a = min(k * per, n)
+            full[a:min(a + per, n)] = buf[:min(a + per, n) - a].cpu()
     return full
 
 

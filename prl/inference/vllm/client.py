@@ -222,10 +222,7 @@ class VllmBackend(InferenceBackend):
                                - m.get("vllm:external_prefix_cache_hits_total", 0)),  # computed here
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
-            pool_stored_chunks=int(sum(v for lab, v in labelled(r.text, "vllm:mooncake_store_operation_keys_total")
-                                       if lab.get("operation") == "save_put" and lab.get("status") == "ok")),
-            pool_errors=int(sum(v for lab, v in labelled(r.text, "vllm:mooncake_store_operation_total")
-                                if lab.get("status") != "ok")),
+            **mooncake_counts(r.text),
             tokens_per_s=self.rate(generated), busy_frac=0.0, busy_s=0.0,
         )
 
@@ -258,6 +255,22 @@ def to_routing(rows) -> Routing:
 
     return encode_routing(torch.from_numpy(np.ascontiguousarray(rows.astype(np.uint8 if rows.max(initial=0) < 256
                                                                            else np.int16))))
+
+
+def mooncake_counts(text: str) -> dict[str, int]:
+    """Metrics' pool fields from vLLM's MooncakeStoreConnector counters: blocks stored (keys put minus
+    those that failed), puts refused (failed put keys: the pool full), errors (failed lookups and
+    loads, which vLLM recomputes, and operations that failed whole)."""
+    keys = labelled(text, "vllm:mooncake_store_operation_keys_total")
+    failed = labelled(text, "vllm:mooncake_store_operation_failed_keys_total")
+    ops = labelled(text, "vllm:mooncake_store_operation_total")
+
+    def total(samples, *, put: bool) -> float:
+        return sum(v for lab, v in samples if (lab.get("operation") == "save_put") == put)
+
+    return {"pool_stored_chunks": int(total(keys, put=True) - total(failed, put=True)),
+            "pool_full": int(total(failed, put=True)),
+            "pool_errors": int(total(failed, put=False) + sum(v for lab, v in ops if lab.get("status") == "error"))}
 
 
 def labelled(text: str, name: str) -> list[tuple[dict[str, str], float]]:
