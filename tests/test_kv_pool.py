@@ -174,16 +174,19 @@ def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
 def test_a_run_with_a_kv_pool_starts_its_master_and_servers_reuse_each_others_prompt_kv(tmp_path):
     """`prl run` with `inference.kv_pool` on 2 servers: the kv-master process starts beside them,
     every reverse-task prompt opens with the same 4 tokens ("rev:"), so with chunks of 4 tokens the
-    servers load that chunk from the pool under each version; the run trains and stops everything."""
+    servers load that chunk from the pool under each version; the disk tier gets every put; the run
+    trains and stops everything."""
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
     from test_run import assert_nothing_left, events, prl_run
 
     p = prl_run(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
                 "--set", "inference.kv_pool.memory_gb=0.05", "--set", "inference.num_servers=2",
+                "--set", f"inference.kv_pool.disk_path={tmp_path}/pool-disk",
                 "--set", "sft.steps=2", "--set", "rl.max_steps=3")
     run_dir = tmp_path / "reverse-tiny"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert {e["name"] for e in events(run_dir, "process")} >= {"kv-master", "inference-0", "inference-1"}
+    assert any(f.is_file() for f in (tmp_path / "pool-disk" / "reverse-tiny").rglob("*")), "the disk tier got chunks"
     last = {}
     for e in events(run_dir, "server"):
         last[e["name"]] = e
@@ -338,3 +341,45 @@ def test_doctor_and_preflight_run_mooncake_not_just_find_it(tmp_path):
     lacking = package_check(LocalHost(), provisioned, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
                             libs=("libprl-missing.so.7",))
     assert not lacking.ok and "libprl-missing.so.7" in lacking.detail, lacking
+
+
+def test_the_disk_tier_serves_chunks_evicted_from_memory(tmp_path):
+    """`inference.kv_pool.disk_path`: the master writes every put through to the folder (emptied at
+    start: an earlier run's files would match), so with 40 MB of chunks and 16 MB of memory some
+    chunks live on disk only, and another server reads every one back, byte for byte."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    from prl.inference.kv_master import MasterAddress, healthy, master_command
+    from prl.inference.kv_pool import KvPool
+
+    disk = tmp_path / "pool" / "run-disk"
+    disk.mkdir(parents=True)
+    (disk / "stale-from-an-earlier-run").write_text("x")
+    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
+    proc = subprocess.Popen(master_command(addr, disk=str(disk)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pools = []
+    try:
+        while not healthy(addr):
+            assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
+            time.sleep(0.1)
+        assert not (disk / "stale-from-an-earlier-run").exists()
+        for _ in range(2):
+            pools.append(KvPool.connect(master=addr.master, metadata=addr.metadata, hostname="127.0.0.1",
+                                        segment_bytes=16 << 20, run="run-disk", chunk_tokens=CHUNK))
+        a, b = pools
+        chunks = {f"prl/run-disk/v0/{i:040x}": {"x": torch.full((1 << 18,), float(i))} for i in range(40)}  # 1 MiB each
+        for key, tensors in chunks.items():
+            while a.store_chunks([(key, tensors)]) != 1:  # memory full: Mooncake evicts to make room
+                assert a.stats.errors == 0, "a put failed"
+                time.sleep(0.05)
+        replicas = b.store.batch_get_replica_desc(list(chunks))
+        disk_only = [k for k in chunks if all(r.is_disk_replica() for r in replicas[k])]
+        assert disk_only, "some chunks were evicted from memory and live on disk only"
+        for key, tensors in chunks.items():
+            got = b.read(key)
+            assert got is not None and torch.equal(got["x"], tensors["x"]), key
+        assert any(disk.rglob("*")), "the chunks were written under disk_path"
+    finally:
+        for p in pools:
+            p.close()
+        proc.terminate()
+        proc.wait(30)

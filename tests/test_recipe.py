@@ -184,9 +184,11 @@ def test_parallel_layout_is_checked_against_a_pretrained_folder(tmp_path, extra,
 
 
 def test_kv_pool_settings_not_built_are_refused_before_launch(tmp_path):
-    """The pool's RDMA transport, SSD tier and vLLM prefill servers are valid settings `prl run`
-    refuses, naming each."""
-    path = write(tmp_path, "[inference.kv_pool]\nenabled = true\nprotocol = 'rdma'\ndisk_path = '/nvme'\n")
+    """The pool's RDMA transport is a valid setting `prl run` refuses, naming it; a relative disk
+    tier folder is a bad recipe."""
+    path = write(tmp_path, "[inference.kv_pool]\nenabled = true\nprotocol = 'rdma'\n")
     p = subprocess.run(prl_cmd("run", path, "--no-tui"), capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
-    assert p.returncode == 2 and "protocol = 'rdma'" in out and "SSD tier" in out, out
+    assert p.returncode == 2 and "protocol = 'rdma'" in out, out
+    with pytest.raises(RecipeError, match="inference.kv_pool.disk_path"):
+        load_recipe(write(tmp_path, "[inference.kv_pool]\nenabled = true\ndisk_path = 'nvme/pool'\n"))

@@ -27,15 +27,43 @@ class MasterAddress:
         return f"http://{self.host}:{self.metrics_port}/health"
 
 
-def master_command(addr: MasterAddress, python: str = sys.executable) -> list[str]:
+def master_command(addr: MasterAddress, python: str = sys.executable, disk: str | None = None,
+                   disk_gb: float = 0.0) -> list[str]:
     """`mooncake_master` through the package's own launcher (`python -m mooncake.cli`), which execs
     the packaged binary: the pid prl supervises is the master's, and any interpreter that imports
-    `mooncake` (a host's layered venv too) finds it."""
-    return [python, "-m", "mooncake.cli", f"--rpc_address={addr.host}", f"--rpc_port={addr.rpc_port}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_host={addr.host}",
-            f"--http_metadata_server_port={addr.metadata_port}", f"--metrics_host={addr.host}",
-            f"--metrics_port={addr.metrics_port}", "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.05",
-            "--client_ttl=10"]
+    `mooncake` (a host's layered venv too) finds it. `disk`: the pool's disk tier, a folder every
+    pool member sees (each put is also written there as a file, and a chunk evicted from memory is
+    read back from it by any server); it is emptied first (`python -m prl.inference.kv_master`),
+    since KV of an earlier run under the same run name and version would match."""
+    master = [python, "-m", "mooncake.cli", f"--rpc_address={addr.host}", f"--rpc_port={addr.rpc_port}",
+              "--enable_http_metadata_server=true", f"--http_metadata_server_host={addr.host}",
+              f"--http_metadata_server_port={addr.metadata_port}", f"--metrics_host={addr.host}",
+              f"--metrics_port={addr.metrics_port}", "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.05",
+              "--client_ttl=10",
+              # a read leases its object this long (default 10 s): leased objects are not evicted, so a
+              # full pool refused puts for 10 s after each read
+              "--default_kv_lease_ttl=1000"]
+    if not disk:
+        return master
+    master += [f"--root_fs_dir={disk}"]
+    if disk_gb:
+        master += [f"--global_file_segment_size={int(disk_gb * 2**30)}"]
+    return [python, "-m", "prl.inference.kv_master", "--empty", disk, "--", *master]
+
+
+def main(argv: list[str]) -> None:
+    """`--empty DIR -- COMMAND...`: empty DIR (made if missing), then exec COMMAND (same pid)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    if len(argv) < 4 or argv[0] != "--empty" or argv[2] != "--":
+        raise SystemExit("usage: python -m prl.inference.kv_master --empty DIR -- COMMAND...")
+    folder = Path(argv[1])
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    os.execvp(argv[3], argv[3:])
 
 
 # What a host needs for the KV pool, run by its Python: the store client imports (it links libibverbs,
@@ -88,3 +116,7 @@ def vllm_store_config(addr: MasterAddress, hostname: str, memory_gb: float) -> d
     return {"metadata_server": addr.metadata, "master_server_address": addr.master, "protocol": "tcp",
             "device_name": "", "mode": "embedded", "local_hostname": hostname,
             "global_segment_size": f"{max(1, int(memory_gb * 1024))}MB", "local_buffer_size": "64MB"}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

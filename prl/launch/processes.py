@@ -56,7 +56,9 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
     if cfg.role == "kv_master":
         from prl.inference.kv_master import MasterAddress, master_command
 
-        return master_command(MasterAddress(**cfg.kv_master), python)
+        pool = cfg.recipe.inference.kv_pool
+        disk = f"{pool.disk_path.rstrip('/')}/{cfg.recipe.run.name}" if pool.disk_path else None
+        return master_command(MasterAddress(**cfg.kv_master), python, disk=disk, disk_gb=pool.disk_gb)
     if cfg.role == "inference" and cfg.recipe.inference.backend == "vllm":
         from prl.inference.vllm.launch import launch_command
 

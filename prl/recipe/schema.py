@@ -229,8 +229,8 @@ class KvPoolCfg(Section):
     chunk_tokens: int = Field(256, gt=0)  # prompt KV is pooled per chunk of this many tokens
     retry_s: float = Field(30.0, gt=0)  # after a store error a server computes everything this long, then retries
     protocol: Literal["tcp", "rdma"] = "tcp"
-    disk_path: str | None = None  # an SSD tier on every server's host
-    disk_gb: float = Field(0, ge=0)
+    disk_path: str | None = Field(None, pattern=r"^/")  # the disk tier: an absolute folder every pool member sees
+    disk_gb: float = Field(0, ge=0)  # its size (0: the filesystem's)
 
 
 class InferenceCfg(Section):
@@ -431,8 +431,6 @@ class Recipe(Section):
                        "embedded engine")
         if pool.enabled and pool.protocol == "rdma":
             out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")
-        if pool.enabled and pool.disk_path:
-            out.append("inference.kv_pool.disk_path: the SSD tier of the pool is not built yet")
         if self.trainer.checkpoint_format == "sharded" and self.trainer_hosts() > 1 and not self.shared_checkpoints():
             out.append("trainer.checkpoint_format = 'sharded' with the trainer on several hosts needs "
                        "cluster.shared_checkpoints (a folder every trainer host mounts): every rank may read every "
