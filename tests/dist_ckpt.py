@@ -3,6 +3,7 @@ each rank has its own path to the checkpoint folder (argv: mode, rank 0's root, 
 out). Each rank writes what happened to out.rank<N>.json."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,13 @@ def main(mode: str, roots: list[str], out: str) -> None:
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         result["error"] = f"{type(e).__name__}: {e}"
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
     dist.destroy_process_group()
+    # leave without the interpreter's teardown, as the trainer does: a C++ thread of torch.distributed
+    # can abort a finished rank there (SIGABRT, "terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

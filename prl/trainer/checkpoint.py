@@ -69,13 +69,31 @@ def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int,
         return save_sharded(model, optimizer, root / f"step_{step}", meta)
     model_state = full_model_state(model)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
-    if dist.get_rank() != 0:
-        return None
     final = root / f"step_{step}"
-    tmp = tmp_dir_for(final)
-    save_tensors(tmp / WEIGHTS_FILE, model_state)
-    torch.save(optim_state, tmp / OPTIM_FILE)
-    return commit_dir(tmp, final, {**meta, "format": "full"})
+
+    def write() -> Path:
+        tmp = tmp_dir_for(final)
+        save_tensors(tmp / WEIGHTS_FILE, model_state)
+        torch.save(optim_state, tmp / OPTIM_FILE)
+        return commit_dir(tmp, final, {**meta, "format": "full"})
+
+    return on_rank0(write, final)
+
+
+def on_rank0(write, final: Path) -> Path | None:
+    """Rank 0 runs `write` (sealing a checkpoint); every rank learns whether it worked and raises the
+    same error if not, so none goes on into the next step's collectives alone. Rank 0 gets the path."""
+    path, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            path = write()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"{final}: could not be written ({type(e).__name__}: {e})"
+    sent = [error]
+    dist.broadcast_object_list(sent, src=0)
+    if sent[0]:
+        raise CheckpointError(sent[0])
+    return path
 
 
 class CheckpointError(RuntimeError):
@@ -107,9 +125,7 @@ def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
     missing = [r for r in range(world) if shard_file(r) not in known]
     if missing:  # on every rank: none goes on into the next step's collectives alone
         raise CheckpointError(f"{final}: the shards of ranks {missing} are not in the checkpoint folder")
-    if rank != 0:
-        return None
-    return commit_dir(tmp, final, {**meta, "format": "dcp", "ranks": world}, known=known)
+    return on_rank0(lambda: commit_dir(tmp, final, {**meta, "format": "dcp", "ranks": world}, known=known), final)
 
 
 def _shared_tmp(final: Path) -> Path:
