@@ -24,18 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefill_all(core, prompts: list[list[int]]) -> float:
@@ -64,7 +56,7 @@ def main() -> None:
 
     import torch
 
-    from prl.inference.kv_master import MasterAddress, healthy, master_command
+    from prl.inference.kv_master import spawn_master
     from prl.model.tiny import write_model_dir
     from prl.recipe.schema import ModelCfg
 
@@ -72,8 +64,7 @@ def main() -> None:
     longest = max(args.prefix + args.suffix, args.turns * args.turn_tokens)
     cfg = ModelCfg(hidden_size=256, num_layers=4, num_heads=8, max_position_embeddings=longest + 64, index_topk=256)
     model_dir = write_model_dir(cfg, Path(tempfile.mkdtemp()) / "model")
-    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
-    master = subprocess.Popen(master_command(addr), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    master, addr = spawn_master()
     engines = []
 
     def engine(pooled: bool, run: str, prefix_cache: int = 0):
@@ -89,8 +80,6 @@ def main() -> None:
         return core
 
     try:
-        while not healthy(addr):
-            time.sleep(0.1)
         report = {"chunk": args.chunk, "prefix": prefix_workload(args, engine)}
         for n in args.servers:
             report[f"groups_{n}"] = spread(engine, n, f"groups{n}", group_requests(args, n))

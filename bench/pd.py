@@ -23,20 +23,12 @@ import json
 import multiprocessing as mp
 import queue
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 SHORT, STREAM_TOKENS, LONG_TOKENS = 16, 48, 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(model_dir: str, pool_cfg: dict | None, inbox, outbox) -> None:
@@ -160,17 +152,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     args = ap.parse_args()
 
-    from prl.inference.kv_master import MasterAddress, healthy, master_command
+    from prl.inference.kv_master import spawn_master
     from prl.model.tiny import write_model_dir
     from prl.recipe.schema import ModelCfg
 
     cfg = ModelCfg(hidden_size=256, num_layers=4, num_heads=8, max_position_embeddings=args.long + 64, index_topk=256)
     model_dir = str(write_model_dir(cfg, Path(tempfile.mkdtemp()) / "model"))
-    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
-    master = subprocess.Popen(master_command(addr), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    master, addr = spawn_master()
     try:
-        while not healthy(addr):
-            time.sleep(0.1)
         pool_cfg = {"master": addr.master, "metadata": addr.metadata, "hostname": "127.0.0.1",
                     "segment_bytes": 256 << 20, "chunk_tokens": args.chunk}
         report = {mode: run_mode(mode, args, model_dir, pool_cfg) for mode in ("colocated", "split")}

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from prl.recipe.resolve import free_port
 from vllm_rig import needs_vllm
 
 pytestmark = pytest.mark.slow
@@ -17,21 +18,10 @@ CHUNK = 16
 OPEN = []  # pool clients, closed before their master stops
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_master():
-    from prl.inference.kv_master import MasterAddress, healthy, master_command
+    from prl.inference.kv_master import spawn_master
 
-    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
-    proc = subprocess.Popen(master_command(addr), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not healthy(addr):
-        assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
-        time.sleep(0.1)
-    return proc, addr
+    return spawn_master()
 
 
 @pytest.fixture(scope="module")
@@ -348,19 +338,15 @@ def test_the_disk_tier_serves_chunks_evicted_from_memory(tmp_path):
     start: an earlier run's files would match), so with 40 MB of chunks and 16 MB of memory some
     chunks live on disk only, and another server reads every one back, byte for byte."""
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
-    from prl.inference.kv_master import MasterAddress, healthy, master_command
+    from prl.inference.kv_master import spawn_master
     from prl.inference.kv_pool import KvPool
 
     disk = tmp_path / "pool" / "run-disk"
     disk.mkdir(parents=True)
     (disk / "stale-from-an-earlier-run").write_text("x")
-    addr = MasterAddress("127.0.0.1", free_port(), free_port(), free_port())
-    proc = subprocess.Popen(master_command(addr, disk=str(disk)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, addr = spawn_master(disk=str(disk))
     pools = []
     try:
-        while not healthy(addr):
-            assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
-            time.sleep(0.1)
         assert not (disk / "stale-from-an-earlier-run").exists()
         for _ in range(2):
             pools.append(KvPool.connect(master=addr.master, metadata=addr.metadata, hostname="127.0.0.1",

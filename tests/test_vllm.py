@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_pretrained import make_pretrained
-from vllm_rig import group_alive, needs_vllm, start_server
+from vllm_rig import group_alive, needs_vllm, start_server, tree_threads
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 PROMPT = [1, 5, 9, 22, 7, 30, 4, 12, 17]
@@ -256,7 +256,7 @@ def engine_process(srv):
 @contextlib.contextmanager
 def lowest_priority(proc):
     """Every thread of `proc` and its children at nice 19 (restored after, where allowed)."""
-    threads = [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
+    threads = tree_threads(proc)
     before = {t: os.getpriority(os.PRIO_PROCESS, t) for t in threads}
     for t in threads:
         os.setpriority(os.PRIO_PROCESS, t, 19)

@@ -102,10 +102,21 @@ def pin_to_core(server: Server, core: int) -> None:
     import psutil
 
     cores = sorted(os.sched_getaffinity(0))
-    root = psutil.Process(server.proc.pid)
+    for thread in tree_threads(psutil.Process(server.proc.pid)):
+        try:
+            os.sched_setaffinity(thread, {cores[core % len(cores)]})
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+
+
+def tree_threads(root) -> list[int]:
+    """Thread ids of a psutil process and all its children (processes that end meanwhile skipped)."""
+    import psutil
+
+    out = []
     for proc in [root, *root.children(recursive=True)]:
         try:
-            for thread in proc.threads():
-                os.sched_setaffinity(thread.id, {cores[core % len(cores)]})
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue  # a thread or process that ended meanwhile
+            out += [t.id for t in proc.threads()]
+        except psutil.NoSuchProcess:
+            continue
+    return out

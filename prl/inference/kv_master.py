@@ -99,6 +99,23 @@ def healthy(addr: MasterAddress, timeout: float = 2.0) -> bool:
         return False
 
 
+def spawn_master(host: str = "127.0.0.1", disk: str | None = None):
+    """A master on free ports of `host`, started and answering its health route, with its address
+    (benches and tests; a run starts its own as a supervised process). Raises if it exits first."""
+    import subprocess
+    import time
+
+    from prl.recipe.resolve import free_port
+
+    addr = MasterAddress(host, free_port(host), free_port(host), free_port(host))
+    proc = subprocess.Popen(master_command(addr, disk=disk), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not healthy(addr):
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode} before answering {addr.health}")
+        time.sleep(0.1)
+    return proc, addr
+
+
 def wait_for_master(addr: MasterAddress, timeout_s: float) -> None:
     """Until the master answers its health route (it starts beside the servers)."""
     import time

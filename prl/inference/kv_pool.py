@@ -154,9 +154,11 @@ class KvPool:
         never waits on the store (a full queue drops the prompt: counted in `dropped`). `wait`: write
         now and return how many of the prompt's chunks are in the pool (P/D's prefill server answers
         with that)."""
+        if not self.usable():
+            return 0
         keys = chunk_keys(self.run, version, ids, self.chunk)
-        if not self.usable() or len(keys) <= skip:
-            return skip if self.usable() else 0
+        if len(keys) <= skip:
+            return skip
         if not wait and self.jobs.full():  # the store is slower than prefill: drop before copying
             self.stats.dropped += len(keys) - skip
             return skip

@@ -15,7 +15,6 @@ CPU instance of their module.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
