@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -229,8 +229,15 @@ class KvPoolCfg(Section):
     chunk_tokens: int = Field(256, gt=0)  # prompt KV is pooled per chunk of this many tokens
     retry_s: float = Field(30.0, gt=0)  # after a store error a server computes everything this long, then retries
     protocol: Literal["tcp", "rdma"] = "tcp"
-    disk_path: str | None = Field(None, pattern=r"^/")  # the disk tier: an absolute folder every pool member sees
+    disk_path: str | None = None  # the disk tier: an absolute folder every pool member sees
     disk_gb: float = Field(0, ge=0)  # its size (0: the filesystem's)
+
+    @field_validator("disk_path")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"{v!r} must be an absolute path (the master and every server resolve it on their own host)")
+        return v
 
 
 class InferenceCfg(Section):
