@@ -82,7 +82,7 @@ def vllm_server(model, batch: int):
 
 
 def make_vllm(srv):
-    from prl.inference.backend import make_backend
+    from prl.backends.registry import make_backend
 
     return make_backend("vllm", srv.url, srv.secret, max_connections=256)
 

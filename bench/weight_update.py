@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from prl.inference.backend import make_backend  # noqa: E402
+from prl.backends.registry import make_backend  # noqa: E402
 from prl.model.build import build_model  # noqa: E402
 from prl.model.hf_format import to_checkpoint_format  # noqa: E402
 from prl.model.tiny import char_tokenizer, write_model_dir  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prl.inference.protocol import GenerateRequest, decode_routing
-from prl.inference.vllm.client import VllmBackend, prometheus_values, token_versions
+from prl.backends.vllm.client import VllmBackend, prometheus_values, token_versions
 
 
 def npy_b64(arr: np.ndarray) -> str:
@@ -52,7 +52,7 @@ def test_routed_experts_split_into_prompt_and_completion_rows():
 
 
 def test_a_response_missing_logprobs_is_an_error():
-    from prl.inference.backend import BackendError
+    from prl.backends.base import BackendError
 
     req = GenerateRequest(prompt_ids=[1, 2], max_tokens=2)
     body = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
@@ -74,7 +74,7 @@ def test_prometheus_text_sums_labelled_samples():
 def test_mooncake_counters_become_pool_metrics():
     """vLLM's MooncakeStoreConnector counters (as its /metrics prints them) -> stored blocks (keys put
     minus failed ones), puts refused, and errors (failed lookups/loads and whole failed operations)."""
-    from prl.inference.vllm.client import mooncake_counts
+    from prl.backends.vllm.client import mooncake_counts
 
     def line(metric, op, status, value):
         return f'vllm:mooncake_store_operation_{metric}{{engine="0",model_name="m",operation="{op}",status="{status}"}} {value}'
@@ -92,7 +92,7 @@ def test_mooncake_counters_become_pool_metrics():
 
 
 def test_vllm_command_line_from_a_recipe(tmp_path):
-    from prl.inference.vllm.launch import launch_command
+    from prl.backends.vllm.launch import launch_command
     from prl.recipe.load import validate
     from prl.recipe.resolve import resolve
 
@@ -101,14 +101,14 @@ def test_vllm_command_line_from_a_recipe(tmp_path):
         "compilation_config": {"mode": 0}}}}, "test")
     cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
     cmd = launch_command(cfg, "python")
-    assert cmd[:6] == ["python", "-m", "prl.inference.vllm.launch", "--config", f"{tmp_path}/config/inference-0.json", "--"]
+    assert cmd[:6] == ["python", "-m", "prl.backends.vllm.launch", "--config", f"{tmp_path}/config/inference-0.json", "--"]
     vllm = cmd[6:]
     assert vllm[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(vllm)
     for part in ("--logprobs-mode processed_logprobs", "--enable-scale-out", "--load-format dummy",
                  '--weight-transfer-config {"backend":"prl"}', "--enforce-eager", "--no-enable-prefix-caching",
                  "--max-num-batched-tokens 512", '--compilation-config {"mode":0}',
-                 "--middleware prl.inference.vllm.auth.require_bearer"):
+                 "--middleware prl.backends.vllm.auth.require_bearer"):
         assert part in joined, part
     assert "--api-key" not in joined and cfg.secret_file not in joined, "the secret never goes on a command line"
 
@@ -118,7 +118,7 @@ def test_bearer_middleware_compares_every_route(monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from prl.inference.vllm.auth import require_bearer
+    from prl.backends.vllm.auth import require_bearer
 
     monkeypatch.setenv("VLLM_API_KEY", "k3y")
     app = FastAPI()
@@ -140,7 +140,7 @@ def test_staging_runs_off_the_caller_and_reports_through_status_files(tmp_path):
     when every rank staged that version, and carries the error of a rank that failed."""
     import threading
 
-    from prl.inference.vllm.staging import Stager, read_status
+    from prl.backends.vllm.staging import Stager, read_status
 
     gate = threading.Event()
 

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 
 
 def make(srv):
-    from prl.inference.backend import make_backend
+    from prl.backends.registry import make_backend
 
     return make_backend("vllm", srv.url, srv.secret, eos_token_id=2)
 
@@ -126,7 +126,7 @@ def test_weight_update_changes_logprobs_to_the_new_version(server):
 
 
 def test_a_refused_version_keeps_the_old_one_serving(server):
-    from prl.inference.backend import WeightsRejected
+    from prl.backends.base import WeightsRejected
 
     model = hf_model(server.run_dir / "model")
     good = perturbed_state(model, seed=1)  # v1 as published by the previous test
@@ -178,7 +178,7 @@ def test_trainer_embedded_engine_and_vllm_agree_on_a_pretrained_folder(server):
 
 
 def metric(srv, name: str) -> float:
-    from prl.inference.vllm.client import prometheus_values
+    from prl.backends.vllm.client import prometheus_values
 
     async def get(b):
         r = await b.http.get("/metrics")
@@ -271,7 +271,7 @@ def lowest_priority(proc):
 
 
 def metrics_of(r) -> dict:
-    from prl.inference.vllm.client import prometheus_values
+    from prl.backends.vllm.client import prometheus_values
 
     return prometheus_values(r.text)
 
@@ -342,7 +342,7 @@ def test_every_route_needs_the_runs_secret(server):
 def test_a_dead_engine_fails_requests_at_once_naming_the_server(server):
     """vLLM's /health answers 200 for a while after its engine core died; prl's backend raises on
     the first failed request instead of waiting."""
-    from prl.inference.backend import BackendError
+    from prl.backends.base import BackendError
 
     os.kill(engine_process(server).pid, signal.SIGKILL)
     with pytest.raises(BackendError, match=server.url.split("//")[1]):

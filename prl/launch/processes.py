@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prl.backends import registry
 from prl.recipe.resolve import ProcessConfig
 from prl.recipe.schema import Recipe
 
@@ -59,10 +60,10 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
         pool = cfg.recipe.inference.kv_pool
         disk = f"{pool.disk_path.rstrip('/')}/{cfg.recipe.run.name}" if pool.disk_path else None
         return master_command(MasterAddress(**cfg.kv_master), python, disk=disk, disk_gb=pool.disk_gb)
-    if cfg.role == "inference" and cfg.recipe.inference.backend == "vllm":
-        from prl.inference.vllm.launch import launch_command
-
-        return launch_command(cfg, python)
+    if cfg.role == "inference":
+        command = registry.get(cfg.recipe.inference.backend).launch_command(cfg, python)
+        if command is not None:
+            return command
     return [python, "-m", f"prl.{cfg.role}", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
 
 

@@ -19,7 +19,8 @@ from prl.inference.protocol import GenerateRequest, decode_routing
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.servers import ServerPool
-from prl.inference.backend import InferenceBackend, make_backend
+from prl.backends import registry
+from prl.backends.base import InferenceBackend
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
 from prl.transport.batch import Sample, TrainBatch, pack
@@ -69,9 +70,8 @@ class Orchestrator:
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
     def backend(self, url: str) -> InferenceBackend:
-        inf, conns = self.cfg.recipe.inference, self.rl.max_inflight_rollouts + 8
-        options = {"eos_token_id": self.tokenizer.eos_token_id} if inf.backend == "vllm" else {}
-        return make_backend(inf.backend, url, self.cfg.secret(), conns, **options)
+        spec, conns = registry.get(self.cfg.recipe.inference.backend), self.rl.max_inflight_rollouts + 8
+        return spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
 
     def trainer_hung(self, cause: str) -> None:
         self.log.emit("unresponsive", name="trainer", cause=cause[:300])

@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from prl.inference.backend import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
+from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
 from prl.metrics import EventLog
 
 MAX_ATTEMPTS = 8  # a group that failed this often on servers that kept coming back ends the run

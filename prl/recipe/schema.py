@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prl.backends import registry
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -206,18 +208,6 @@ class TrainerCfg(Section):
     loss: LossCfg = LossCfg()
 
 
-# vLLM arguments prl sets itself (`prl.inference.vllm.launch`): the recipe key that controls each
-VLLM_OWN_ARGS = {
-    "model": "model.path", "served_model_name": "run.name", "host": "placement / inference.host",
-    "port": "cluster.inference_port / inference.port", "dtype": "inference.dtype", "seed": "run.seed",
-    "max_num_seqs": "inference.max_batch_size", "enable_scale_out": "(always on)",
-    "logprobs_mode": "(always processed_logprobs)", "generation_config": "(always vllm)",
-    "weight_transfer_config": "(always prl)", "middleware": "(prl's bearer check)", "api_key": "the run's secret",
-    "load_format": "model.path", "enable_return_routed_experts": "trainer.router_replay",
-    "kv_transfer_config": "inference.kv_pool",
-}
-
-
 class KvPoolCfg(Section):
     """A prompt-KV pool over the run's inference servers (Mooncake): a `kv-master` process plus
     `memory_gb` of every server's memory; a server loads pooled prompt chunks instead of computing."""
@@ -241,7 +231,7 @@ class KvPoolCfg(Section):
 
 
 class InferenceCfg(Section):
-    backend: Literal["embedded", "vllm"] = "embedded"
+    backend: str = "embedded"  # a name in prl.backends.registry.SPECS
     num_servers: int = Field(1, gt=0)
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick free ports at launch
@@ -256,14 +246,17 @@ class InferenceCfg(Section):
     prefill_servers: int = Field(0, ge=0)  # P/D on one machine: the first N servers only prefill into the KV pool
 
     @model_validator(mode="after")
-    def _vllm_args(self):
-        own = sorted(k for k in self.vllm if k.replace("-", "_") in VLLM_OWN_ARGS)
+    def _backend_options(self):
+        spec = registry.get(self.backend)  # an unknown name is refused, listing the registered ones
+        for name in registry.names():  # each backend's passthrough table, e.g. [inference.vllm]
+            options = getattr(self, name, None) or {}
+            if options and name != self.backend:
+                raise ValueError(f"inference.{name}: only used with inference.backend = {name!r}")
+        own = sorted(k for k in (getattr(self, self.backend, None) or {}) if k.replace("-", "_") in spec.owned_args)
         if own:
             k = own[0]
-            raise ValueError(f"inference.vllm.{k}: prl sets --{k.replace('_', '-')} itself (from "
-                             f"{VLLM_OWN_ARGS[k.replace('-', '_')]}); remove it")
-        if self.vllm and self.backend != "vllm":
-            raise ValueError("inference.vllm: only used with inference.backend = 'vllm'")
+            raise ValueError(f"inference.{self.backend}.{k}: prl sets --{k.replace('_', '-')} itself (from "
+                             f"{spec.owned_args[k.replace('-', '_')]}); remove it")
         if self.prefill_servers and not self.kv_pool.enabled:
             raise ValueError("inference.prefill_servers: prefill servers hand prompts to decode servers through the "
                              "KV pool; set inference.kv_pool.enabled = true")
@@ -424,25 +417,18 @@ class Recipe(Section):
         out = []
         if self.cluster is not None and self.cluster.weight_transfer == "nccl":
             out.append("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built yet); use 'http'")
-        if self.inference.backend == "vllm" and self.inference.fp8:
-            out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
-                       "not built yet; use the embedded engine or inference.fp8 = false")
         pool = self.inference.kv_pool
-        if pool.enabled and self.inference.backend == "vllm" and self.trainer.router_replay:
-            out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
-                       "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
-        prefill = self.inference.prefill_servers or (self.placement.prefill if self.placement else [])
-        if prefill and self.inference.backend == "vllm":
-            out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
-                       "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
-                       "embedded engine")
         if pool.enabled and pool.protocol == "rdma":
             out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")
         if self.trainer.checkpoint_format == "sharded" and self.trainer_hosts() > 1 and not self.shared_checkpoints():
             out.append("trainer.checkpoint_format = 'sharded' with the trainer on several hosts needs "
                        "cluster.shared_checkpoints (a folder every trainer host mounts): every rank may read every "
                        "host's shards when it resumes; set it, or use 'auto'")
-        return out
+        return out + registry.get(self.inference.backend).not_built(self)
+
+    def prefill_hosts_or_servers(self) -> list:
+        """P/D: the prefill servers (one machine: a count) or hosts (a cluster), empty without P/D."""
+        return list(range(self.inference.prefill_servers)) or (self.placement.prefill if self.placement else [])
 
     def shared_checkpoints(self) -> str | None:
         return self.cluster.shared_checkpoints if self.cluster is not None else None
@@ -453,11 +439,8 @@ class Recipe(Section):
         return len(self.placement.trainer) if self.placement is not None else 1
 
     @model_validator(mode="after")
-    def _vllm_sampling(self):
-        if self.inference.backend == "vllm" and self.sampling.top_p < 1:
-            raise ValueError(f"sampling.top_p = {self.sampling.top_p} with inference.backend = 'vllm': vLLM reports "
-                             f"logprobs after top-p truncation, not the temperature-scaled ones the trainer "
-                             f"recomputes; use top_p = 1")
+    def _backend_rules(self):
+        registry.get(self.inference.backend).check_recipe(self)
         return self
 
     def longest_sample(self) -> int:

@@ -23,6 +23,7 @@ from prl.model.fp8 import apply_fp8
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.model.routing import Replay, routers
+from prl.backends import registry
 from prl.recipe.resolve import ProcessConfig
 from prl.tasks import make_task
 from prl.model.weights import published_versions
@@ -238,7 +239,7 @@ class Trainer:
 
     def publish(self, version: int) -> None:
         publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names,
-                hf_format=self.cfg.recipe.inference.backend == "vllm")
+                hf_format=registry.get(self.cfg.recipe.inference.backend).publish_format == "hf")
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,

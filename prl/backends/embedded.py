@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prl.inference.backend import InferenceBackend, WeightsRejected
+from prl.backends.base import InferenceBackend, WeightsRejected
 from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, PrefillResponse, UpdateWeightsResponse
 
 

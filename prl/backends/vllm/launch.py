@@ -1,7 +1,7 @@
 """Start a vLLM OpenAI server for one inference slot of a run.
 
 `vllm_args(cfg)` is the full vLLM command line (shown by `--dry-run`); the process prl starts is
-`python -m prl.inference.vllm.launch --config CFG -- python -m vllm.entrypoints.openai.api_server ARGS`,
+`python -m prl.backends.vllm.launch --config CFG -- python -m vllm.entrypoints.openai.api_server ARGS`,
 which puts the run's secret into `VLLM_API_KEY` (never on a command line), turns on the RL routes
 (`VLLM_SERVER_DEV_MODE=1`), tells the weight-transfer plugin its config (`PRL_CONFIG`), and
 replaces itself with vLLM (`exec`: same pid, same process group, so prl's teardown reaches every
@@ -22,7 +22,7 @@ from typing import Any
 from prl.recipe.resolve import ProcessConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-AUTH_MIDDLEWARE = "prl.inference.vllm.auth.require_bearer"
+AUTH_MIDDLEWARE = "prl.backends.vllm.auth.require_bearer"
 
 
 def weight_engine(recipe) -> str:
@@ -89,7 +89,7 @@ def kv_transfer(recipe) -> dict:
 
 def launch_command(cfg: ProcessConfig, python: str) -> list[str]:
     config = f"{cfg.run_dir}/config/{cfg.name}.json"
-    return [python, "-m", "prl.inference.vllm.launch", "--config", config, "--",
+    return [python, "-m", "prl.backends.vllm.launch", "--config", config, "--",
             python, "-m", VLLM_MODULE, *vllm_args(cfg)]
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
     from prl.recipe.resolve import load_process_config
 
     if len(argv) < 4 or argv[0] != "--config" or argv[2] != "--":
-        raise SystemExit("usage: python -m prl.inference.vllm.launch --config CFG -- VLLM_COMMAND...")
+        raise SystemExit("usage: python -m prl.backends.vllm.launch --config CFG -- VLLM_COMMAND...")
     cfg = load_process_config(argv[1])
     env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
     if cfg.kv_master:

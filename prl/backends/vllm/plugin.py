@@ -7,7 +7,7 @@ place on the trainer's host, else downloaded from the trainer endpoint and verif
 works without a GPU and wherever NCCL is off.
 
 Rules:
-- `update_weights {"version": N, "action": "stage"}` starts a thread (`prl.inference.vllm.staging`)
+- `update_weights {"version": N, "action": "stage"}` starts a thread (`prl.backends.vllm.staging`)
   that fetches, verifies (sizes, sha256) and reads vN into memory, then checks it (checkpoint
   format, every name and shape of the model's checkpoint, finite values), while decoding goes on;
   the client waits for "ready" on `GET /prl/staged` (answered by prl's middleware);
@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from prl.inference.vllm.rejected import REJECTED
+from prl.backends.vllm.rejected import REJECTED
 
 BACKEND = "prl"
 REPACK_VERSIONS = ("0.32.",)  # vLLM versions whose CPU reload needs `repack_cpu_experts`
@@ -63,7 +63,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
 
         if CONFIG_ENV not in os.environ:
             raise RuntimeError(f"the prl weight-transfer engine needs {CONFIG_ENV} (start vLLM through prl)")
-        from prl.inference.vllm.staging import Stager, status_dir
+        from prl.backends.vllm.staging import Stager, status_dir
 
         self.cfg = load_process_config(os.environ[CONFIG_ENV])
         self.source = weight_source(self.cfg)
@@ -163,7 +163,7 @@ def repack_cpu_experts(model) -> int:
     if moe and not vllm.__version__.startswith(REPACK_VERSIONS):
         raise RuntimeError(f"prl's CPU expert re-pack after a weight update is written for vLLM {REPACK_VERSIONS}, "
                            f"this is {vllm.__version__}: check whether its reload still leaves experts unpacked "
-                           f"(tests/test_vllm.py) and update prl.inference.vllm.plugin")
+                           f"(tests/test_vllm.py) and update prl.backends.vllm.plugin")
     for name, module in moe:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)

@@ -1,5 +1,5 @@
 """Bearer check on every route of a vLLM server, passed to it as `--middleware`; also answers
-`GET /prl/staged` (weights staging status, `prl.inference.vllm.staging`).
+`GET /prl/staged` (weights staging status, `prl.backends.vllm.staging`).
 
 vLLM's `--api-key` guards only `/v1`, `/inference` and a few other prefixes; its RL routes
 (`/pause`, `/update_weights`, `/collective_rpc`, ...) answer anyone who can reach the port. prl's
@@ -33,8 +33,8 @@ async def require_bearer(request, call_next):
 
 
 def staged(request) -> JSONResponse:
-    """`GET /prl/staged?version=N`: whether every worker has staged vN (`prl.inference.vllm.staging`)."""
-    from prl.inference.vllm.staging import read_status, status_dir
+    """`GET /prl/staged?version=N`: whether every worker has staged vN (`prl.backends.vllm.staging`)."""
+    from prl.backends.vllm.staging import read_status, status_dir
     from prl.recipe.resolve import load_process_config
 
     raw = request.query_params.get("version", "")

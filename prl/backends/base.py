@@ -9,8 +9,8 @@ Rules every backend keeps:
   version raises `WeightsRejected` and the old one keeps serving;
 - a server that died or stopped answering raises `BackendError` naming it, never hangs.
 
-Backends: `embedded` (prl's own engine and HTTP API, `prl.inference.embedded_client`) and `vllm`
-(a vLLM OpenAI server and its RL API, `prl.inference.vllm.client`).
+Backends are registered in `prl.backends.registry` (client class, launch command, publish format,
+refusals, doctor checks); `prl.backends.registry.make_backend(kind, ...)` makes a client.
 """
 
 from __future__ import annotations
@@ -116,15 +116,3 @@ class InferenceBackend(abc.ABC):
         if r.status_code >= 400:
             raise BackendError(f"{self.base_url}: {what} answered {r.status_code}: {r.text[:300]}", r.status_code)
         return r
-
-
-def make_backend(kind: str, base_url: str, secret: str, max_connections: int = 128, **options) -> InferenceBackend:
-    if kind == "embedded":
-        from prl.inference.embedded_client import EmbeddedBackend
-
-        return EmbeddedBackend(base_url, secret, max_connections)
-    if kind == "vllm":
-        from prl.inference.vllm.client import VllmBackend
-
-        return VllmBackend(base_url, secret, max_connections, **options)
-    raise ValueError(f"inference.backend = {kind!r}: unknown (embedded, vllm)")

