@@ -109,7 +109,7 @@ def local_folder(recipe: Recipe):
 
 def check_model(recipe: Recipe, folder) -> None:
     """A broken pretrained folder fails before any process starts."""
-    from prl.model.families import ROUTER_CLASSES as FAMILIES
+    from prl.model.families import with_feature
 
     if folder is None:
         return
@@ -118,13 +118,13 @@ def check_model(recipe: Recipe, folder) -> None:
     if folder.max_position_embeddings and longest > folder.max_position_embeddings:
         raise RecipeError(f"model.path: {m.path} holds {folder.max_position_embeddings} positions, shorter than the "
                           f"longest sample ({longest} tokens); lower sampling.max_tokens")
-    if recipe.trainer.router_replay and folder.model_type not in FAMILIES:
+    if recipe.trainer.router_replay and folder.model_type not in with_feature("r3"):
         raise RecipeError(f"trainer.router_replay: model_type {folder.model_type!r} of {m.path} has no routing "
-                          f"adapter (known: {sorted(FAMILIES)}); set trainer.router_replay = false")
+                          f"adapter (known: {with_feature('r3')}); set trainer.router_replay = false")
     par = recipe.trainer.parallel
-    if par.cp > 1 and folder.model_type != "glm_moe_dsa":
+    if par.cp > 1 and folder.model_type not in with_feature("cp"):
         raise RecipeError(f"trainer.parallel.cp = {par.cp}: context parallelism is built for GLM-5's DSA attention "
-                          f"(model_type 'glm_moe_dsa'); {m.path} is {folder.model_type!r}; use cp = 1")
+                          f"(model_type in {with_feature('cp')}); {m.path} is {folder.model_type!r}; use cp = 1")
     if par.ep > 1 and (folder.num_experts is None or folder.num_experts % par.ep):
         raise RecipeError(f"trainer.parallel.ep = {par.ep} must divide the routed experts of {m.path} "
                           f"({folder.num_experts or 'none'})")

@@ -7,8 +7,9 @@ the same token, a train/inference mismatch unrelated to RL. prl's engine, traine
 context-parallel attention all select with `stable_topk` on the same scores, so they keep the same
 keys, and tiny recipes can set `index_topk` below the sequence length.
 
-`install(model)` swaps each `GlmMoeDsaIndexer`'s class for one whose forward is transformers'
-computation with that selection (state-dict keys unchanged); other models are left alone.
+`install(model)` swaps each DSA indexer's class (the family spec's `indexer_class`, GLM-5's
+`GlmMoeDsaIndexer`) for one whose forward is transformers' computation with that selection
+(state-dict keys unchanged); models without one (other families, or no spec) are left alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-INDEXER_CLASS = "GlmMoeDsaIndexer"
+from prl.model import families
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,6 +73,7 @@ class StableIndexer:
 
 
 def install(model) -> None:
-    for m in model.modules():
-        if type(m).__name__ == INDEXER_CLASS:
+    fam = families.FAMILIES.get(getattr(model.config, "model_type", None))
+    for m in families.modules_of(model, fam.indexer_class if fam else None):
+        if not isinstance(m, StableIndexer):  # installing twice is a no-op
             m.__class__ = type(f"Stable{type(m).__name__}", (StableIndexer, type(m)), {})

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prl.model import families
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -193,11 +195,6 @@ class Fp8BlockLinear(torch.nn.Linear):
 
 
 # ---------------------------------------------------------------- swapping a model's layers
-FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj", "k_proj", "v_proj",
-               "gate_proj", "up_proj", "down_proj")
-EXPERT_CLASSES = ("GlmMoeDsaExperts", "DeepseekV3NaiveMoe", "DeepseekV3Experts", "Qwen3MoeExperts")
-
-
 class _Fp8Experts:
     """Mixin for HF expert stacks with 3-D `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`."""
 
@@ -220,19 +217,22 @@ def fp8_experts(mod) -> bool:
 
 def apply_fp8(model, swap: bool = True) -> dict[str, list[str]]:
     """Swap the eligible attention/MLP linears and expert stacks of `model` to FP8, in place
-    (`swap=False` only reports).
+    (`swap=False` only reports). Which they are is the family spec's (`prl.model.families`: its
+    `fp8_linears` by leaf name, its `expert_classes`); an unknown family fails.
 
     Router, lm_head, embeddings, norms and the DSA indexer stay in high precision, as does any
     projection whose dimensions are not multiples of 128. Returns what was swapped and kept."""
+    fam = families.spec(model.config.model_type, "FP8 (trainer.fp8 / inference.fp8)")
+    experts = {id(m) for m in families.modules_of(model, fam.expert_classes)}
     report: dict[str, list[str]] = {"fp8": [], "kept": []}
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, torch.nn.Linear) and leaf in FP8_LINEARS and ".indexer" not in name:
+        if isinstance(mod, torch.nn.Linear) and leaf in fam.fp8_linears and not any(s in name for s in fam.fp8_skip):
             ok = eligible(mod.out_features, mod.in_features)
             if ok and swap:
                 Fp8BlockLinear.from_linear(mod)
             report["fp8" if ok else "kept"].append(name)
-        elif type(mod).__name__ in EXPERT_CLASSES:
+        elif id(mod) in experts:
             e, two_i, h = mod.gate_up_proj.shape
             ok = eligible(two_i // 2, h)
             if ok and swap and not isinstance(mod, _Fp8Experts):

@@ -1,7 +1,7 @@
 """Rollout routing replay (R3): capture the experts the engine chose, replay them in the trainer.
 
-One small adapter per Hugging Face MoE family names the router class and recomputes the gating
-weights at given expert ids from the router's own scores (so gradients still reach the router):
+Each family's spec (`prl.model.families`) names its router class and how its gating weights are
+recomputed at given expert ids from the router's own scores (so gradients still reach the router):
 
 | family        | router class           | scores                  | weights at ids                          |
 | glm_moe_dsa   | GlmMoeDsaTopkRouter    | sigmoid(logits)         | normalised, x routed_scaling_factor     |
@@ -18,13 +18,13 @@ do not change. An unknown family fails loudly.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from prl.model.families import ROUTER_CLASSES
+from prl.model import families
+from prl.model.families import FamilySpec
 
 
 def _sigmoid_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -41,32 +41,25 @@ def _softmax_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.T
     return w.to(logits.dtype)
 
 
-@dataclass(frozen=True)
-class RouterFamily:
-    router_class: str
-    weights_at: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+WEIGHTS_AT: dict[str, Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sigmoid": _sigmoid_weights, "softmax": _softmax_weights}
+# the families whose routers prl captures and replays (their specs in `prl.model.families`)
+FAMILIES = {t: s for t, s in families.FAMILIES.items() if s.r3}
 
 
-_WEIGHTS = {"glm_moe_dsa": _sigmoid_weights, "deepseek_v3": _sigmoid_weights, "qwen3_moe": _softmax_weights}
-FAMILIES = {family: RouterFamily(cls, _WEIGHTS[family]) for family, cls in ROUTER_CLASSES.items()}
-
-
-def family_of(model) -> RouterFamily:
-    model_type = model.config.model_type
-    if model_type not in FAMILIES:
-        raise NotImplementedError(
-            f"router replay has no adapter for model_type {model_type!r}; known: {sorted(FAMILIES)} "
-            f"(add one in prl.model.routing.FAMILIES)"
-        )
-    return FAMILIES[model_type]
+def family_of(model) -> FamilySpec:
+    """The model's family spec; fails loudly for a family without a routing adapter."""
+    fam = families.spec(model.config.model_type, "router replay")
+    if not fam.r3:
+        raise NotImplementedError(f"router replay has no adapter for model_type {fam.model_type!r}; known: "
+                                  f"{sorted(FAMILIES)} (add its router to prl.model.families)")
+    return fam
 
 
 def routers(model) -> list[torch.nn.Module]:
     """The model's routers in layer order (replay-wrapped or not); empty for other families."""
-    if model.config.model_type not in FAMILIES:
-        return []
-    name = FAMILIES[model.config.model_type].router_class
-    return [m for m in model.modules() if any(c.__name__ == name for c in type(m).__mro__)]
+    fam = FAMILIES.get(model.config.model_type)
+    return families.modules_of(model, fam.router_class) if fam else []
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -120,7 +113,7 @@ class _ReplayRouter:
         self._prl_stats.append((agree.detach(), ids.numel()))
         if not self._prl_replay:
             return logits, weights, own
-        return logits, self._prl_family.weights_at(self, logits, ids).to(weights.dtype), ids
+        return logits, self._prl_weights_at(self, logits, ids).to(weights.dtype), ids
 
 
 class Replay:
@@ -134,7 +127,7 @@ class Replay:
         for r in self.routers:
             if not isinstance(r, _ReplayRouter):  # installing twice (e.g. on a deepcopy) is a no-op
                 r.__class__ = type(f"Replay{type(r).__name__}", (_ReplayRouter, type(r)), {})
-            r._prl_family, r._prl_replay, r._prl_stats = fam, replay, []
+            r._prl_weights_at, r._prl_replay, r._prl_stats = WEIGHTS_AT[fam.router_scores], replay, []
 
     def set_replay(self, replay: bool) -> None:
         for r in self.routers:

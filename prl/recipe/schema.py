@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prl.backends import registry
+from prl.model import families
 
 
 class Section(BaseModel):
@@ -47,7 +48,7 @@ class ModelCfg(Section):
     With `path`, every process loads that folder's weights (`model.safetensors`, or shards listed in
     `model.safetensors.index.json`); the tiny-model keys below are then unused."""
 
-    arch: Literal["glm_moe_dsa", "qwen3_moe"] = "glm_moe_dsa"
+    arch: Literal[tuple(families.with_feature("tiny"))] = "glm_moe_dsa"  # the families `prl.model.tiny` builds
     path: str | None = None  # a local Hugging Face folder with weights; on a cluster, at this path on every host
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(3, gt=0)
@@ -404,9 +405,9 @@ class Recipe(Section):
         par = self.trainer.parallel
         moe = self.model.path is None and self.model.first_dense_layers < self.model.num_layers
         par.check(self.trainer_world(), self.model.num_experts if self.model.path is None else None)
-        if par.cp > 1 and self.model.arch != "glm_moe_dsa":
+        if par.cp > 1 and self.model.arch not in families.with_feature("cp"):
             raise ValueError(f"trainer.parallel.cp > 1: context parallelism is built for GLM-5's DSA attention "
-                             f"(model.arch = 'glm_moe_dsa'), not {self.model.arch!r}")
+                             f"(model.arch in {families.with_feature('cp')}), not {self.model.arch!r}")
         if par.ep > 1 and self.model.path is None and not moe:
             raise ValueError("trainer.parallel.ep > 1 needs an MoE model, but every layer is dense")
         return self

@@ -12,9 +12,9 @@ local, with global positions: a key is allowed for a query when both are in the 
 and the key is not later (`Sequence.allowed`).
 
 The top-k selection breaks ties by position (`prl.model.dsa`, as the engine and the unsplit trainer
-do), so it picks the same keys however the sequence is split. This
-adapter replaces `GlmMoeDsaAttention.forward` (batch of one packed row, no KV cache: training only)
-and fails loudly on other attention classes.
+do), so it picks the same keys however the sequence is split. This adapter replaces the forward of
+the family spec's attention class (`prl.model.families`: GLM-5's `GlmMoeDsaAttention`; batch of one
+packed row, no KV cache: training only) and fails loudly on other families.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
 from prl.transport.batch import MicroBatch, pad_row, sample_ids, shard_sequence
-
-ATTENTION_CLASS = "GlmMoeDsaAttention"
 
 
 @dataclass
@@ -52,13 +51,17 @@ class Sequence:
 
 
 def install(model, group, size: int, rank: int) -> Sequence:
-    attns = [m for m in model.modules() if type(m).__name__ == ATTENTION_CLASS]
+    """Swap the model's attention (its family spec's `attention_class`) for the adapter over `group`."""
+    fam = families.spec(model.config.model_type, "trainer.parallel.cp > 1")
+    attns = families.modules_of(model, fam.attention_class)
     if not attns:
-        raise NotImplementedError(f"trainer.parallel.cp > 1: {type(model).__name__} has no {ATTENTION_CLASS}; "
-                                  f"context parallelism is built for GLM-5's DSA attention only")
+        raise NotImplementedError(f"trainer.parallel.cp > 1: {type(model).__name__} has no "
+                                  f"{fam.attention_class or 'attention prl can split'}; context parallelism is built "
+                                  f"for {families.with_feature('cp')} (GLM-5's DSA attention) only")
     seq = Sequence(group, size, rank)
     for a in attns:
-        a.__class__ = type(f"CP{type(a).__name__}", (ContextParallelAttention, type(a)), {})
+        if not isinstance(a, ContextParallelAttention):
+            a.__class__ = type(f"CP{type(a).__name__}", (ContextParallelAttention, type(a)), {})
         a._prl_seq = seq
     return seq
 

@@ -1,8 +1,9 @@
 """Expert parallelism: each MoE layer's routed experts split over the `ep` ranks, tokens sent to the
 ranks that own their experts and brought back with all-to-all.
 
-Transformers' MoE families (GLM-5, DeepSeek-V3, Qwen3-MoE) keep a layer's routed experts in one
-module with stacked weights `gate_up_proj [E, 2I, D]` and `down_proj [E, D, I]`, called as
+Transformers' MoE families (GLM-5, DeepSeek-V3, Qwen3-MoE; their expert classes are named by their
+specs in `prl.model.families`) keep a layer's routed experts in one module with stacked weights
+`gate_up_proj [E, 2I, D]` and `down_proj [E, D, I]`, called as
 `experts(hidden_TD, topk_ids_TK, topk_weights_TK)`. `shard_experts` makes those two parameters
 DTensors sharded on dim 0 over the `ep` mesh dimension (rank r owns experts r*E/ep ..) and swaps
 the module's class for one whose forward:
@@ -32,31 +33,27 @@ import torch.distributed.nn.functional as dnn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-STACKED = ("gate_up_proj", "down_proj")
-
-
-def expert_modules(model) -> list[torch.nn.Module]:
-    """Modules holding a layer's stacked routed experts (the families' `*Experts` classes)."""
-    return [m for m in model.modules()
-             if all(isinstance(getattr(m, n, None), torch.nn.Parameter) and getattr(m, n).dim() == 3 for n in STACKED)]
-
+from prl.model import families
 
 def shard_experts(model, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
-    """Shard every experts module over the mesh's `ep` dimension; returns the sharded parameters
-    (FSDP must leave them alone). Every rank must hold the same full weights before the call."""
+    """Shard every experts module (the family spec's `expert_classes`, their `stacked_experts`
+    tensors on `expert_dim`) over the mesh's `ep` dimension; returns the sharded parameters (FSDP
+    must leave them alone). Every rank must hold the same full weights before the call."""
     ep = ep_mesh["ep"]
-    mods = expert_modules(model)
+    fam = families.spec(model.config.model_type, f"trainer.parallel.ep = {ep.size()}")
+    mods = families.modules_of(model, fam.expert_classes)
     if not mods:
         raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
-                         f"experts (gate_up_proj/down_proj [E, ...]) prl can split")
+                         f"experts ({', '.join(fam.expert_classes)}) prl can split")
     params = []
     for m in mods:
-        n_experts = m.gate_up_proj.shape[0]
+        n_experts = m.gate_up_proj.shape[fam.expert_dim]
         if n_experts % ep.size():
             raise ValueError(f"trainer.parallel.ep ({ep.size()}) must divide the model's experts ({n_experts})")
-        for name in STACKED:
+        for name in fam.stacked_experts:
             full = getattr(m, name)
-            p = torch.nn.Parameter(distribute_tensor(full.data, ep, [Shard(0)]), requires_grad=full.requires_grad)
+            p = torch.nn.Parameter(distribute_tensor(full.data, ep, [Shard(fam.expert_dim)]),
+                                   requires_grad=full.requires_grad)
             setattr(m, name, p)
             params.append(p)
         m.__class__ = type(f"EP{type(m).__name__}", (ExpertParallel, type(m)), {})

@@ -21,10 +21,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from prl.model import families
 from prl.model.pretrained import PretrainedError, weight_files
-
-EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
 
 def meta_model(model_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -98,31 +96,31 @@ def row_range(t: torch.Tensor) -> tuple[int, int]:
     return start, min(start + per, t.shape[0])
 
 
-def fill(ckpt: Checkpoint, name: str, out: torch.Tensor, start: int) -> set[str]:
+def fill(ckpt: Checkpoint, name: str, out: torch.Tensor, start: int, stacked: dict[str, tuple[str, ...]]) -> set[str]:
     """This rank's rows of `name` into `out`: by name, or a stacked experts tensor from the folder's
-    per-expert tensors (`gate_up_proj` = gate then up rows of each expert). Returns the folder
-    tensors it stands for (all of them, though it reads only its rows)."""
+    per-expert tensors (`stacked`, the family spec's map: `gate_up_proj` = gate then up rows of each
+    expert). Returns the folder tensors it stands for (all of them, though it reads only its rows)."""
     if name in ckpt.entries:
         ckpt.read_into(name, out, start)
         return {name}
     prefix, _, leaf = name.rpartition(".")
-    if leaf not in EXPERT_PARTS or not prefix.endswith("experts"):
+    if leaf not in stacked or not prefix.endswith("experts"):
         raise PretrainedError(f"the pretrained folder has no tensor {name!r}")
     for i in range(out.shape[0]):
         row = 0
-        for part in EXPERT_PARTS[leaf]:
+        for part in stacked[leaf]:
             src = f"{prefix}.{start + i}.{part}.weight"
             if src not in ckpt.entries:
                 raise PretrainedError(f"the pretrained folder has no tensor {name!r} nor {src!r} it is stacked from")
             n = ckpt.entries[src][2][0]
             ckpt.read_into(src, out[i, row:row + n])
             row += n
-    return {k for k in ckpt.entries if k.startswith(prefix + ".") and k.endswith(tuple(f".{p}.weight" for p in EXPERT_PARTS[leaf]))}
+    return {k for k in ckpt.entries if k.startswith(prefix + ".") and k.endswith(tuple(f".{p}.weight" for p in stacked[leaf]))}
 
 
-def folder_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+def folder_dtype(ckpt: Checkpoint, name: str, stacked: dict[str, tuple[str, ...]]) -> torch.dtype:
     prefix, _, leaf = name.rpartition(".")
-    src = name if name in ckpt.entries else f"{prefix}.0.{EXPERT_PARTS.get(leaf, ('?',))[0]}.weight"
+    src = name if name in ckpt.entries else f"{prefix}.0.{stacked.get(leaf, ('?',))[0]}.weight"
     if src not in ckpt.entries:
         raise PretrainedError(f"the pretrained folder has no tensor {name!r}")
     return ckpt.entries[src][1]
@@ -133,6 +131,8 @@ def load_sharded(model, folder: Path) -> int:
     """Fill every parameter and persistent buffer of the (parallelized, materialised) model with
     this rank's rows from `folder`, reading into the shards in place; returns the bytes read."""
     ckpt, read, used = Checkpoint(Path(folder)), 0, set()
+    fam = families.FAMILIES.get(model.config.model_type)  # only stacked experts need it
+    stacked = fam.stacked_experts if fam else {}
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:  # a tied weight (output head = embeddings) is loaded once, under its first name
@@ -140,10 +140,10 @@ def load_sharded(model, folder: Path) -> int:
         seen.add(id(t))
         local = t.to_local() if isinstance(t, DTensor) else t
         start, _ = row_range(t)
-        dtype = folder_dtype(ckpt, name)  # e.g. a bf16 folder into fp32 master weights: read, then cast
+        dtype = folder_dtype(ckpt, name, stacked)  # e.g. a bf16 folder into fp32 master weights: read, then cast
         direct = local.device.type == "cpu" and local.is_contiguous() and dtype == local.dtype
         target = local.data if direct else torch.empty(local.shape, dtype=dtype)  # GPU shards: staged on the CPU
-        used |= fill(ckpt, name, target, start)
+        used |= fill(ckpt, name, target, start, stacked)
         if not direct:
             local.data.copy_(target)
         read += local.numel() * local.element_size()
