@@ -80,9 +80,10 @@ def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] se
         console.print("prl doctor: no [cluster] in the recipe: it runs on this machine, nothing to check")
         raise typer.Exit(0)
     from prl.launch.doctor import check_cluster, report, role_needs
-    from prl.launch.placement import links_needed, ports_needed, resolve_cluster
+    from prl.launch.placement import links_needed, ports_needed
+    from prl.recipe.resolve import resolve
 
-    configs = resolve_cluster(loaded, Path(loaded.run.output_dir) / loaded.run.name)
+    configs = resolve(loaded, Path(loaded.run.output_dir) / loaded.run.name)
     results = check_cluster(loaded.cluster, console, ports_needed(configs, loaded), links_needed(configs, loaded),
                             needs=role_needs(loaded), model_path=loaded.model.path)
     failures = report(results, console)

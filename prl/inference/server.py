@@ -288,10 +288,10 @@ def join_pool(cfg):
     from prl.inference.kv_master import MasterAddress, wait_for_master
     from prl.inference.kv_pool import KvPool
 
-    pool, addr = cfg.recipe.inference.kv_pool, MasterAddress(**cfg.kv_master)
-    wait_for_master(addr, cfg.recipe.inference.startup_timeout_s)
+    pool, addr = cfg.inference.kv_pool, MasterAddress(**cfg.kv_master)
+    wait_for_master(addr, cfg.inference.startup_timeout_s)
     kv = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname=cfg.host,
-                        segment_bytes=int(pool.memory_gb * 2**30), run=cfg.recipe.run.name, chunk_tokens=pool.chunk_tokens,
+                        segment_bytes=int(pool.memory_gb * 2**30), run=cfg.run.name, chunk_tokens=pool.chunk_tokens,
                         retry_s=pool.retry_s)
     print(f"{cfg.name}: joined the KV pool at {addr.master} with {pool.memory_gb:g} GB", flush=True)
     return kv
@@ -307,23 +307,23 @@ def serve(cfg, log) -> None:
     from prl.model.build import build_model, load_tokenizer
     from prl.transport.weights import weight_source
 
-    inf = cfg.recipe.inference
+    inf = cfg.inference
     torch.set_num_threads(inf.threads)
-    model = build_model(cfg.model_dir, seed=cfg.recipe.run.seed, dtype=inf.dtype)
+    model = build_model(cfg.model_dir, seed=cfg.run.seed, dtype=inf.dtype)
     if inf.fp8:
         from prl.model.fp8 import apply_fp8, backend
 
         report = apply_fp8(model)
         print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
-    core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.recipe.run.seed + 1000 * cfg.index,
-                      capture_routing=cfg.recipe.trainer.router_replay, pool=join_pool(cfg))
+    core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.run.seed + 1000 * cfg.index,
+                      capture_routing=cfg.router_replay, pool=join_pool(cfg))
     def failed() -> None:  # the engine thread died: say why, then stop serving (the driver restarts us)
         log.emit("error", name=cfg.name, type="EngineFailure", line=str(loop.failed)[:300])
         os.kill(os.getpid(), signal.SIGTERM)
 
     loop = EngineLoop(core, on_failure=failed)
     loop.start()
-    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.recipe.run.name, weight_source(cfg),
+    app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.run.name, weight_source(cfg),
                      weights_root=cfg.run_path / "weights")
     print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
     # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse

@@ -19,11 +19,11 @@ from rich.console import Console
 
 from prl.launch.doctor import check_cluster, connect, report, role_needs
 from prl.launch.hosts import Host, HostError, LocalHost
-from prl.launch.placement import WORKSTATION, links_needed, ports_needed, resolve_cluster
+from prl.launch.placement import links_needed, ports_needed
 from prl.launch.processes import ProcessSpec, make_plan
 from prl.launch.provision import provision, venv_dir
 from prl.launch.supervisor import Supervisor
-from prl.recipe.resolve import ProcessConfig, write_configs, write_secret
+from prl.recipe.resolve import WORKSTATION, ProcessConfig, resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 
 
@@ -110,10 +110,11 @@ def check_resumable(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[st
                           f"(the first trainer host); nothing was started")
 
 
-def stage_all(configs: list[ProcessConfig], hosts: dict[str, Host], run_dir: Path, pool, resume: bool) -> None:
+def stage_all(recipe: Recipe, configs: list[ProcessConfig], hosts: dict[str, Host], run_dir: Path, pool,
+              resume: bool) -> None:
     """Stage every remote (host, run directory) with the configs of the processes placed there."""
     places = dict.fromkeys((c.node, c.run_dir) for c in configs if c.node != WORKSTATION)
-    shared = shared_checkpoint_dir(configs[0].recipe)
+    shared = shared_checkpoint_dir(recipe)
     trainers = {(c.node, c.run_dir) for c in configs if c.role == "trainer"}
     jobs = [pool.submit(stage, hosts[n], run_dir, d, [c.name for c in configs if (c.node, c.run_dir) == (n, d)],
                         resume, shared if (n, d) in trainers else None) for n, d in places]
@@ -134,7 +135,7 @@ def python_for(recipe: Recipe, key: str):
 
 
 def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False) -> Supervisor:
-    configs = resolve_cluster(recipe, run_dir)
+    configs = resolve(recipe, run_dir)
     hosts = connect_all(recipe)
     pool = ThreadPoolExecutor(max(4, len(hosts)))
     try:
@@ -146,7 +147,7 @@ def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False
         console.print("prl run: " + ", ".join(f"{p.host} {p.state} {p.seconds:.1f}s" for p in done.values()),
                       markup=False)
         write_local(configs, run_dir)
-        stage_all(configs, hosts, run_dir, pool, resume)
+        stage_all(recipe, configs, hosts, run_dir, pool, resume)
     except Exception:
         for h in hosts.values():
             h.close()
@@ -158,4 +159,4 @@ def launch(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False
 
 
 def dry_run_plan(recipe: Recipe, run_dir: Path) -> list[ProcessSpec]:
-    return make_plan(resolve_cluster(recipe, run_dir), run_dir, python_for(recipe, "<wheel-key>"))
+    return make_plan(resolve(recipe, run_dir), run_dir, python_for(recipe, "<wheel-key>"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prl.backends import registry
 from prl.recipe.resolve import ProcessConfig
+from prl.recipe.roles import TrainerConfig
 from prl.recipe.schema import Recipe
 
 # no process ever downloads: models, tokenizers and data come from the run directory
@@ -38,17 +39,15 @@ class ProcessSpec:
         return (env + " " if env else "") + shlex.join(self.cmd)
 
 
-def trainer_command(cfg: ProcessConfig, python: str) -> list[str]:
-    r = cfg.recipe
-    run = [python, "-m", "torch.distributed.run", f"--nproc-per-node={r.trainer.nproc}"]
-    if r.cluster is None:
+def trainer_command(cfg: TrainerConfig, python: str) -> list[str]:
+    run = [python, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.trainer.nproc}"]
+    if not cfg.rendezvous:
         run.append("--standalone")
     else:
-        trainers = r.placement_or_default().trainer
-        first = r.cluster.hosts_by_id()[trainers[0]]
-        run += [f"--nnodes={len(trainers)}", f"--node-rank={cfg.index}",
-                f"--master-addr={first.address}", f"--master-port={r.cluster.rendezvous_port}"]
-    return [*run, "-m", "prl.trainer", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
+        address, _, port = cfg.rendezvous.rpartition(":")
+        run += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.index}", f"--master-addr={address}",
+                f"--master-port={port}"]
+    return [*run, "-m", "prl.trainer", "--config", cfg.config_path]
 
 
 def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[str]:
@@ -57,19 +56,14 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
     if cfg.role == "kv_master":
         from prl.inference.kv_master import MasterAddress, master_command
 
-        pool = cfg.recipe.inference.kv_pool
-        disk = f"{pool.disk_path.rstrip('/')}/{cfg.recipe.run.name}" if pool.disk_path else None
+        pool = cfg.kv_pool
+        disk = f"{pool.disk_path.rstrip('/')}/{cfg.run.name}" if pool.disk_path else None
         return master_command(MasterAddress(**cfg.kv_master), python, disk=disk, disk_gb=pool.disk_gb)
     if cfg.role == "inference":
-        command = registry.get(cfg.recipe.inference.backend).launch_command(cfg, python)
+        command = registry.get(cfg.inference.backend).launch_command(cfg, python)
         if command is not None:
             return command
-    return [python, "-m", f"prl.{cfg.role}", "--config", f"{cfg.run_dir}/config/{cfg.name}.json"]
-
-
-def threads_for(cfg: ProcessConfig) -> int:
-    r = cfg.recipe
-    return {"trainer": r.trainer.threads, "inference": r.inference.threads}.get(cfg.role, 1)
+    return [python, "-m", f"prl.{cfg.role}", "--config", cfg.config_path]
 
 
 def make_plan(configs: list[ProcessConfig], run_dir: Path,
@@ -77,8 +71,7 @@ def make_plan(configs: list[ProcessConfig], run_dir: Path,
     """`python_for(node)`: the interpreter on that host (the run's venv on cluster hosts)."""
     specs = []
     for cfg in configs:
-        cluster_env = cfg.recipe.cluster.env if cfg.recipe.cluster else {}
-        env = {**BASE_ENV, "OMP_NUM_THREADS": str(threads_for(cfg)), "PRL_RUN_DIR": cfg.run_dir, **cluster_env}
+        env = {**BASE_ENV, "OMP_NUM_THREADS": str(cfg.threads), "PRL_RUN_DIR": cfg.run_dir, **cfg.env}
         if cfg.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.gpus))
         specs.append(ProcessSpec(

@@ -21,7 +21,7 @@ from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.servers import ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
-from prl.recipe.resolve import ProcessConfig
+from prl.recipe.roles import OrchestratorConfig
 from prl.tasks import make_task
 from prl.transport.batch import Sample, TrainBatch, pack
 from prl.transport.trainer_client import TrainerClient
@@ -47,17 +47,17 @@ def sample_routing(resp, completion):
 
 
 class Orchestrator:
-    def __init__(self, cfg: ProcessConfig):
+    def __init__(self, cfg: OrchestratorConfig):
         from prl.model.build import load_tokenizer
 
-        self.cfg, r = cfg, cfg.recipe
+        self.cfg, r = cfg, cfg
         self.rl, self.sampling = r.rl, r.sampling
         self.task = make_task(r.task, r.run.seed)
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.changed = asyncio.Condition()
         self.pool = ServerPool([self.backend(u) for u in cfg.servers], self.log, self.changed, r.run.hang_timeout_s,
-                               r.inference.startup_timeout_s, prefill=cfg.prefill_servers)
+                               cfg.startup_timeout_s, prefill=cfg.prefill_servers)
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
                                      on_hang=self.trainer_hung)
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
@@ -70,7 +70,7 @@ class Orchestrator:
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
     def backend(self, url: str) -> InferenceBackend:
-        spec, conns = registry.get(self.cfg.recipe.inference.backend), self.rl.max_inflight_rollouts + 8
+        spec, conns = registry.get(self.cfg.backend), self.rl.max_inflight_rollouts + 8
         return spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
 
     def trainer_hung(self, cause: str) -> None:
@@ -94,14 +94,14 @@ class Orchestrator:
         run.hang_timeout_s (the event loop is stuck, or the process stopped)."""
         while True:
             self.log.emit("beat")
-            await asyncio.sleep(min(5.0, self.cfg.recipe.run.hang_timeout_s / 4))
+            await asyncio.sleep(min(5.0, self.cfg.run.hang_timeout_s / 4))
 
     async def start(self) -> None:
         self.log.emit("orchestrator", state="waiting for the trainer")
         self.start_step, self.next_prompt = await self.trainer.resume_point()
         self.position = self.next_prompt  # data position shipped so far: never goes back
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
-        await self.pool.start(self.cfg.recipe.inference.startup_timeout_s)
+        await self.pool.start(self.cfg.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         # groups for step s may start under version s - max_async_level (a restarted orchestrator
         # may continue ahead of the trainer, which replays the batches it already has)
@@ -147,10 +147,9 @@ class Orchestrator:
 
     async def ship(self, step: int, groups: list[Group], dropped: int, wait_s: float) -> None:
         samples = [s for g in groups for s in g.samples]
-        tr = self.cfg.recipe.trainer
         batch = TrainBatch(
             step=step,
-            micro_batches=pack(samples, tr.parallel.data_parallel(self.cfg.trainer_world), tr.micro_batch_tokens),
+            micro_batches=pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens),
             # groups finish out of order: a batch may hold lower indices than the one before; the position
             # (where a restart continues) must still never go back, or a prompt could be trained twice
             data_position=max(self.position, max(g.prompt_index for g in groups) + 1),
@@ -210,7 +209,7 @@ class Orchestrator:
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens,
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
-            return_routing=self.cfg.recipe.trainer.router_replay,
+            return_routing=self.cfg.router_replay,
         )
         await self.pool.prefill(index, prompt_ids)  # P/D: the prompt's KV into the pool (best effort)
         resp = await self.pool.call(index, lambda backend: backend.generate(req))
@@ -260,4 +259,4 @@ def main(config_path: str) -> None:
     with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
         orch = Orchestrator(cfg)
         asyncio.run(orch.run())
-    print(f"orchestrator: shipped steps {orch.start_step}..{cfg.recipe.rl.max_steps - 1}", flush=True)
+    print(f"orchestrator: shipped steps {orch.start_step}..{cfg.rl.max_steps - 1}", flush=True)

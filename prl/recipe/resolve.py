@@ -1,6 +1,20 @@
-"""Resolution: a validated recipe plus launch facts (ports, paths, secret) -> one config per process.
+"""Resolution: a validated recipe plus launch facts -> one typed config per process (`prl.recipe.roles`).
 
-This is the one place where values are derived; the schema validators never rewrite a recipe.
+The one place where values are derived (the schema validators never rewrite a recipe), for one
+machine and a cluster alike. A machine without `[cluster]` is laid out as a cluster of one host:
+
+- servers: `inference.num_servers` on this machine at `inference.host`; on a cluster,
+  `gpus // gpus_per_server` per `placement.inference` host (one on a CPU host), ports counting up
+  from `cluster.inference_port`, numbered in placement order;
+- P/D: `inference.prefill_servers = N`, the first N servers prefill only (on a cluster: list the
+  prefill hosts first in `placement.inference`);
+- trainer: one torchrun on this machine, or one per `placement.trainer` host (`trainer.nproc` ranks
+  each); node 0 runs the trainer endpoint and the rendezvous;
+- the orchestrator beside trainer node 0 (or `placement.orchestrator`); the KV pool's master
+  (`inference.kv_pool`) beside the first server (or `inference.kv_pool.host`);
+- ports: on one machine every port is chosen free and distinct within the resolve (`PortPicker`;
+  a role that finds its port taken at bind time takes another, see `prl.transport.ports`); on a
+  cluster they are configured (`cluster.*_port`, `inference.kv_pool.port`, default 50051).
 """
 
 from __future__ import annotations
@@ -8,56 +22,47 @@ from __future__ import annotations
 import json
 import secrets
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from prl.backends import registry
+from prl.recipe.roles import (
+    KvMasterConfig,
+    OrchestratorConfig,
+    ProcessConfig,
+    ServerConfig,
+    TrainerConfig,
+    load_process_config,
+)
+from prl.recipe.schema import HostCfg, Recipe
 
-from prl.recipe.schema import Recipe
+__all__ = ["ProcessConfig", "load_process_config", "resolve", "write_configs", "write_secret", "free_port"]
 
-
-class ProcessConfig(BaseModel):
-    """What one process needs: the whole resolved recipe and its own place in the run."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    role: Literal["inference", "orchestrator", "trainer", "kv_master"]
-    run_dir: str
-    recipe: Recipe
-    secret_file: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    servers: list[str] = []  # inference base URLs, for the orchestrator
-    prefill_servers: list[int] = []  # P/D: indices of the servers that only prefill into the KV pool
-    index: int = 0
-    trainer_url: str = ""  # the trainer endpoint on rank 0 (rollouts in, weights out)
-    trainer_world: int = 1  # trainer ranks over all trainer hosts (the orchestrator packs for them)
-    shares_trainer_fs: bool = True  # an inference server on the trainer's host reads weights in place
-    node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
-    gpus: list[int] = []  # GPU indices on its host (inference servers on GPU hosts)
-    kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
-
-    @property
-    def run_path(self) -> Path:
-        return Path(self.run_dir)
-
-    @property
-    def model_dir(self) -> Path:
-        return self.run_path / "model"
-
-    def secret(self) -> str:
-        return Path(self.secret_file).read_text().strip()
-
-
-def load_process_config(path: str | Path) -> ProcessConfig:
-    return ProcessConfig.model_validate_json(Path(path).read_text())
+LOCAL = "local"
+WORKSTATION = "workstation"
+KV_MASTER_PORT = 50051
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (another process may take it before it is bound)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class PortPicker:
+    """Free ports of one host, never the same one twice in one resolve (the OS may hand out a port
+    it just handed out, once its probe socket is closed)."""
+
+    def __init__(self, host: str):
+        self.host, self.given = host, set()
+
+    def __call__(self) -> int:
+        while True:
+            port = free_port(self.host)
+            if port not in self.given:
+                self.given.add(port)
+                return port
 
 
 def write_secret(run_dir: Path) -> Path:
@@ -68,48 +73,136 @@ def write_secret(run_dir: Path) -> Path:
     return path
 
 
-def resolve(recipe: Recipe, run_dir: Path, secret_file: Path) -> list[ProcessConfig]:
-    """One ProcessConfig per process: the inference servers, the orchestrator, the trainer."""
-    inf = recipe.inference
-    ports = [inf.port + i if inf.port else free_port(inf.host) for i in range(inf.num_servers)]
-    common = dict(run_dir=str(run_dir), recipe=recipe, secret_file=str(secret_file))
-    servers = [
-        ProcessConfig(name=f"inference-{i}", role="inference", host=inf.host, port=p, index=i, **common)
-        for i, p in enumerate(ports)
-    ]
-    urls = [f"http://{s.host}:{s.port}" for s in servers]
-    trainer = ProcessConfig(name="trainer", role="trainer", host=inf.host, port=free_port(inf.host),
-                            trainer_world=recipe.trainer.nproc, **common)
-    trainer_url = f"http://{trainer.host}:{trainer.port}"
-    for c in servers:
-        c.trainer_url = trainer_url
-    pool = kv_master_config(recipe, inf.host, common, servers)
-    return [
-        *pool,
-        *servers,
-        ProcessConfig(name="orchestrator", role="orchestrator", servers=urls, trainer_url=trainer_url,
-                      trainer_world=recipe.trainer.nproc, prefill_servers=list(range(inf.prefill_servers)), **common),
-        trainer,
-    ]
+@dataclass(frozen=True)
+class Place:
+    """Where a process runs: its host (node), the address it binds there, that host's run directory."""
+
+    node: str
+    address: str
+    run_dir: str
+    gpus: int = 0
 
 
-def kv_master_config(recipe: Recipe, host: str, common: dict, servers: list[ProcessConfig]) -> list[ProcessConfig]:
-    """With `inference.kv_pool`, the `kv-master` process on `host`, and its address told to every
-    server (free ports unless the recipe fixes them)."""
+def host_run_dir(recipe: Recipe, h: HostCfg) -> str:
+    return f"{recipe.cluster.workdir_of(h)}/runs/{recipe.run.name}"
+
+
+class Layout:
+    """The hosts of a recipe (a cluster, or this machine as one host) and the ports to give out."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe = recipe
+        if recipe.cluster is None:
+            inf = recipe.inference
+            self.here = Place(LOCAL, inf.host, str(run_dir))
+            self.trainers = [self.here]
+            self.server_places = [self.here] * inf.num_servers
+            self.orchestrator = self.here
+            self.pool_place = self.here
+            self.pick = PortPicker(inf.host)
+        else:
+            self._cluster(recipe, run_dir)
+        self.first = self.trainers[0]
+
+    def _cluster(self, recipe: Recipe, run_dir: Path) -> None:
+        hosts, p = recipe.cluster.hosts_by_id(), recipe.placement_or_default()
+        place = {hid: Place(hid, h.address, host_run_dir(recipe, h), h.gpus) for hid, h in hosts.items()}
+        self.trainers = [place[n] for n in p.trainer]
+        self.server_places = [place[n] for n in p.inference for _ in range(p.servers_on(hosts[n]))]
+        orch = p.orchestrator or p.trainer[0]
+        self.orchestrator = Place(WORKSTATION, "127.0.0.1", str(run_dir)) if orch == WORKSTATION else place[orch]
+        self.pool_place = place[recipe.inference.kv_pool.host or p.inference[0]]
+        self.pick = None
+
+    def server_ports(self) -> list[int]:
+        inf = self.recipe.inference
+        if self.recipe.cluster is not None:  # ports count up per host
+            seen: dict[str, int] = {}
+            out = []
+            for pl in self.server_places:
+                out.append(self.recipe.cluster.inference_port + seen.get(pl.node, 0))
+                seen[pl.node] = seen.get(pl.node, 0) + 1
+            return out
+        return [inf.port + i if inf.port else self.pick() for i in range(inf.num_servers)]
+
+    def trainer_port(self) -> int:
+        return self.recipe.cluster.trainer_port if self.recipe.cluster is not None else self.pick()
+
+    def pool_ports(self) -> tuple[int, int, int]:
+        base = self.recipe.inference.kv_pool.port or (KV_MASTER_PORT if self.recipe.cluster is not None else 0)
+        return (base, base + 1, base + 2) if base else (self.pick(), self.pick(), self.pick())
+
+
+def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> list[ProcessConfig]:
+    """One config per process: the KV pool's master (if any), the servers, the orchestrator, the
+    trainer (one per trainer host)."""
+    lay = Layout(recipe, Path(run_dir))
+    env = recipe.cluster.env if recipe.cluster is not None else {}
+
+    def common(pl: Place) -> dict:
+        secret = str(secret_file) if secret_file is not None and pl.node == LOCAL else f"{pl.run_dir}/secret"
+        return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, env=env)
+
+    trainers = trainer_configs(recipe, lay, common)
+    trainer_url = f"http://{trainers[0].host}:{trainers[0].port}"
+    servers = server_configs(recipe, lay, common, trainer_url)
+    pool = kv_master_configs(recipe, lay, common, servers)
+    return [*pool, *servers, orchestrator_config(recipe, lay, common, servers, trainer_url), *trainers]
+
+
+def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
+    backend = registry.get(recipe.inference.backend)
+    port, world = lay.trainer_port(), recipe.trainer_world()
+    rendezvous = f"{lay.first.address}:{recipe.cluster.rendezvous_port}" if recipe.cluster is not None else ""
+    return [TrainerConfig(
+        name="trainer" if len(lay.trainers) == 1 else f"trainer-{i}", host=pl.address, port=port, index=i,
+        model=recipe.model, task=recipe.task, sft=recipe.sft, rl=recipe.rl, sampling=recipe.sampling,
+        trainer=recipe.trainer, publish_format=backend.publish_format, publish_fp8=recipe.inference.fp8,
+        shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
+        rendezvous=rendezvous, threads=recipe.trainer.threads, **common(pl),
+    ) for i, pl in enumerate(lay.trainers)]
+
+
+def server_configs(recipe: Recipe, lay: Layout, common, trainer_url: str) -> list[ServerConfig]:
+    inf, out = recipe.inference, []
+    per = recipe.placement_or_default().gpus_per_server if recipe.cluster is not None else 1
+    seen: dict[str, int] = {}
+    for i, (pl, port) in enumerate(zip(lay.server_places, lay.server_ports())):
+        k = seen[pl.node] = seen.get(pl.node, -1) + 1  # this server's slot on its host
+        out.append(ServerConfig(
+            name=f"inference-{i}", host=pl.address, port=port, index=i, inference=inf,
+            router_replay=recipe.trainer.router_replay, pretrained=bool(recipe.model.path),
+            keep_weights=recipe.trainer.keep_weights, trainer_url=trainer_url,
+            weight_transfer=recipe.cluster.weight_transfer if recipe.cluster is not None else "http",
+            shares_trainer_fs=pl.node == lay.first.node, threads=inf.threads,
+            gpus=list(range(k * per, (k + 1) * per)) if pl.gpus else [], **common(pl),
+        ))
+    return out
+
+
+def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[ServerConfig],
+                        trainer_url: str) -> OrchestratorConfig:
+    par = recipe.trainer.parallel
+    return OrchestratorConfig(
+        name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task,
+        backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
+        router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
+        prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
+        data_parallel=par.data_parallel(recipe.trainer_world()),
+        micro_batch_tokens=recipe.trainer.micro_batch_tokens, **common(lay.orchestrator),
+    )
+
+
+def kv_master_configs(recipe: Recipe, lay: Layout, common, servers: list[ServerConfig]) -> list[KvMasterConfig]:
+    """With `inference.kv_pool`, the `kv-master` process, its address told to every server."""
     if not recipe.inference.kv_pool.enabled:
         return []
-    base = recipe.inference.kv_pool.port
-    ports = (base, base + 1, base + 2) if base else (free_port(host), free_port(host), free_port(host))
-    addr = attach_kv_master(host, ports, servers)
-    return [ProcessConfig(name="kv-master", role="kv_master", host=host, port=ports[0], kv_master=addr, **common)]
-
-
-def attach_kv_master(host: str, ports: tuple[int, int, int], servers: list[ProcessConfig]) -> dict:
-    """The KV-pool master's address (rpc, metadata and metrics ports on `host`), told to every server."""
-    addr = {"host": host, "rpc_port": ports[0], "metadata_port": ports[1], "metrics_port": ports[2]}
+    pl, ports = lay.pool_place, lay.pool_ports()
+    addr = {"host": pl.address, "rpc_port": ports[0], "metadata_port": ports[1], "metrics_port": ports[2]}
     for s in servers:
         s.kv_master = addr
-    return addr
+    return [KvMasterConfig(name="kv-master", host=pl.address, port=ports[0], kv_pool=recipe.inference.kv_pool,
+                           kv_master=addr, **common(pl))]
 
 
 def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from prl.backends import registry
 from prl.model import families
+from prl.parallel_dims import ParallelDims
 
 
 class Section(BaseModel):
@@ -164,16 +165,21 @@ class ParallelCfg(Section):
             raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
         return self
 
+    def dims(self, world: int) -> ParallelDims:
+        """The trainer's layout at `world` ranks (checked), which owns the rank arithmetic and meshes."""
+        self.check(world, None)
+        return ParallelDims.of(world, self.dp_shard, self.cp, self.ep)
+
     def data_parallel(self, world: int) -> int:
         """Ranks that each take their own micro-batches (the orchestrator packs for these)."""
-        return world // self.cp
+        return self.dims(world).dp_size
 
     def check(self, world: int, num_experts: int | None) -> None:
         """Against the trainer's world size and the model (None: a pretrained folder, checked at load)."""
         if self.dp_shard == -1 and world % self.cp:
             raise ValueError(f"trainer.parallel.cp ({self.cp}) must divide the trainer's world size ({world} = "
                              f"trainer.nproc x trainer hosts)")
-        dp = self.dp_shard if self.dp_shard != -1 else world // self.cp
+        dp = ParallelDims.of(world, self.dp_shard, self.cp, self.ep).dp_shard
         if dp * self.cp != world:
             raise ValueError(f"trainer.parallel: dp_shard ({dp}) x cp ({self.cp}) must equal the trainer's world "
                              f"size ({world} = trainer.nproc x trainer hosts)")
@@ -244,7 +250,7 @@ class InferenceCfg(Section):
     startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
     vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
     kv_pool: KvPoolCfg = KvPoolCfg()
-    prefill_servers: int = Field(0, ge=0)  # P/D on one machine: the first N servers only prefill into the KV pool
+    prefill_servers: int = Field(0, ge=0)  # P/D: the first N servers (placement order) only prefill into the KV pool
 
     @model_validator(mode="after")
     def _backend_options(self):
@@ -261,9 +267,6 @@ class InferenceCfg(Section):
         if self.prefill_servers and not self.kv_pool.enabled:
             raise ValueError("inference.prefill_servers: prefill servers hand prompts to decode servers through the "
                              "KV pool; set inference.kv_pool.enabled = true")
-        if self.prefill_servers and self.prefill_servers >= self.num_servers:
-            raise ValueError(f"inference.prefill_servers ({self.prefill_servers}) must leave at least one of "
-                             f"inference.num_servers ({self.num_servers}) to decode")
         return self
 
 
@@ -318,8 +321,11 @@ class PlacementCfg(Section):
     trainer: list[str] = Field(min_length=1)
     inference: list[str] = Field(min_length=1)
     gpus_per_server: int = Field(1, gt=0)  # on GPU hosts: servers per host = gpus // gpus_per_server
-    prefill: list[str] = []  # P/D: inference hosts whose servers only prefill into the KV pool (the rest decode)
     orchestrator: str | None = None  # a host name or "workstation"; default: the first trainer host
+
+    def servers_on(self, h: "HostCfg") -> int:
+        """Inference servers on host `h`: one per `gpus_per_server` GPUs, one on a CPU host."""
+        return max(1, h.gpus // self.gpus_per_server)
 
 
 class PlanCfg(Section):
@@ -370,20 +376,22 @@ class Recipe(Section):
             if self.inference.kv_pool.host is not None:
                 raise ValueError(f"inference.kv_pool.host = {self.inference.kv_pool.host!r} names a cluster host; on one "
                                  f"machine the master runs beside the servers (at inference.host): remove it")
+            inf = self.inference
+            if inf.prefill_servers and inf.prefill_servers >= inf.num_servers:
+                raise ValueError(f"inference.prefill_servers ({inf.prefill_servers}) must leave at least one of "
+                                 f"inference.num_servers ({inf.num_servers}) to decode")
             return self
         check_placement(self.cluster, self.placement_or_default(), self.trainer.nproc)
         inf = self.inference
         p = self.placement_or_default()
-        if p.prefill and (not set(p.prefill) <= set(p.inference) or set(p.prefill) == set(p.inference)):
-            raise ValueError(f"placement.prefill = {p.prefill}: must be some, not all, of placement.inference "
-                             f"({', '.join(p.inference)})")
-        if p.prefill and not inf.kv_pool.enabled:
-            raise ValueError("placement.prefill: prefill servers hand prompts to decode servers through the KV pool; "
-                             "set inference.kv_pool.enabled = true")
+        servers = sum(p.servers_on(self.cluster.hosts_by_id()[n]) for n in p.inference)
+        if inf.prefill_servers and inf.prefill_servers >= servers:
+            raise ValueError(f"inference.prefill_servers ({inf.prefill_servers}) must leave at least one of the "
+                             f"{servers} servers of placement.inference to decode")
         if inf.kv_pool.host is not None and inf.kv_pool.host not in self.cluster.hosts_by_id():
             raise ValueError(f"inference.kv_pool.host = {inf.kv_pool.host!r}: not a host name from cluster.hosts "
                              f"({', '.join(self.cluster.hosts_by_id())})")
-        ignored = sorted(k for k in ("num_servers", "host", "port", "prefill_servers") if getattr(inf, k) != type(inf).model_fields[k].default)
+        ignored = sorted(k for k in ("num_servers", "host", "port") if getattr(inf, k) != type(inf).model_fields[k].default)
         if ignored:
             raise ValueError(f"inference.{', inference.'.join(ignored)}: not used with [cluster]; servers come from "
                              f"[placement] (gpus_per_server), bind their host's address, and use "
@@ -427,9 +435,11 @@ class Recipe(Section):
                        "host's shards when it resumes; set it, or use 'auto'")
         return out + registry.get(self.inference.backend).not_built(self)
 
-    def prefill_hosts_or_servers(self) -> list:
-        """P/D: the prefill servers (one machine: a count) or hosts (a cluster), empty without P/D."""
-        return list(range(self.inference.prefill_servers)) or (self.placement.prefill if self.placement else [])
+    def server_count(self) -> int:
+        if self.cluster is None:
+            return self.inference.num_servers
+        p, hosts = self.placement_or_default(), self.cluster.hosts_by_id()
+        return sum(p.servers_on(hosts[n]) for n in p.inference)
 
     def shared_checkpoints(self) -> str | None:
         return self.cluster.shared_checkpoints if self.cluster is not None else None

@@ -27,7 +27,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prl.launch.placement import servers_on
 from prl.model.families import routed_experts
 from prl.recipe.schema import Recipe
 from prl.sizing.params import Counts, count
@@ -129,11 +128,8 @@ def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int) -> dict[str, 
 
 def servers(recipe: Recipe) -> tuple[int, int]:
     """(number of inference servers, GPUs per server)."""
-    if recipe.cluster is None:
-        return recipe.inference.num_servers, 1
-    p = recipe.placement_or_default()
-    hosts = {h.id: h for h in recipe.cluster.hosts}
-    return sum(servers_on(hosts[i], p) for i in p.inference), p.gpus_per_server
+    per = recipe.placement_or_default().gpus_per_server if recipe.cluster is not None else 1
+    return recipe.server_count(), per
 
 
 def inference_memory(recipe: Recipe, c: dict, n: Counts) -> dict[str, float]:

@@ -105,4 +105,4 @@ def weight_source(cfg) -> WeightSource:
     root = cfg.run_path / "weights"
     if cfg.shares_trainer_fs:
         return SharedFolder(root)
-    return HttpFetch(cfg.trainer_url, cfg.secret(), root, keep=cfg.recipe.trainer.keep_weights)
+    return HttpFetch(cfg.trainer_url, cfg.secret(), root, keep=cfg.keep_weights)

@@ -19,17 +19,16 @@ import os
 import sys
 from typing import Any
 
-from prl.recipe.resolve import ProcessConfig
+from prl.recipe.roles import ServerConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 AUTH_MIDDLEWARE = "prl.backends.vllm.auth.require_bearer"
 
 
-def weight_engine(recipe) -> str:
+def weight_engine(cfg: ServerConfig) -> str:
     """prl's own engine (weights from the trainer endpoint); vLLM's NCCL engine when the cluster
     broadcasts weights over NCCL (GPU only; `prl run` refuses it until the trainer side exists)."""
-    nccl = recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl"
-    return json.dumps({"backend": "nccl" if nccl else "prl"}, separators=(",", ":"))
+    return json.dumps({"backend": "nccl" if cfg.weight_transfer == "nccl" else "prl"}, separators=(",", ":"))
 
 
 def option_flag(key: str) -> str:
@@ -52,44 +51,43 @@ def passthrough(options: dict[str, Any]) -> list[str]:
     return out
 
 
-def vllm_args(cfg: ProcessConfig) -> list[str]:
+def vllm_args(cfg: ServerConfig) -> list[str]:
     """Everything after `python -m vllm.entrypoints.openai.api_server`."""
 
-    r, inf = cfg.recipe, cfg.recipe.inference
+    inf = cfg.inference
     args = [
-        "--model", str(cfg.model_dir), "--served-model-name", r.run.name,
+        "--model", str(cfg.model_dir), "--served-model-name", cfg.run.name,
         "--host", cfg.host, "--port", str(cfg.port),
-        "--dtype", inf.dtype, "--seed", str(r.run.seed + 1000 * cfg.index),
+        "--dtype", inf.dtype, "--seed", str(cfg.run.seed + 1000 * cfg.index),
         "--max-num-seqs", str(inf.max_batch_size),
         "--enable-scale-out",  # /inference/v1/generate: token ids in and out
         "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): what the trainer recomputes
         "--generation-config", "vllm",  # the folder's sampling defaults (penalties) would change logprobs
-        "--weight-transfer-config", weight_engine(r),
+        "--weight-transfer-config", weight_engine(cfg),
         "--middleware", AUTH_MIDDLEWARE,
     ]
-    if not r.model.path:
+    if not cfg.pretrained:
         args += ["--load-format", "dummy"]  # a tiny random-init model: version 0 arrives before any rollout
-    if r.trainer.router_replay:
+    if cfg.router_replay:
         args.append("--enable-return-routed-experts")
     if cfg.kv_master:  # the run's KV pool: prompt blocks through Mooncake, keyed by the run and (cache_salt) version
-        args += ["--kv-transfer-config", json.dumps(kv_transfer(r), separators=(",", ":"))]
+        args += ["--kv-transfer-config", json.dumps(kv_transfer(cfg.run.name), separators=(",", ":"))]
     parallel = {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}
     if len(cfg.gpus) > 1 and not parallel & {k.replace("-", "_") for k in inf.vllm}:
         args += ["--tensor-parallel-size", str(len(cfg.gpus))]  # one server spans placement.gpus_per_server
     return args + passthrough(inf.vllm)
 
 
-def kv_transfer(recipe) -> dict:
+def kv_transfer(run_name: str) -> dict:
     """vLLM's MooncakeStoreConnector: keys start with the run's name; each request's `cache_salt`
     (prl-vN) is hashed into its first block, so KV from another weights version never matches; a
     block that cannot be loaded is recomputed, not a failed request."""
     return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"cache_prefix": recipe.run.name}}
+            "kv_connector_extra_config": {"cache_prefix": run_name}}
 
 
-def launch_command(cfg: ProcessConfig, python: str) -> list[str]:
-    config = f"{cfg.run_dir}/config/{cfg.name}.json"
-    return [python, "-m", "prl.backends.vllm.launch", "--config", config, "--",
+def launch_command(cfg: ServerConfig, python: str) -> list[str]:
+    return [python, "-m", "prl.backends.vllm.launch", "--config", cfg.config_path, "--",
             python, "-m", VLLM_MODULE, *vllm_args(cfg)]
 
 
@@ -107,7 +105,7 @@ def main(argv: list[str]) -> None:
     os.execvpe(command[0], command, env)
 
 
-def join_pool(cfg: ProcessConfig) -> dict[str, str]:
+def join_pool(cfg: ServerConfig) -> dict[str, str]:
     """Wait for the run's KV-pool master, write the store config vLLM's connector reads, and return
     the environment that points it there."""
     from pathlib import Path
@@ -115,9 +113,9 @@ def join_pool(cfg: ProcessConfig) -> dict[str, str]:
     from prl.inference.kv_master import MasterAddress, vllm_store_config, wait_for_master
 
     addr = MasterAddress(**cfg.kv_master)
-    wait_for_master(addr, cfg.recipe.inference.startup_timeout_s)
+    wait_for_master(addr, cfg.inference.startup_timeout_s)
     path = Path(cfg.run_dir) / "config" / f"{cfg.name}-mooncake.json"
-    path.write_text(json.dumps(vllm_store_config(addr, cfg.host, cfg.recipe.inference.kv_pool.memory_gb)))
+    path.write_text(json.dumps(vllm_store_config(addr, cfg.host, cfg.inference.kv_pool.memory_gb)))
     print(f"{cfg.name}: KV pool at {addr.master} ({path})", flush=True)
     # vLLM's connector ignores the config's local_hostname and advertises the address of the default
     # route unless told; peers read this server's segment there, so it must be the placed address.

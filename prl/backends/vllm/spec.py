@@ -41,7 +41,7 @@ class VllmSpec(BackendSpec):
         if recipe.inference.kv_pool.enabled and recipe.trainer.router_replay:
             out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
                        "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
-        if recipe.prefill_hosts_or_servers():
+        if recipe.inference.prefill_servers:
             out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
                        "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
                        "embedded engine")

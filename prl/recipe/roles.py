@@ -1,0 +1,121 @@
+"""One typed config per process role: each process gets the recipe sections it needs and the values
+derived for it (`prl.recipe.resolve` builds them), nothing else. A role that reads another role's
+section fails: the attribute does not exist.
+
+| role | sections | derived for it |
+| --- | --- | --- |
+| inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
+| orchestrator | run, rl, sampling, task | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
+| trainer | run, model, task, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout |
+| kv_master | run, kv_pool | its address |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from prl.recipe.schema import (
+    InferenceCfg,
+    KvPoolCfg,
+    ModelCfg,
+    RlCfg,
+    RunCfg,
+    SamplingCfg,
+    SftCfg,
+    TaskCfg,
+    TrainerCfg,
+)
+
+
+class RoleConfig(BaseModel):
+    """What every process has: its name and place in the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    run_dir: str  # the run directory on its own host
+    secret_file: str
+    run: RunCfg
+    host: str = "127.0.0.1"  # the address it binds (listening roles)
+    port: int = 0
+    index: int = 0
+    node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
+    threads: int = 1  # OMP threads
+    env: dict[str, str] = {}  # extra environment (cluster.env)
+    gpus: list[int] = []  # GPU indices on its host
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.run_path / "model"
+
+    @property
+    def config_path(self) -> str:
+        return f"{self.run_dir}/config/{self.name}.json"
+
+    def secret(self) -> str:
+        return Path(self.secret_file).read_text().strip()
+
+
+class ServerConfig(RoleConfig):
+    role: Literal["inference"] = "inference"
+    inference: InferenceCfg
+    router_replay: bool = False  # capture routed experts (R3)
+    pretrained: bool = False  # model.path set: the folder's weights are the start (else version 0 arrives first)
+    keep_weights: int = 3  # weight versions kept on a host that downloads them
+    weight_transfer: str = "http"
+    trainer_url: str = ""  # weights are downloaded from there by servers on other hosts
+    shares_trainer_fs: bool = True  # a server on the trainer's host reads weights in place
+    kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
+
+
+class OrchestratorConfig(RoleConfig):
+    role: Literal["orchestrator"] = "orchestrator"
+    rl: RlCfg
+    sampling: SamplingCfg
+    task: TaskCfg
+    backend: str = "embedded"
+    startup_timeout_s: int = 600
+    router_replay: bool = False  # ask the servers for routed experts
+    servers: list[str] = []  # inference base URLs
+    prefill_servers: list[int] = []  # P/D: indices of the servers that only prefill into the KV pool
+    trainer_url: str = ""
+    data_parallel: int = 1  # trainer ranks that take their own micro-batches (packed for them)
+    micro_batch_tokens: int = 4096
+
+
+class TrainerConfig(RoleConfig):
+    role: Literal["trainer"] = "trainer"
+    model: ModelCfg
+    task: TaskCfg
+    sft: SftCfg
+    rl: RlCfg
+    sampling: SamplingCfg
+    trainer: TrainerCfg
+    publish_format: str = "memory"  # what the servers' backend reads ("memory" | "hf")
+    publish_fp8: bool = False  # the servers compute in FP8: publish those weights block-FP8
+    shared_checkpoints: str | None = None
+    world: int = 1  # ranks over all trainer hosts
+    nnodes: int = 1  # trainer hosts (torchrun nodes); this one is node `index`
+    rendezvous: str = ""  # "address:port" of node 0 (empty: one host, --standalone)
+
+
+class KvMasterConfig(RoleConfig):
+    role: Literal["kv_master"] = "kv_master"
+    kv_pool: KvPoolCfg
+    kv_master: dict = {}
+
+
+ProcessConfig = Annotated[Union[ServerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig],
+                          Field(discriminator="role")]
+_ADAPTER = TypeAdapter(ProcessConfig)
+
+
+def load_process_config(path: str | Path) -> ProcessConfig:
+    return _ADAPTER.validate_json(Path(path).read_text())
