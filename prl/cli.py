@@ -13,6 +13,9 @@ app = typer.Typer(help="prl: asynchronous RL for LLMs, mixture-of-experts first.
                   pretty_exceptions_enable=False, rich_markup_mode=None)
 ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(ckpt_app, name="ckpt")
+sandbox_app = typer.Typer(help="Run code in the sandbox model-written code runs in.", no_args_is_help=True,
+                          rich_markup_mode=None)
+app.add_typer(sandbox_app, name="sandbox")
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
@@ -137,6 +140,26 @@ def ckpt_export(
         err.print(f"prl ckpt export: {e}", markup=False, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"wrote {path}", markup=False)
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    file: Path = typer.Argument(..., help="the program (.py: Python, .sh: sh)"),
+    timeout: float = typer.Option(10.0, "--timeout", help="wall-clock seconds"),
+    memory: int = typer.Option(512, "--memory", help="MiB of address space per process"),
+    isolation: str = typer.Option("namespaces", "--isolation", help="namespaces, or none (rlimits and uid only)"),
+):
+    """Run FILE as model-written code is run and print one JSON object: exit_code, stdout, stderr,
+    timed_out, killed_reason, wall_s, cpu_s, max_rss_mb. Exits 2 when the sandbox is unavailable."""
+    from prl.sandbox import SandboxUnavailable
+    from prl.sandbox import run as sandbox_exec
+
+    try:
+        result = sandbox_exec(file, timeout_s=timeout, memory_mb=memory, isolation=isolation)
+    except (SandboxUnavailable, ValueError, OSError) as e:
+        err.print(f"prl sandbox run: {e}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    print(result.to_json())
 
 
 if __name__ == "__main__":

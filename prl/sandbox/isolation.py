@@ -22,7 +22,6 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 from prl.sandbox.result import MiB, Limits, SandboxUnavailable
 
