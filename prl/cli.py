@@ -132,7 +132,7 @@ def ckpt_export(
     fp8: bool = typer.Option(False, "--fp8", help="block-FP8 weights (DeepSeek-V3 / GLM-5-FP8 layout)"),
 ):
     """Write a checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer)."""
-    from prl.model.export import ExportError, export
+    from prl.trainer.export import ExportError, export
 
     try:
         path = export(run_dir, step, out, fp8=fp8)

@@ -14,48 +14,10 @@ import json
 import time
 from pathlib import Path
 
-from prl.metrics import read_events
-from prl.tui.curves import CURVES, CurveSet, finite
+from prl.report_data import COLORS, ReportError, RunData, bounds, curve_series  # noqa: F401 - ReportError re-exported
+from prl.tui.curves import CURVES, finite
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 W, H, PAD = 560, 220, 44
-
-
-class ReportError(Exception):
-    pass
-
-
-class RunData:
-    """A run directory read once: its events, curves and recipe."""
-
-    def __init__(self, run_dir: Path):
-        self.dir = Path(run_dir)
-        metrics = self.dir / "metrics.jsonl"
-        if not metrics.is_file():
-            raise ReportError(f"{run_dir} has no metrics.jsonl (not a prl run, or not started yet)")
-        self.events, _ = read_events(metrics)
-        self.curves = CurveSet()
-        for e in self.events:
-            self.curves.add(e)
-        runs = [e for e in self.events if e.get("kind") == "run"]
-        self.name = next((e["name"] for e in runs if e.get("name")), self.dir.name)
-        self.state = runs[-1].get("state", "?") if runs else "?"
-        recipe = self.dir / "recipe.json"
-        self.recipe = recipe.read_text() if recipe.is_file() else "(no recipe.json)"
-
-    def of(self, kind: str, **match) -> list[dict]:
-        return [e for e in self.events if e.get("kind") == kind and all(e.get(k) == v for k, v in match.items())]
-
-
-def bounds(series, bands) -> tuple[float, float, float, float]:
-    """x0, x1, y0, y1 over every point and band edge (a flat curve gets a range around it); the HTML
-    plots and the PNGs share it."""
-    points = [p for _, _, pts in series for p in pts] + [(x, v) for _, b in bands for x, lo, hi in b for v in (lo, hi)]
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    if y1 == y0:
-        y0, y1 = y0 - 0.5 * (abs(y0) or 1), y1 + 0.5 * (abs(y1) or 1)
-    return x0, (x1 if x1 > x0 else x0 + 1), y0, y1
 
 
 def svg_plot(title: str, series: list[tuple[str, str, list[tuple[float, float]]]], unit: str = "",
@@ -91,20 +53,6 @@ def svg_plot(title: str, series: list[tuple[str, str, list[tuple[float, float]]]
     head = html.escape(title + (f" ({unit})" if unit else ""))
     return (f'<div class="plot"><h3>{head}</h3><svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
             f'xmlns="http://www.w3.org/2000/svg">{axes}{legend}{"".join(lines)}</svg></div>')
-
-
-def curve_series(runs: list[RunData], c) -> tuple[str, list, list]:
-    """One curve of every run: its title, (label, color, points) series and group-spread bands;
-    the HTML plots and the PNGs draw the same thing from here."""
-    series = [(r.name, COLORS[i % len(COLORS)], sorted(r.curves.values[c.key].items())) for i, r in enumerate(runs)]
-    bands = []
-    for i, r in enumerate(runs):
-        spread, values = r.curves.spreads.get(c.key, {}), r.curves.values[c.key]
-        if spread:
-            bands.append((COLORS[i % len(COLORS)], [(x, values[x] - sd, values[x] + sd)
-                                                    for x, sd in sorted(spread.items()) if x in values]))
-    label = c.label + (" (shaded: group spread, ±1 std)" if bands else "")
-    return label, [s for s in series if s[2]], bands
 
 
 def curve_plots(runs: list[RunData]) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from prl.report import bounds, curve_series
+from prl.report_data import bounds, curve_series
 from prl.tui.curves import CURVES
 
 SIZE = (1000, 420)

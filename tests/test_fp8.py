@@ -136,7 +136,7 @@ def test_fp8_published_weights_load_into_an_fp8_engine(model_dir, tmp_path):
 
 def test_fp8_export_reads_back_identical(model_dir, tmp_path):
     from prl.model.build import build_model
-    from prl.model.export import read_fp8, write_fp8
+    from prl.trainer.export import read_fp8, write_fp8
     from prl.model.fp8_checkpoint import dequantize_state_dict
 
     model = build_model(model_dir, seed=3)

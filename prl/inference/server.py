@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
@@ -38,6 +39,41 @@ from prl.transport.weights import WeightFetchError
 MAX_BODY_BYTES = 16 << 20  # prompts are token ids or text; larger bodies are refused unread
 
 
+@dataclass
+class Served:
+    """What every route of one server reads: the engine loop, the tokenizer and the model's limits."""
+
+    loop: EngineLoop
+    tokenizer: object
+    model_name: str
+    weights: object  # a `prl.transport.weights.WeightSource`, or None
+    weights_root: Path | None
+    started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        config = self.loop.core.model.config
+        self.vocab, self.context = config.vocab_size, getattr(config, "max_position_embeddings", None)
+        self.eos = [self.tokenizer.eos_token_id]
+
+    def check_prompt(self, ids: list[int], max_tokens: int, field_name: str) -> None:
+        """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
+        stop the engine for everyone)."""
+        bad = next((i for i, t in enumerate(ids) if t >= self.vocab), None)
+        if bad is not None:
+            raise HTTPException(400, f"{field_name}[{bad}] = {ids[bad]} is outside the vocabulary (0..{self.vocab - 1})")
+        if self.context and len(ids) + max_tokens > self.context:
+            raise HTTPException(400, f"{field_name} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                     f"model's context of {self.context} tokens")
+
+
+def bearer(secret: str):
+    """The dependency of every route: the run's secret as a bearer token."""
+    def auth(authorization: str = Header("")):
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
+    return auth
+
+
 def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None,
                weights_root: Path | None = None) -> FastAPI:
     """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path;
@@ -46,37 +82,26 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     app.add_middleware(LimitBody)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    started = time.monotonic()
-    config = loop.core.model.config
-    vocab, context = config.vocab_size, getattr(config, "max_position_embeddings", None)
+    served, guarded = Served(loop, tokenizer, model_name, weights, weights_root), [Depends(bearer(secret))]
+    for add in (add_token_routes, add_openai_routes, add_weight_routes, add_status_routes):
+        add(app, served, guarded)
+    return app
 
-    def auth(authorization: str = Header("")):
-        if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
 
-    def check_prompt(ids: list[int], max_tokens: int, field: str) -> None:
-        """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
-        stop the engine for everyone)."""
-        bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
-        if bad is not None:
-            raise HTTPException(400, f"{field}[{bad}] = {ids[bad]} is outside the vocabulary (0..{vocab - 1})")
-        if context and len(ids) + max_tokens > context:
-            raise HTTPException(400, f"{field} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                     f"context of {context} tokens")
-
-    guarded = [Depends(auth)]
-    eos = [tokenizer.eos_token_id]
+def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
+    """prl's own API: token ids in, token ids with logprobs, versions and routing out; P/D prefill."""
+    loop = s.loop
 
     @app.post("/generate", dependencies=guarded)
     async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
-        stops = eos if req.stop_token_ids is None else req.stop_token_ids
+        stops = s.eos if req.stop_token_ids is None else req.stop_token_ids
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
-        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), s) for s in seeds]
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), sd) for sd in seeds]
         if req.return_routing and loop.core.capture is None:
             raise HTTPException(400, "this server does not capture routing (start it with routing capture on)")
-        check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
-        if any(t >= vocab for t in stops):
-            raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {vocab}")
+        s.check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
+        if any(t >= s.vocab for t in stops):
+            raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {s.vocab}")
         seqs = await _unless_disconnected(request, [loop.generate(_sequence(req.prompt_ids, p)) for p in params])
         return _generate_response(seqs, req)
 
@@ -85,16 +110,20 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         """P/D: the prompt's KV and routing into the KV pool, for a decode server to load."""
         if loop.core.pool is None:
             raise HTTPException(400, "this server has no KV pool (inference.kv_pool): nothing to prefill into")
-        check_prompt(req.prompt_ids, 0, "prompt_ids")
+        s.check_prompt(req.prompt_ids, 0, "prompt_ids")
         seq = _sequence(req.prompt_ids, SamplingParams(max_tokens=1))
         seq.prefill_only = True
         [seq] = await _unless_disconnected(request, [loop.generate(seq)])
         version, pooled = seq.pooled  # what the prefill left in the pool, under the version it ran with
         return PrefillResponse(version=version, pooled_tokens=pooled)
 
+
+def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
+    """OpenAI's /v1/models and /v1/completions (text or token prompts), for its clients and tools."""
+
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(s.started),
                                             "owned_by": "prl"}]}
 
     @app.post("/v1/completions", dependencies=guarded)
@@ -102,24 +131,30 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         why = req.unsupported()
         if why:
             raise HTTPException(400, why)
-        ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt).input_ids
+        ids = req.prompt if isinstance(req.prompt, list) else s.tokenizer(req.prompt).input_ids
         if not ids:
             raise HTTPException(400, "prompt: the text encodes to no tokens")
-        check_prompt(ids, req.max_tokens, "prompt")
+        s.check_prompt(ids, req.max_tokens, "prompt")
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]  # n different completions
-        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(eos), s) for s in seeds]
-        seqs = await _unless_disconnected(request, [loop.generate(_sequence(ids, p)) for p in params])
-        return _openai_response(req, ids, seqs, tokenizer, model_name)
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]
+        seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
+        return _openai_response(req, ids, seqs, s.tokenizer, s.model_name)
+
+
+def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
+    """In-flight weight updates (read and verified off the engine thread, swapped in between two
+    decode steps; a rejected version answers 409 and the old one keeps serving), pause and resume."""
+    loop = s.loop
 
     @app.post("/update_weights", dependencies=guarded)
     async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         t0 = time.perf_counter()
-        if req.path is None and weights is None:
+        if req.path is None and s.weights is None:
             raise HTTPException(400, "this server has no weight source: give a path")
-        if req.path is not None and weights_root is not None and not _inside(Path(req.path), weights_root):
-            raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({weights_root})")
+        if req.path is not None and s.weights_root is not None and not _inside(Path(req.path), s.weights_root):
+            raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({s.weights_root})")
         try:
-            path = req.path or await asyncio.to_thread(weights.fetch, req.version)
+            path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
             policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
         except (WeightLoadError, WeightFetchError) as e:
             raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
@@ -138,6 +173,10 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
         loop.set_paused(False)
         return Health(ok=True, version=loop.core.version)
 
+
+def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
+    loop = s.loop
+
     @app.get("/health", dependencies=guarded)
     async def health() -> Health:
         if loop.failed:
@@ -147,19 +186,16 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Metrics:
         core, st = loop.core, loop.core.stats
+        pool = core.pool.stats if core.pool else None
         return Metrics(
             version=core.version, running=len(core.running), waiting=len(core.waiting), paused=loop.paused,
             generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, prefill_tokens=st.prefill_tokens,
             prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
-            pool_hit_tokens=core.pool.stats.hit_tokens if core.pool else 0,
-            pool_stored_chunks=core.pool.stats.stored_chunks if core.pool else 0,
-            pool_errors=core.pool.stats.errors if core.pool else 0,
-            pool_full=core.pool.stats.full if core.pool else 0,
-            pool_dropped=core.pool.stats.dropped if core.pool else 0,
-            busy_frac=min(1.0, st.busy_s / max(time.monotonic() - started, 1e-9)), busy_s=st.busy_s,
+            pool_hit_tokens=pool.hit_tokens if pool else 0, pool_stored_chunks=pool.stored_chunks if pool else 0,
+            pool_errors=pool.errors if pool else 0, pool_full=pool.full if pool else 0,
+            pool_dropped=pool.dropped if pool else 0,
+            busy_frac=min(1.0, st.busy_s / max(time.monotonic() - s.started, 1e-9)), busy_s=st.busy_s,
         )
-
-    return app
 
 
 async def _unless_disconnected(request: Request, coros: list) -> list:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.backends import registry
-from prl.devices import gpu_present  # noqa: F401 - re-exported: tests ask the driver
+from prl.system import gpu_present  # noqa: F401 - re-exported: tests ask the driver
 from prl.launch.faults import Faults, RestartFailed
 from prl.launch.processes import format_plan, make_plan
 from prl.launch.hosts import NO_STATUS, HostError, LocalHost

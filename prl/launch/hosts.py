@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import abc
 import base64
-import ctypes
 import os
 import shlex
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-PR_SET_PDEATHSIG = 1
+from prl.system import die_with_parent
 
 
 class HostError(RuntimeError):
@@ -136,13 +133,6 @@ class Host(abc.ABC):
         return data, offset + len(data)
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the driver's teardown still applies
-        pass
-
-
 class LocalHost(Host):
     """This machine. Processes are children of the driver: they also get SIGKILL if the driver
     itself dies (PR_SET_PDEATHSIG), which a remote host cannot offer."""
@@ -158,7 +148,7 @@ class LocalHost(Host):
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env={**os.environ, **(env or {})}, start_new_session=True,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=die_with_parent)
         self.children[p.pid] = p
         return p.pid
 

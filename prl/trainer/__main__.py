@@ -1,11 +1,11 @@
 import argparse
 import os
 
-from prl.launch.hosts import _die_with_parent
+from prl.system import die_with_parent
 
 # torchrun starts its workers in sessions of their own, out of reach of the signal that stops
 # torchrun's process group: a worker dies with torchrun instead (also when it is stopped, SIGSTOP)
-_die_with_parent()
+die_with_parent()
 if os.getppid() == 1:
     raise SystemExit("prl.trainer: torchrun exited before this worker started")
 

