@@ -48,10 +48,27 @@ def python_prefixes() -> list[str]:
     return sorted(p for p in found if not p.startswith("/usr/") and p != "/usr")
 
 
-def sandbox_python() -> str:
-    """The base interpreter (not the venv: its site-packages and paths stay out of the sandbox)."""
-    exe = getattr(sys, "_base_executable", None) or sys.executable
-    return os.path.realpath(exe)
+def sandbox_python(isolation: str = "namespaces") -> str:
+    """The base interpreter (not the venv: its site-packages and paths stay out of the sandbox).
+    Without namespaces (no read-only bind) the execution's uid must reach it through the host's
+    folders: when it cannot (a pyenv under /root), the system's /usr/bin/python3 is used."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    if isolation == "namespaces" or others_can_reach(exe):
+        return exe
+    if others_can_reach("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    raise SandboxUnavailable(f"isolation \"none\": other users cannot reach {exe}, and there is no "
+                             "/usr/bin/python3")
+
+
+def others_can_reach(path) -> bool:
+    """Whether a user with no relation to the owner can walk to `path` and read it."""
+    path = Path(path)
+    try:
+        folders_ok = all(os.stat(p).st_mode & 0o001 for p in path.parents)
+        return folders_ok and os.stat(path).st_mode & 0o004 != 0
+    except OSError:
+        return False
 
 
 def rlimit_argv(limits: Limits) -> list[str]:
@@ -215,8 +232,7 @@ def kill_uid(uid: int, rounds: int = 50) -> bool:
     for i in range(rounds):
         if not uid_pids(uid):
             return True
-        subprocess.run([*setpriv_argv(uid), sandbox_python(), "-I", "-S", "-c",
-                        "import os, signal; os.kill(-1, signal.SIGKILL)"],
+        subprocess.run([*setpriv_argv(uid), tool("kill"), "-9", "--", "-1"],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(min(0.001 * 2 ** i, 0.05))
     return not uid_pids(uid)

@@ -8,6 +8,7 @@ import functools
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 from prl.sandbox import isolation as iso
 from prl.sandbox.result import Result
@@ -18,9 +19,9 @@ class SandboxPool:
     """`await pool.run(code, **kwargs)` runs `prl.sandbox.run(code, **defaults, **kwargs)` in a worker.
 
     Each worker blocks in its execution (a sandboxed subprocess watched with select), so threads
-    are enough: no GIL-bound work happens there. Every execution ends by its own wall timeout, so
-    a worker is never lost; cancelling the awaiting task leaves the execution to finish (or time
-    out) in its worker. `counts` holds executions and stop reasons for the metrics."""
+    are enough: no GIL-bound work happens there. Every execution ends by its own wall timeout (or
+    when its awaiting task is cancelled), so a worker is never lost. `counts` holds executions and
+    stop reasons for the metrics; `in_flight` and `peak_in_flight` the concurrency."""
 
     def __init__(self, concurrency: int = 4, **defaults):
         if concurrency < 1:
@@ -35,11 +36,20 @@ class SandboxPool:
         self.counts: Counter = Counter()
 
     async def run(self, code_or_file, **kwargs) -> Result:
-        """Run one program in the sandbox without blocking the event loop; see `prl.sandbox.run`."""
-        call = functools.partial(self._run, code_or_file, {**self.defaults, **kwargs})
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        """Run one program in the sandbox without blocking the event loop; see `prl.sandbox.run`.
+        Cancelling the awaiting task stops the execution (killed_reason "cancelled" in `counts`)."""
+        cancel = threading.Event()
+        call = functools.partial(self._run, code_or_file, {**self.defaults, **kwargs, "cancel": cancel})
+        future = asyncio.get_running_loop().run_in_executor(self._executor, call)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
-    def _run(self, code_or_file, kwargs: dict) -> Result:
+    def _run(self, code_or_file, kwargs: dict) -> Optional[Result]:
+        if kwargs["cancel"].is_set():  # cancelled while queued: nobody awaits it any more
+            return None
         with self._lock:
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)

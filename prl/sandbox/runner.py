@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,13 +18,13 @@ from typing import Optional, Sequence, Union
 
 from prl.sandbox import isolation as iso
 from prl.sandbox.cgroup import Cgroup
-from prl.sandbox.result import MiB, Limits, Result
+from prl.sandbox.result import MiB, Limits, Result, SandboxUnavailable
 
-# language -> (file name in the working directory, command that runs it)
+# language -> (file name in the working directory, command that runs it given a Python interpreter)
 LANGUAGES = {
-    "python": ("main.py", lambda f: [iso.sandbox_python(), "-I", "-B", f]),
-    "sh": ("main.sh", lambda f: ["/bin/sh", f]),
-    "bash": ("main.sh", lambda f: ["/bin/bash", f]),
+    "python": ("main.py", lambda f, python: [python, "-I", "-B", f]),
+    "sh": ("main.sh", lambda f, python: ["/bin/sh", f]),
+    "bash": ("main.sh", lambda f, python: ["/bin/bash", f]),
 }
 SUFFIXES = {".py": "python", ".sh": "sh", ".bash": "bash"}
 DRAIN_S = 2.0  # after the program ended or was stopped, how long its pipes may stay open
@@ -34,29 +35,35 @@ def run(code_or_file: Union[str, bytes, os.PathLike], *, language: Optional[str]
         timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: Optional[float] = None,
         max_procs: int = 64, max_output_bytes: int = MiB, files: Optional[dict] = None,
         stdin: Union[str, bytes, None] = None, isolation: str = "namespaces",
-        args: Sequence[str] = (), limits: Optional[Limits] = None) -> Result:
+        args: Sequence[str] = (), limits: Optional[Limits] = None,
+        cancel: Optional[threading.Event] = None) -> Result:
     """Run a program in a fresh sandbox and return what it did (see `prl.sandbox`).
 
     `code_or_file`: source text (str or bytes), or a path (os.PathLike) to a file whose content is
     run; `language` defaults to the file's suffix, else Python. `files` ({relative path: str|bytes})
     are placed next to it in the working directory; `args` are its command-line arguments. `limits`,
-    when given, replaces the individual limit arguments. Raises SandboxUnavailable (before running
+    when given, replaces the individual limit arguments; setting `cancel` stops the execution
+    (killed_reason "cancelled"). Raises SandboxUnavailable (before running
     anything) when `isolation` cannot be had here, ValueError for a bad language or file name."""
     if limits is None:
         limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_procs=max_procs,
                         max_output_bytes=max_output_bytes)
     iso.check(isolation)
-    with iso.lease_uid() as uid, _workdir(uid) as outer:
-        program = _stage(code_or_file, language, files or {}, outer / "work", uid) + list(args)
-        return _execute(isolation, uid, outer, limits, program, stdin)
+    with iso.lease_uid() as uid, _workdir(uid, isolation) as outer:
+        program = _stage(code_or_file, language, files or {}, outer / "work", uid,
+                         iso.sandbox_python(isolation)) + list(args)
+        return _execute(isolation, uid, outer, limits, program, stdin, cancel)
 
 
 @contextmanager
-def _workdir(uid: int):
+def _workdir(uid: int, isolation: str):
     """A fresh folder whose `work` subfolder (owned by `uid`) is the execution's working directory;
     removed afterwards whatever happened. $PRL_SANDBOX_TMP chooses where (default: the temp dir)."""
     outer = Path(tempfile.mkdtemp(prefix="prl-sandbox-", dir=os.environ.get("PRL_SANDBOX_TMP")))
     try:
+        if isolation == "none" and not all(os.stat(p).st_mode & 0o001 for p in outer.parents):
+            raise SandboxUnavailable(f"isolation \"none\": the execution's uid cannot reach {outer.parent}; "
+                                     "set PRL_SANDBOX_TMP to a folder other users may enter")
         os.chmod(outer, 0o711)
         (outer / "work").mkdir()
         os.chown(outer / "work", uid, 0)  # group root: bwrap (root without capabilities) enters it
@@ -66,7 +73,8 @@ def _workdir(uid: int):
         shutil.rmtree(outer, ignore_errors=True)
 
 
-def _stage(code_or_file, language: Optional[str], files: dict, work: Path, uid: int) -> list[str]:
+def _stage(code_or_file, language: Optional[str], files: dict, work: Path, uid: int,
+           python: str) -> list[str]:
     """Write the program and its files into `work` (owned by `uid`); return its command line."""
     if isinstance(code_or_file, os.PathLike):
         path = Path(code_or_file)
@@ -80,7 +88,7 @@ def _stage(code_or_file, language: Optional[str], files: dict, work: Path, uid: 
     name, command = LANGUAGES[language]
     for rel, data in {**files, name: source}.items():
         _place(work, rel, data, uid)
-    return command(name)
+    return command(name, python)
 
 
 def _place(work: Path, rel: str, data: Union[str, bytes], uid: int) -> None:
@@ -109,7 +117,7 @@ def _stdin(outer: Path, data: Union[str, bytes, None]):
 
 
 def _execute(isolation: str, uid: int, outer: Path, limits: Limits, program: list[str],
-             stdin) -> Result:
+             stdin, cancel: Optional[threading.Event]) -> Result:
     """Start the walled-off command, watch it, kill what is left, and build the Result."""
     work = outer / "work"
     cgroup = Cgroup.create(limits)
@@ -124,7 +132,7 @@ def _execute(isolation: str, uid: int, outer: Path, limits: Limits, program: lis
         with _stdin(outer, stdin) as stdin_f:
             proc = subprocess.Popen(argv, cwd=work, env=env, stdin=stdin_f, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
-        watch = _Watch(proc, limits, uid)
+        watch = _Watch(proc, limits, uid, cancel)
         watch.run()
     finally:
         if watch is not None:
@@ -138,46 +146,47 @@ def _execute(isolation: str, uid: int, outer: Path, limits: Limits, program: lis
 class _Watch:
     """Reads a running execution's output under its caps and enforces its wall clock."""
 
-    def __init__(self, proc: subprocess.Popen, limits: Limits, uid: int):
-        self.proc, self.limits, self.uid = proc, limits, uid
+    def __init__(self, proc: subprocess.Popen, limits: Limits, uid: int, cancel: Optional[threading.Event]):
+        self.proc, self.limits, self.uid, self.cancel = proc, limits, uid, cancel
         self.start = time.monotonic()
         self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self.buf = {self.out_fd: bytearray(), self.err_fd: bytearray()}
         self.over: set[int] = set()
         self.reason: Optional[str] = None
+        self.stopped_at = 0.0
+        self.exited_at: Optional[float] = None
         self.status: Optional[int] = None
         self.rusage = None
         self.wall_s = 0.0
 
     def run(self) -> None:
-        """Until the program has ended and its pipes are closed (or DRAIN_S after it ended/was
-        stopped): read output, stop it at the deadline or when output overflows."""
+        """Until the program has ended and its pipes are closed (or DRAIN_S after it ended or was
+        stopped): read output; stop it at the deadline, on overflowing output or on `cancel`."""
         sel = selectors.DefaultSelector()
         for fd in self.buf:
             sel.register(fd, selectors.EVENT_READ)
         pidfd = _pidfd(self.proc.pid)
         if pidfd is not None:
             sel.register(pidfd, selectors.EVENT_READ)
-        end = self.start + self.limits.timeout_s
+        tick = 0.02 if pidfd is None else 0.1 if self.cancel is not None else 1.0
+        deadline = self.start + self.limits.timeout_s
         try:
             while self.status is None or any(k.fd in self.buf for k in sel.get_map().values()):
                 now = time.monotonic()
-                if now >= end and (self.status is not None or self.reason is not None):
-                    break
+                if self.reason is None and (now >= deadline or (self.cancel is not None and self.cancel.is_set())):
+                    self.stop("timeout" if now >= deadline else "cancelled")
+                # once it ended or was stopped, its pipes get DRAIN_S to close; `finish` does the rest
+                ended = self.stopped_at if self.reason is not None else self.exited_at
+                end = deadline if ended is None else ended + DRAIN_S
                 if now >= end:
-                    self.stop("timeout")
-                    end = now + DRAIN_S
-                    continue
-                for key, _ in sel.select(min(end - now, 1.0 if pidfd is not None else 0.02)):
+                    break
+                for key, _ in sel.select(min(end - now, tick)):
                     if key.fd in self.buf:
                         self._read(key.fd, sel)
                 if self.status is None and self._reap():
                     if pidfd is not None:
                         sel.unregister(pidfd)
-                    iso.kill_uid(self.uid)  # what it left behind still holds the pipes
-                    end = min(end, time.monotonic() + DRAIN_S)
-                if self.reason is not None:
-                    end = min(end, time.monotonic() + DRAIN_S)
+                    iso.kill_uid(self.uid)  # what it left behind may still hold the pipes
         finally:
             sel.close()
             if pidfd is not None:
@@ -201,14 +210,15 @@ class _Watch:
         """Kill every process of the execution's uid: the program and all it started. The command
         around it (bwrap, its init) then ends on its own within DRAIN_S, or `finish` kills it."""
         if self.reason is None:
-            self.reason = reason
+            self.reason, self.stopped_at = reason, time.monotonic()
         iso.kill_uid(self.uid)
 
     def _reap(self, block: bool = False) -> bool:
         pid, status, rusage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
         if pid == 0:
             return False
-        self.wall_s = time.monotonic() - self.start
+        self.exited_at = time.monotonic()
+        self.wall_s = self.exited_at - self.start
         self.status, self.rusage = status, rusage
         self.proc.returncode = os.waitstatus_to_exitcode(status)
         return True
