@@ -35,7 +35,7 @@ def worker(model_dir: str, out: str, tokens: int, steps: int) -> None:
 
     from prl.model.build import build_model
     from prl.recipe.schema import TrainerCfg
-    from prl.trainer.parallelize import Parallel, make_meshes
+    from prl.trainer.parallelize import Parallel
     from prl.trainer.step import forward_backward
     from prl.transport.batch import Sample, pack
 
@@ -45,7 +45,7 @@ def worker(model_dir: str, out: str, tokens: int, steps: int) -> None:
     tcfg = TrainerCfg.model_validate({"parallel": {"cp": cp}, "micro_batch_tokens": tokens + 1})
     model = build_model(model_dir, seed=0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    par = Parallel(model, make_meshes(torch.device("cpu"), tcfg), tcfg)
+    par = Parallel(model, tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu"), tcfg)
     g = torch.Generator().manual_seed(0)
     per = tokens // 4  # four samples packed in the row
     samples = [Sample(torch.randint(4, 40, (per // 2,), generator=g).tolist(), torch.randint(4, 40, (per // 2 + 1,), generator=g).tolist(),

@@ -21,7 +21,7 @@ def main(folder: str, out: str, mode: str, tcfg_json: str) -> None:
     from prl.model.build import build_model
     from prl.recipe.schema import TrainerCfg
     from prl.trainer import head
-    from prl.trainer.parallelize import Parallel, make_meshes
+    from prl.trainer.parallelize import Parallel
     from prl.trainer.sharded_load import load_sharded, meta_model
 
     import transformers.models.auto.modeling_auto  # noqa: F401  (imports before the baseline)
@@ -31,7 +31,7 @@ def main(folder: str, out: str, mode: str, tcfg_json: str) -> None:
     tcfg = TrainerCfg.model_validate(json.loads(tcfg_json))
     base = peak_mb()
     model = meta_model(folder) if mode == "sharded" else build_model(folder)
-    par = Parallel(model, make_meshes(torch.device("cpu"), tcfg), tcfg)
+    par = Parallel(model, tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu"), tcfg)
     if mode == "sharded":
         par.model.to_empty(device="cpu")
         load_sharded(par.model, folder)

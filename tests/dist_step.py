@@ -16,7 +16,7 @@ from prl.model.families import routed_experts
 from prl.model.routing import Replay, routers
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel
-from prl.trainer.parallelize import Parallel, make_meshes
+from prl.trainer.parallelize import Parallel
 from prl.trainer.step import forward_backward
 from prl.transport.batch import Sample, pack
 
@@ -81,10 +81,10 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     rp = Replay(model, replay=True) if replay else None
     cfg = model.config
     layers = len(routers(model))
-    par = Parallel(model, make_meshes(torch.device("cpu"), tcfg), tcfg)
+    dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu")
+    par = Parallel(model, dims, tcfg)
     experts = routed_experts(cfg.to_dict())
-    dp = tcfg.parallel.data_parallel(dist.get_world_size())
-    mbs = pack(samples(layers, experts, cfg.num_experts_per_tok), dp, 64)[par.meshes.dp_rank]
+    mbs = pack(samples(layers, experts, cfg.num_experts_per_tok), dims.dp_size, 64)[dims.dp_rank(dist.get_rank())]
     seq = par.seq
     if seq is None and "--cp-adapter" in sys.argv:  # prl's DSA attention on one rank (no exchange)
         seq = context_parallel.install(par.model, None, 1, 0)

@@ -1,9 +1,10 @@
 """Apply parallelism to a plain Hugging Face model; the model file stays untouched.
 
-The trainer's ranks form named dimensions (`[trainer.parallel]`, as torchtitan's `ParallelDims`):
-`dp_shard` x `cp` = world, and `ep` borrowed from them for the experts. Features are applied in
-torchtitan's order, each by its own function: expert parallelism (experts split over `ep`), context
-parallelism (GLM-5's DSA attention over `cp`), the chunked-logprob head, activation checkpointing, then FSDP2 (each decoder layer its own unit, then
+The trainer's ranks form named dimensions (`[trainer.parallel]`), owned with their meshes by
+`prl.parallel_dims.ParallelDims`: `dp_shard` x `cp` = world, and `ep` borrowed from them for the
+experts. Features are applied in torchtitan's order, each by its own function: expert parallelism
+(experts split over `ep`), context parallelism (GLM-5's DSA attention over `cp`), the
+chunked-logprob head, activation checkpointing, then FSDP2 (each decoder layer its own unit, then
 the root) with mixed precision (`trainer.dtype` compute, fp32 weights, reductions and optimizer
 state). FSDP2 is applied even with one rank so the code path is the same on 1 and N ranks.
 """
@@ -11,7 +12,6 @@ state). FSDP2 is applied even with one rank so the code path is the same on 1 an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,39 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from prl.parallel_dims import ParallelDims, shard_layout
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel, head
 from prl.trainer.expert_parallel import reduce_expert_grads, shard_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Meshes:
-    """`dp_shard`: every rank (FSDP); `cp`: (dp, cp), a row split over `cp` consecutive ranks;
-    `ep`: (ep_replica, ep), experts split on `ep`."""
-
-    world: int
-    dp_shard: DeviceMesh
-    ep: DeviceMesh | None
-    cp: DeviceMesh | None = None
-
-    @property
-    def dp_rank(self) -> int:
-        """The data-parallel rank: which micro-batches this rank (with its CP peers) takes."""
-        return self.cp.get_local_rank("dp") if self.cp is not None else self.dp_shard.get_local_rank()
-
-
-def make_meshes(device: torch.device, tcfg: TrainerCfg) -> Meshes:
-    world = dist.get_world_size()
-    tcfg.parallel.check(world, None)
-    ranks = torch.arange(world)
-    dp_shard = DeviceMesh(device.type, ranks, mesh_dim_names=("dp_shard",))
-    ep = tcfg.parallel.ep
-    ep_mesh = DeviceMesh(device.type, ranks.view(world // ep, ep), mesh_dim_names=("ep_replica", "ep")) if ep > 1 else None
-    cp = tcfg.parallel.cp
-    cp_mesh = DeviceMesh(device.type, ranks.view(world // cp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
-    return Meshes(world, dp_shard, ep_mesh, cp_mesh)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -65,22 +38,23 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 class Parallel:
     """The model as the trainer holds it, and what its parallel layout needs after backward."""
 
-    def __init__(self, model, meshes: Meshes, tcfg: TrainerCfg):
-        self.meshes = meshes
-        self.expert_params = shard_experts(model, meshes.ep) if meshes.ep is not None else []
+    def __init__(self, model, dims: ParallelDims, tcfg: TrainerCfg):
+        """`dims` with its meshes built (`ParallelDims.build_meshes`)."""
+        self.dims = dims
+        self.expert_params = shard_experts(model, dims.mesh("ep")) if dims.ep_enabled else []
         self.seq = None  # the context-parallel row state, with cp > 1
-        if meshes.cp is not None:
-            cp_dim = meshes.cp["cp"]
+        if dims.cp_enabled:
+            cp_dim = dims.mesh("cp")["cp"]
             self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank())
         head.install(model)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
-        self.model = apply_fsdp(model, meshes.dp_shard, DTYPES[tcfg.dtype], set(self.expert_params))
+        self.model = apply_fsdp(model, dims.mesh("fsdp"), DTYPES[tcfg.dtype], set(self.expert_params))
 
     def finish_grads(self) -> None:
         """After backward, before the norm: expert gradients averaged as FSDP averaged the rest."""
         if self.expert_params:
-            reduce_expert_grads(self.expert_params, self.meshes.ep["ep_replica"], self.meshes.world)
+            reduce_expert_grads(self.expert_params, self.dims.mesh("ep")["ep_replica"], self.dims.grad_divisor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(list(self.model.parameters()), max_norm)
@@ -125,11 +99,5 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 def shard_group(g: torch.Tensor):
     """The process group over which a tensor's shards are distinct (None: whole on every rank)."""
-    if not isinstance(g, DTensor):
-        return None
-    dims = [i for i, pl in enumerate(g.placements) if pl.is_shard()]
-    if not dims:
-        return None
-    if len(dims) > 1:
-        raise NotImplementedError("a gradient sharded over several mesh dimensions")
-    return g.device_mesh.get_group(dims[0])
+    layout = shard_layout(g)
+    return None if layout is None else layout.group

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from prl.parallel_dims import shard_layout
 from prl.model.weights import commit_dir, prune_versions, save_tensors, tmp_dir_for, version_dir
 
 LAYER = re.compile(r"\blayers\.(\d+)\.")
@@ -46,28 +47,28 @@ def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
 
 
 def gather_rows(tensor: DTensor, keep: bool) -> torch.Tensor | None:
-    from prl.trainer.sharded_load import row_range
-
-    mesh_dim = next(i for i, p in enumerate(tensor.placements) if p.is_shard())
-    members = dist.get_process_group_ranks(tensor.device_mesh.get_group(mesh_dim))  # in shard order
-    if 0 not in members:
+    """`gathered` for a sharded tensor, along whichever dim its `shard_layout` names: the shards of
+    rank 0's group, in shard order, each sent padded to `per` (torch.chunk's size) and trimmed here."""
+    layout = shard_layout(tensor)
+    if 0 not in layout.ranks:
         return None  # a replica of shards rank 0's group already has
-    local = tensor.to_local().detach()
-    start, stop = row_range(tensor)
-    n, per = tensor.shape[0], -(-tensor.shape[0] // len(members))  # torch.chunk's rows per shard
+    local, d = tensor.to_local().detach(), layout.tensor_dim
+    padded_shape = (*tensor.shape[:d], layout.per, *tensor.shape[d + 1:])
     if not keep:
-        padded = local.new_zeros((per, *tensor.shape[1:]))
-        padded[:stop - start] = local
+        padded = local.new_zeros(padded_shape)
+        padded.narrow(d, 0, local.shape[d]).copy_(local)
         dist.send(padded, dst=0)
         return None
     full = torch.empty(tensor.shape, dtype=local.dtype)
-    full[start:stop] = local.cpu()
-    buf = local.new_empty((per, *tensor.shape[1:]))
-    for k, src in enumerate(members):
-        if src != 0:
+    buf = local.new_empty(padded_shape)
+    for k, src in enumerate(layout.ranks):
+        start, stop = layout.bounds(k)
+        if src == 0:
+            part = local
+        else:
             dist.recv(buf, src=src)
-            a = min(k * per, n)
-            full[a:min(a + per, n)] = buf[:min(a + per, n) - a].cpu()
+            part = buf.narrow(d, 0, stop - start)
+        full.narrow(d, start, stop - start).copy_(part.cpu())
     return full
 
 

@@ -2,8 +2,9 @@
 
 The model is built on the meta device (no memory), parallelized (experts split, FSDP2 shards),
 materialised empty on the rank's device, and each rank then reads from the safetensors files only
-the rows of each tensor it owns, straight into its shard: every prl shard is a dim-0 range (FSDP2
-and expert parallelism both shard dim 0, `torch.chunk` sizes). A tensor is read by name, or, for
+the rows of each tensor it owns, straight into its shard, as its `prl.parallel_dims.shard_layout`
+says: every prl shard is a dim-0 range today (FSDP2 and expert parallelism both shard dim 0,
+`torch.chunk` sizes). A tensor is read by name, or, for
 the stacked experts transformers keeps in memory, assembled from the checkpoint's per-expert
 tensors of the experts in the rank's range. Files are read with plain reads at the offsets their
 headers give (no mmap: nothing a rank does not own becomes resident in it). A tensor the folder lacks, or
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from prl.model import families
 from prl.model.pretrained import PretrainedError, weight_files
+from prl.parallel_dims import shard_layout
 
 def meta_model(model_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -81,19 +83,15 @@ class Checkpoint:
 
 
 def row_range(t: torch.Tensor) -> tuple[int, int]:
-    """The dim-0 rows [start, stop) of the global tensor that this rank's shard of `t` holds."""
-    if not isinstance(t, DTensor):
+    """The dim-0 rows [start, stop) of the global tensor that this rank's shard of `t` holds (its
+    `shard_layout`). Rows are contiguous bytes in a safetensors file; a shard along another dim
+    would be a strided read, which prl does not do yet."""
+    layout = shard_layout(t)
+    if layout is None:
         return 0, t.shape[0] if t.dim() else 0
-    shards = [(i, p) for i, p in enumerate(t.placements) if p.is_shard()]
-    if not shards:
-        return 0, t.shape[0]
-    if len(shards) > 1 or shards[0][1].dim != 0:
+    if layout.tensor_dim != 0:
         raise NotImplementedError(f"a parameter sharded as {t.placements}: prl loads dim-0 shards only")
-    mesh_dim = shards[0][0]
-    size, rank = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
-    per = math.ceil(t.shape[0] / size)
-    start = min(rank * per, t.shape[0])
-    return start, min(start + per, t.shape[0])
+    return layout.mine
 
 
 def fill(ckpt: Checkpoint, name: str, out: torch.Tensor, start: int, stacked: dict[str, tuple[str, ...]]) -> set[str]:

@@ -2,7 +2,8 @@
 
 Kept apart from the trainer's process wiring so tests can run exactly this under any parallel
 layout and compare losses and gradients. Rules: the loss is normalised by the loss tokens of the
-whole step across all ranks (FSDP then averages gradients over ranks, hence the `world` factor);
+whole step across all ranks (FSDP then averages gradients over ranks, hence the factor
+`ParallelDims.grad_divisor`);
 logprobs come from the chunked head (`prl.trainer.head`), never from full logits; with R3 the
 micro-batch's routing is replayed.
 """
@@ -29,7 +30,8 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, 0) for mb in mbs]
     local_tokens = torch.tensor(float(sum(mb.loss_tokens for mb, _, _ in rows)), device=device)
     dist.all_reduce(local_tokens)
-    scale = dist.get_world_size() / max(float(local_tokens), 1.0)  # FSDP averages gradients over ranks
+    # FSDP averages gradients over `grad_divisor` ranks: undo it, so the step's loss is one sum / tokens
+    scale = tcfg.parallel.dims(dist.get_world_size()).grad_divisor / max(float(local_tokens), 1.0)
     totals: dict[str, torch.Tensor] = {}
     for mb, segments, offset in rows:
         mb = MicroBatch(**{k: None if v is None else v.to(device) for k, v in vars(mb).items()})

@@ -33,7 +33,7 @@ from prl.trainer.ledger import read_ledger, record
 from prl.trainer.sharded_load import load_sharded, meta_model
 from prl.model.pretrained import has_weights
 from prl.trainer.step import forward_backward
-from prl.trainer.parallelize import Parallel, make_meshes
+from prl.trainer.parallelize import Parallel
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
 
@@ -84,9 +84,10 @@ class Trainer:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
-                                            world=self.tcfg.parallel.data_parallel(self.world),
+                                            world=self.dims.dp_size,
                                             vocab_size=vocab_size(self.cfg.model_dir)).start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
@@ -104,7 +105,7 @@ class Trainer:
             self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(report["fp8"]), kept=report["kept"])
             if self.cfg.recipe.inference.fp8:  # the engine takes FP8 weights as published: half the bytes
                 self.fp8_names = tensor_names(report["fp8"])
-        self.par = Parallel(model, make_meshes(self.device, self.tcfg), self.tcfg)
+        self.par = Parallel(model, self.dims.build_meshes(self.device.type), self.tcfg)
         self.model = self.par.model
         if sharded:
             self.model.to_empty(device=self.device)
@@ -161,8 +162,7 @@ class Trainer:
         for step in range(steps):
             t0 = time.perf_counter()
             samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
-            dp = self.tcfg.parallel.data_parallel(self.world)
-            mbs = pack(samples, dp, self.tcfg.micro_batch_tokens)[self.par.meshes.dp_rank]
+            mbs = pack(samples, self.dims.dp_size, self.tcfg.micro_batch_tokens)[self.dims.dp_rank(self.rank)]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
@@ -203,12 +203,10 @@ class Trainer:
         if self.endpoint:
             batch = self.endpoint.inbox.receive(step)
             replayed = step in self.ledger
-            dp = self.tcfg.parallel.data_parallel(self.world)
-            if len(batch.micro_batches) != dp:
+            if len(batch.micro_batches) != self.dims.dp_size:
                 raise RuntimeError(f"batch {step} is packed for {len(batch.micro_batches)} ranks, the trainer has "
-                                   f"{dp} data-parallel ranks")
-            cp = self.tcfg.parallel.cp
-            parts = [(batch.micro_batches[r // cp], batch.data_position, batch.prompt_indices, replayed)
+                                   f"{self.dims.dp_size} data-parallel ranks")
+            parts = [(batch.micro_batches[self.dims.dp_rank(r)], batch.data_position, batch.prompt_indices, replayed)
                      for r in range(self.world)]
         out = [None]
         dist.scatter_object_list(out, parts, src=0)
