@@ -15,7 +15,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -28,12 +27,17 @@ pytestmark = pytest.mark.skipif(
     reason="the sandbox needs root (to switch uid) and bubblewrap (bin/test installs it)")
 
 
+# This file's executions get uids of their own, so that sandboxes other tests run at the same time
+# on this machine neither trip nor hide the checks for leftover processes.
+TEST_UID_BASE = 1_950_000_000
+
+
 def sandbox_procs() -> list[psutil.Process]:
-    """Live processes of any sandbox uid (the probe's uid included)."""
+    """Live processes of this file's sandbox uids (the probe's uid included)."""
     found = []
     for p in psutil.process_iter(["uids", "status"]):
         uids = p.info["uids"]
-        if uids and any(iso.UID_BASE <= u <= iso.UID_BASE + iso.UID_SLOTS for u in uids) \
+        if uids and any(TEST_UID_BASE <= u <= TEST_UID_BASE + iso.UID_SLOTS for u in uids) \
                 and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
@@ -54,6 +58,8 @@ def host_unchanged(monkeypatch):
     runs = Path(tempfile.mkdtemp(prefix="prl-test-runs-"))
     runs.chmod(0o711)
     monkeypatch.setenv("PRL_SANDBOX_TMP", str(runs))
+    monkeypatch.setattr(iso, "UID_BASE", TEST_UID_BASE)
+    monkeypatch.setenv("PRL_SANDBOX_UID_BASE", str(TEST_UID_BASE))  # for `prl sandbox run`
     assert sandbox_procs() == []
     yield runs
     try:
@@ -143,7 +149,7 @@ def test_infinite_loop_and_endless_sleep_time_out():
 def test_cpu_burner_hits_the_cpu_limit():
     r = run("while True:\n    pass\n", cpu_s=1, timeout_s=60)
     assert r.killed_reason == "cpu" and r.signal == "SIGXCPU" and not r.timed_out
-    assert r.cpu_s >= 1.0
+    assert r.cpu_s > 0.8  # the kernel samples CPU time by ticks; rusage splits it slightly differently
 
 
 def test_writes_outside_the_working_directory_fail(tmp_path):

@@ -16,6 +16,9 @@ Each execution (isolation "namespaces", the default):
   there, with a marker): bwrap's process group is killed, which takes down its pid namespace, and
   every process of its uid is killed after it ended in any case, so nothing it started survives.
 
+`Result.killed_reason` says why an execution was stopped: "timeout", "output", "cpu", "memory",
+"file_size", "procs" (cgroup only), "signal", "cancelled" (SandboxPool task cancelled), or None.
+
 Isolation "none" (only when asked for) keeps the uid, rlimits, directory and kills, without
 namespaces: the program then sees the host's files that are world-readable, and its network.
 Where namespaces or bwrap are not available, `run` raises SandboxUnavailable instead.

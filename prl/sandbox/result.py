@@ -51,7 +51,11 @@ class Result:
     """What one execution did. `exit_code` follows the shell convention in every isolation mode:
     128 + N when the program died of signal N (then `signal` names it). `killed_reason` says why prl
     or the kernel stopped it: None (it ended on its own), "timeout", "output", "cpu", "memory",
-    "file_size", "procs" (cgroup pids.max hit, only with a cgroup) or "signal" (any other signal)."""
+    "file_size", "procs" (cgroup pids.max hit, only with a cgroup), "signal" (any other signal),
+    "cancelled" (its `cancel` event was set) or "error" (prl itself failed while watching it).
+    "memory" without a cgroup is read from the program's own out-of-memory message. `cpu_s` and
+    `max_rss_mb` cover the program and the processes reaped in its pid namespace (namespaces) or
+    that it waited for itself (isolation "none")."""
 
     exit_code: int
     stdout: str

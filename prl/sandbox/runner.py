@@ -41,10 +41,11 @@ def run(code_or_file: Union[str, bytes, os.PathLike], *, language: Optional[str]
 
     `code_or_file`: source text (str or bytes), or a path (os.PathLike) to a file whose content is
     run; `language` defaults to the file's suffix, else Python. `files` ({relative path: str|bytes})
-    are placed next to it in the working directory; `args` are its command-line arguments. `limits`,
-    when given, replaces the individual limit arguments; setting `cancel` stops the execution
-    (killed_reason "cancelled"). Raises SandboxUnavailable (before running
-    anything) when `isolation` cannot be had here, ValueError for a bad language or file name."""
+    are placed next to it in the working directory; `args` are its command-line arguments; `stdin`
+    is its standard input (else /dev/null). `limits`, when given, replaces the limit arguments.
+    Setting `cancel` stops the execution (killed_reason "cancelled"). Raises SandboxUnavailable,
+    before running anything, when `isolation` cannot be had here; ValueError for a bad language
+    or file name. Blocks until the execution has ended: asyncio callers use SandboxPool."""
     if limits is None:
         limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_procs=max_procs,
                         max_output_bytes=max_output_bytes)
