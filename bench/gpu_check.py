@@ -1,40 +1,112 @@
 """The checks only a GPU can answer, in one script (`bin/gpu-check`) that also runs on a CPU, where it
 checks the reference paths, so it cannot rot between GPU sessions.
 
-1. FP8 GEMMs: every GPU backend prl can pick (`torch._scaled_mm` with block scales; DeepGEMM when it
-   is importable) against the exact CPU reference on the same quantised operands, for the three GEMMs
-   of a training step (forward, dgrad with the 128x128 weight blocks transposed, wgrad with 1x128
-   tiles along tokens), with TFLOP/s beside bf16 matmul. On a CPU: the reference against float64.
+1. FP8 GEMMs: every GPU backend prl can pick (`torch._scaled_mm` with block scales; DeepGEMM) against
+   the exact CPU reference on the same quantised operands, for the three GEMMs of a training step
+   (forward, dgrad with the 128x128 weight blocks transposed, wgrad with 1x128 tiles along tokens),
+   with TFLOP/s beside bf16 matmul. On a CPU: the reference against float64.
 2. Collectives of the EP and CP code paths with 2 ranks: `all_to_all_single` with uneven splits
    (expert dispatch) and a differentiable all-gather (the CP exchange; its backward is a
-   reduce-scatter), NCCL on a GPU (2 ranks on one GPU where NCCL allows it, else said), gloo on a CPU.
+   reduce-scatter): NCCL with one GPU per rank (2 GPUs), and gloo.
 3. R3: `bench/r3_mismatch.py` on the device (`--device cuda`: the engine's and trainer's GPU kernels).
+4. The tests marked `gpu` (`pytest -m gpu`, tests/test_gpu.py): which ran, passed, failed or skipped
+   and why. On a CPU every one of them must skip (saying why), so this also checks they still collect.
 
-    bin/gpu-check [--quick] [--out results.json]
+    bin/gpu-check [--quick] [--only fp8,collectives,r3,gpu_tests] [--out results.json]
 
-Exit status 1 if any check failed; every figure is printed and written as JSON (`--out`).
+Every check ends in one of three results:
+- a result (figures, and `ok`);
+- `{"absent": why}`: its path is not present here (no CUDA device, a package not installed, fewer
+  GPUs than the check needs, a device older than the kernels need). Listed, never a failure;
+- `{"ok": False, "error": traceback}`: the path is present and raised (or gave wrong numbers). The
+  run fails: exit status 1, each failure printed with its traceback.
+Every figure is printed and written as JSON (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
 
 from fp8_gemm import timed  # bench/ is this script's directory
-from prl.model.fp8 import BACKENDS, Quantized, dequantize, quantize_blocks, quantize_tiles
+from prl.model.fp8 import BACKENDS, Quantized, backend, dequantize, quantize_blocks, quantize_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 2e-2  # relative Frobenius error vs the reference: wrong tilings show ~4e-2 and more
+FP8_CAPABILITY = (9, 0)  # prl.model.fp8.backend() picks a GPU FP8 GEMM from Hopper on
+ERROR_CHARS = 6000  # of a traceback kept in the results (the end: where it raised)
 
 
+# ---------------------------------------------------------------- absent, failed or a result
+class Absent(Exception):
+    """The checked path is not present on this machine: recorded with the reason, not a failure."""
+
+
+def require_cuda(gpus: int = 1, capability: tuple[int, int] | None = None) -> None:
+    """Raise Absent unless this machine has `gpus` CUDA devices (of at least `capability`)."""
+    if not torch.cuda.is_available():
+        raise Absent("no CUDA device")
+    n = torch.cuda.device_count()
+    if n < gpus:
+        raise Absent(f"needs {gpus} GPUs, {n} present")
+    if capability and torch.cuda.get_device_capability() < capability:
+        have = torch.cuda.get_device_capability()
+        raise Absent(f"needs compute capability {capability[0]}.{capability[1]}, "
+                     f"{torch.cuda.get_device_name()} is {have[0]}.{have[1]}")
+
+
+def require_module(name: str) -> None:
+    """Raise Absent unless the package is installed. An installed package whose import then fails is
+    not absent: the check imports it and fails with the import's error."""
+    if importlib.util.find_spec(name) is None:
+        raise Absent(f"{name} is not installed")
+
+
+def attempt(check, *args) -> dict:
+    """Run one check: its result; `{"absent": why}` when it raised Absent; `{"ok": False, "error":
+    traceback}` for anything else it raised (an ImportError included: presence is decided by
+    `require_*` before the check touches the path, never guessed from an exception)."""
+    try:
+        return check(*args)
+    except Absent as e:
+        return {"absent": str(e)}
+    except Exception:  # noqa: BLE001 - a present path that raised: a failure, with its traceback
+        return {"ok": False, "error": traceback.format_exc()[-ERROR_CHARS:]}
+
+
+def walk(results: dict):
+    """(path, node) of every dict in the results, depth first."""
+    stack = [("", results)]
+    while stack:
+        path, node = stack.pop()
+        yield path, node
+        for k, v in reversed(list(node.items())):
+            if isinstance(v, dict):
+                stack.append((f"{path}/{k}" if path else k, v))
+
+
+def failed(results: dict) -> list[str]:
+    """Paths of every check that failed (`ok` is False)."""
+    return [path for path, node in walk(results) if node.get("ok") is False]
+
+
+def absent(results: dict) -> dict[str, str]:
+    """Path -> reason of every check whose path is not present here."""
+    return {path: node["absent"] for path, node in walk(results) if isinstance(node.get("absent"), str)}
+
+
+# ---------------------------------------------------------------- 1. FP8 GEMMs
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm().clamp_min(1e-30))
 
@@ -56,16 +128,14 @@ def step_gemms(m: int, n: int, k: int, dev: str) -> dict[str, tuple[Quantized, Q
 def fp8_section(quick: bool) -> dict:
     gpu = torch.cuda.is_available()
     shapes = [(256, 384, 512)] if quick or not gpu else [(256, 384, 512), (4096, 4096, 6144), (4096, 6144, 2048)]
-    out = {}
+    out: dict = {"prl_backend": backend()}
     for m, n, k in shapes:
         for gemm, (a, b) in step_gemms(m, n, k, "cuda" if gpu else "cpu").items():
             ref = BACKENDS["reference"](to_cpu(a), to_cpu(b), torch.float32)
-            row = {}
+            row = {name: attempt(gpu_backend, name, a, b, ref, quick) for name in ("scaled_mm", "deep_gemm")}
             if gpu:
-                for name in ("scaled_mm", "deep_gemm"):
-                    row[name] = gpu_backend(name, a, b, ref, quick)
                 bf16_a, bf16_b = dequantize(a).bfloat16(), dequantize(b).bfloat16()
-                s = timed(lambda: bf16_a @ bf16_b.t(), 3 if quick else 20)
+                s = timed(lambda x=bf16_a, y=bf16_b: x @ y.t(), 3 if quick else 20)
                 row["bf16_tflops"] = 2 * a.q.shape[0] * b.q.shape[0] * a.q.shape[1] / s / 1e12
             else:  # the reference itself, against float64 on the dequantised operands
                 exact = dequantize(a).double() @ dequantize(b).double().t()
@@ -74,22 +144,26 @@ def fp8_section(quick: bool) -> dict:
     return out
 
 
-def gpu_backend(name: str, a: Quantized, b: Quantized, ref: torch.Tensor, quick: bool) -> dict:  # pragma: no cover - gpu
-    try:
-        fn = BACKENDS[name]
-        got = fn(a, b, torch.float32)
-        s = timed(lambda: fn(a, b, torch.bfloat16), 3 if quick else 20)
-        err = rel_err(got, ref)
-        return {"rel_err": err, "ok": err < TOLERANCE, "tflops": 2 * a.q.shape[0] * b.q.shape[0] * a.q.shape[1] / s / 1e12}
-    except Exception as e:  # noqa: BLE001 - an unavailable backend is a finding, not a crash
-        return {"unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
+def gpu_backend(name: str, a: Quantized, b: Quantized, ref: torch.Tensor, quick: bool) -> dict:
+    """One GPU FP8 GEMM backend against the reference. Absent without a Hopper-or-later device (prl
+    does not pick one there) or, for DeepGEMM, without the package; on such a device, a backend that
+    raises is a failure (prl would fall back to a slower GEMM without saying so)."""
+    require_cuda(capability=FP8_CAPABILITY)
+    if name == "deep_gemm":
+        require_module("deep_gemm")
+    fn = BACKENDS[name]
+    got = fn(a, b, torch.float32)
+    s = timed(lambda: fn(a, b, torch.bfloat16), 3 if quick else 20)
+    err = rel_err(got, ref)
+    return {"rel_err": err, "ok": err < TOLERANCE, "tflops": 2 * a.q.shape[0] * b.q.shape[0] * a.q.shape[1] / s / 1e12}
 
 
+# ---------------------------------------------------------------- 2. EP / CP collectives
 def collectives_worker(rank: int, world: int, backend: str, port: int, result: str) -> None:
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnn
 
-    dev = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -115,28 +189,31 @@ def collectives_worker(rank: int, world: int, backend: str, port: int, result: s
     dist.destroy_process_group()
 
 
-def collectives_section() -> dict:
-    import tempfile
-
+def collectives(backend: str) -> dict:
+    """2 ranks of `backend`. NCCL needs a GPU per rank (it refuses two ranks on one GPU)."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     from prl.recipe.resolve import free_port
 
-    tried = ["nccl", "gloo"] if torch.cuda.is_available() else ["gloo"]
-    out = {}
-    for backend in tried:
-        result = tempfile.mktemp(suffix=".json")
-        try:
-            mp.start_processes(collectives_worker, args=(2, backend, free_port("127.0.0.1"), result), nprocs=2,
-                               start_method="spawn")
-            r = json.loads(Path(result).read_text())
-            r["ok"] = all(v for k, v in r.items() if k.startswith("all_"))
-            out[backend] = r
-        except Exception as e:  # noqa: BLE001 - e.g. NCCL refusing two ranks on one GPU: reported
-            out[backend] = {"unavailable": f"{type(e).__name__}: {str(e)[:300]}"}
-    return out
+    if backend == "nccl":
+        require_cuda(gpus=2)
+        if not dist.is_nccl_available():
+            raise Absent("this torch is built without NCCL")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        mp.start_processes(collectives_worker, args=(2, backend, free_port("127.0.0.1"), str(result)), nprocs=2,
+                           start_method="spawn")
+        r = json.loads(result.read_text())
+    r["ok"] = all(v for k, v in r.items() if k.startswith("all_"))
+    return r
 
 
+def collectives_section() -> dict:
+    return {name: attempt(collectives, name) for name in ("nccl", "gloo")}
+
+
+# ---------------------------------------------------------------- 3. R3
 def r3_section(quick: bool) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     args = ["--device", dev] + (["--layers", "2", "--experts", "8", "--top-k", "2", "--prompts", "4", "--group", "2",
@@ -144,45 +221,112 @@ def r3_section(quick: bool) -> dict:
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "r3_mismatch.py"), *args], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if p.returncode:
-        return {"ok": False, "error": (p.stdout + p.stderr)[-1500:]}
+        return {"ok": False, "error": (p.stdout + p.stderr)[-ERROR_CHARS:]}
     report = json.loads(p.stdout.strip().splitlines()[-1])
     keep = ("model", "mismatch_kl_no_replay", "mismatch_kl_replay", "ratio", "routing_agreement")
     return {"ok": True, "device": dev, **{k: report[k] for k in keep}}
 
 
-def failed(results: dict) -> list[str]:
-    bad = []
+# ---------------------------------------------------------------- 4. the tests marked gpu
+def junit_outcomes(xml: str) -> dict[str, dict]:
+    """node id -> {"outcome": passed|failed|skipped, "reason"/"error"} from pytest's JUnit XML."""
+    out = {}
+    for case in ET.fromstring(xml).iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        name = f"{module}.py::{case.get('name')}" if module else case.get("name", "?")
+        row = {"outcome": "passed", "seconds": round(float(case.get("time") or 0), 1)}
+        for child in case:
+            if child.tag == "skipped":
+                row = {**row, "outcome": "skipped", "reason": child.get("message", "")}
+            elif child.tag in ("failure", "error"):
+                text = f"{child.get('message', '')}\n{child.text or ''}".strip()
+                row = {**row, "outcome": "failed" if child.tag == "failure" else "error", "error": text[-ERROR_CHARS:]}
+        out[name] = row
+    return out
 
-    def walk(prefix: str, node) -> None:
-        if isinstance(node, dict):
-            if node.get("ok") is False:
-                bad.append(prefix)
-            for k, v in node.items():
-                walk(f"{prefix}/{k}", v)
 
-    walk("", results)
+def gpu_tests_section(timeout_s: float) -> dict:
+    """`pytest -m gpu` over tests/: every test's outcome. On a CUDA machine each must pass or skip
+    with a reason; on a CPU each must skip (a GPU test that does not skip there is broken)."""
+    require_module("pytest")
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "gpu-tests.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+               f"--junitxml={xml}", str(ROOT / "tests")]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        tests = junit_outcomes(xml.read_text()) if xml.exists() else {}
+    by = {o: [t for t, r in tests.items() if r["outcome"] == o] for o in ("passed", "failed", "error", "skipped")}
+    out: dict = {"command": "pytest -m gpu tests/", "exit_status": p.returncode, "collected": len(tests),
+                 "ran": by["passed"] + by["failed"] + by["error"], "passed": by["passed"],
+                 "skipped": {t: tests[t]["reason"] for t in by["skipped"]}}
+    for t in by["failed"] + by["error"]:
+        out[t] = {"ok": False, "error": tests[t]["error"]}
+    if not torch.cuda.is_available() and out["ran"]:
+        out["ran_without_cuda"] = {"ok": False, "error": f"tests marked gpu ran on a CPU: {out['ran']}"}
+    if p.returncode not in (0, 1) or not tests:  # 1: some test failed (listed above); else pytest itself broke
+        out["pytest"] = {"ok": False, "error": (p.stdout + p.stderr)[-ERROR_CHARS:]}
+    return out
+
+
+# ---------------------------------------------------------------- the run
+SECTIONS = {
+    "fp8": lambda args: fp8_section(args.quick),
+    "collectives": lambda args: collectives_section(),
+    "r3": lambda args: r3_section(args.quick),
+    "gpu_tests": lambda args: attempt(gpu_tests_section, args.tests_timeout),
+}
+
+
+def report(results: dict) -> list[str]:
+    """Print what was not present here and every failure with its traceback; the failed paths."""
+    bad = failed(results)
+    missing = absent(results)
+    if missing:
+        print("## not present here (not failures)")
+        for path, why in missing.items():
+            print(f"  {path}: {why}")
+    tests = results.get("gpu_tests")
+    if isinstance(tests, dict) and "ran" in tests:
+        print(f"## tests marked gpu: {tests['collected']} collected, {len(tests['ran'])} ran, "
+              f"{len(tests['passed'])} passed, {len(tests['skipped'])} skipped")
+        for t in tests["ran"]:
+            print(f"  {'PASSED' if t in tests['passed'] else 'FAILED'} {t}")
+        for t, why in tests["skipped"].items():
+            print(f"  SKIPPED {t}: {why}")
+    nodes = dict(walk(results))
+    for path in bad:
+        print(f"## FAILED {path}\n{nodes[path].get('error') or json.dumps(nodes[path], indent=1)}")
     return bad
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes and a small R3 run (the CPU test uses it)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    ap.add_argument("--tests-timeout", type=float, default=1800, help="seconds for `pytest -m gpu`")
     ap.add_argument("--out", help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {list(SECTIONS)}")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no GPU present)"
-    results = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__}
-    for name, section in (("fp8", lambda: fp8_section(args.quick)), ("collectives", collectives_section),
-                          ("r3", lambda: r3_section(args.quick))):
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "device": device, "gpus": torch.cuda.device_count(),
+                     "torch": torch.__version__}
+    for name in only:
         try:
-            results[name] = section()
+            results[name] = SECTIONS[name](args)
         except Exception:  # noqa: BLE001 - one broken section must not hide the others
-            results[name] = {"ok": False, "error": traceback.format_exc()[-1500:]}
+            results[name] = {"ok": False, "error": traceback.format_exc()[-ERROR_CHARS:]}
         print(f"## {name}\n{json.dumps(results[name], indent=1)}", flush=True)
-    bad = failed(results)
-    results["failed"] = bad
+    bad = report(results)
+    results["failed"], results["absent"] = bad, absent(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"gpu-check on {device}: {'FAILED: ' + ', '.join(bad) if bad else 'all checks passed'}")
+    n_absent = len(results["absent"])
+    print(f"gpu-check on {device}: {'FAILED: ' + ', '.join(bad) if bad else 'all checks passed'}"
+          f"{f' ({n_absent} not present here)' if n_absent else ''}")
     sys.exit(1 if bad else 0)
 
 
