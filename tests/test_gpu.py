@@ -1,0 +1,265 @@
+"""prl's GPU paths, each against a reference it must equal: the FP8 GEMM backends (torch._scaled_mm with
+block scales, DeepGEMM) and the FP8 linear on CUDA; a training step's forward/backward on CUDA, and expert
+and context parallelism over NCCL (2 GPUs); the trainer on CUDA; vLLM's CUDA build serving the trainer's
+logprobs and taking new weights.
+
+Marked `gpu`: CPU CI deselects them (pyproject's addopts); `bin/gpu-check` runs them (`pytest -m gpu`)
+and prints which ran and passed. Each skips, saying why, where its path is not present (no CUDA device,
+fewer GPUs than it needs, a device older than the kernels, a package not installed); a path that is
+present and raises fails.
+
+Doubles as the torchrun script of the NCCL tests:
+
+    torchrun --nproc-per-node N tests/test_gpu.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}}' [--replay] [--cp-adapter]
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, import_failure
+
+sys.path.append(str(ROOT / "bench"))
+from gpu_check import FP8_CAPABILITY, TOLERANCE, Absent, rel_err, require_cuda, require_module, step_gemms, to_cpu  # noqa: E402
+import test_parallel  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+moe_model_dir = test_parallel.model_dir  # the fixtures of the gloo versions' models
+dsa_model_dir = test_parallel.sparse_model_dir
+
+
+def need(check, *args, **kwargs) -> None:
+    """Skip with gpu_check's reason when the path is not present here."""
+    try:
+        check(*args, **kwargs)
+    except Absent as e:
+        pytest.skip(str(e))
+
+
+# ---------------------------------------------------------------- FP8 GEMMs
+@pytest.mark.parametrize("m", [256, 300], ids=["tokens-256", "tokens-300"])  # wgrad reduces over tokens: any count
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("name", ["scaled_mm", "deep_gemm"])
+def test_fp8_gemm_backend_equals_the_reference(name, gemm, m):
+    """Each GEMM of a training step (forward; dgrad with W's 128x128 blocks transposed; wgrad with 1x128
+    tiles along tokens) on the GPU backend against the exact CPU reference on the same FP8 operands."""
+    from prl.model.fp8 import BACKENDS
+
+    need(require_cuda, capability=FP8_CAPABILITY)
+    if name == "deep_gemm":
+        need(require_module, "deep_gemm")
+    torch.manual_seed(0)
+    a, b = step_gemms(m, 384, 512, "cuda")[gemm]
+    got = BACKENDS[name](a, b, torch.float32)
+    ref = BACKENDS["reference"](to_cpu(a), to_cpu(b), torch.float32)
+    assert got.is_cuda and got.shape == ref.shape
+    assert rel_err(got, ref) < TOLERANCE, f"{name} {gemm}: {rel_err(got, ref):.3g} from the reference"
+
+
+def test_prl_picks_a_gpu_fp8_gemm_on_hopper():
+    """`prl.model.fp8.backend()` falls back to the (slow) reference when torch._scaled_mm with block scales
+    does not work; on a Hopper-or-later GPU it must not."""
+    from prl.model.fp8 import backend
+
+    need(require_cuda, capability=FP8_CAPABILITY)
+    want = "deep_gemm" if import_failure("deep_gemm", "deep_gemm") is None else "scaled_mm"
+    assert backend() == want
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 1e-10])  # gradients of a token-normalised loss are tiny
+def test_fp8_linear_on_cuda_against_float64(grad_scale):
+    """The FP8 linear as the trainer runs it on CUDA (whatever backend prl picks), forward and both grads."""
+    from prl.model.fp8 import fp8_linear
+
+    need(require_cuda)
+    torch.manual_seed(0)
+    x = torch.randn(300, 256, device="cuda", requires_grad=True)
+    w = (torch.randn(384, 256, device="cuda") * 0.05).requires_grad_()
+    g = torch.randn(300, 384, device="cuda") * grad_scale
+    y = fp8_linear(x, w)
+    y.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 @ w64.T
+    y64.backward(g.double())
+    for got, want in ((y, y64), (x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got.is_cuda and torch.isfinite(got).all()
+        assert rel_err(got.detach(), want.detach()) < 0.05  # E4M3 rounding of both operands: ~3.7% measured on CPU
+    assert rel_err(y.detach(), y64.detach()) > 1e-4, "the FP8 path really quantises"
+
+
+# ---------------------------------------------------------------- a training step on CUDA, EP and CP on NCCL
+def nccl_main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:
+    """tests/dist_step.py's step on CUDA: NCCL, one GPU per rank."""
+    import torch.distributed as dist
+
+    from dist_step import full, samples
+    from prl.model.build import build_model
+    from prl.model.families import routed_experts
+    from prl.model.routing import Replay, routers
+    from prl.recipe.schema import TrainerCfg
+    from prl.trainer import context_parallel
+    from prl.trainer.parallelize import Parallel, make_meshes
+    from prl.trainer.step import forward_backward
+    from prl.transport.batch import pack
+
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl")
+    tcfg = TrainerCfg.model_validate(json.loads(tcfg_json))
+    model = build_model(model_dir, seed=0).to(dev)
+    if tcfg.fp8:
+        from prl.model.fp8 import apply_fp8
+
+        apply_fp8(model)
+    rp = Replay(model, replay=True) if replay else None
+    cfg = model.config
+    par = Parallel(model, make_meshes(dev, tcfg), tcfg)
+    dp = tcfg.parallel.data_parallel(dist.get_world_size())
+    mbs = pack(samples(len(routers(model)), routed_experts(cfg.to_dict()), cfg.num_experts_per_tok), dp, 64)
+    seq = par.seq
+    if seq is None and "--cp-adapter" in sys.argv:  # prl's DSA attention on one rank (no exchange)
+        seq = context_parallel.install(par.model, None, 1, 0)
+    stats = forward_backward(par.model, rp, mbs[par.meshes.dp_rank], "rl", tcfg, 1.0, dev, seq)
+    par.finish_grads()
+    grads = {n: full(p.grad).detach().cpu().clone() for n, p in par.model.named_parameters() if p.grad is not None}
+    if dist.get_rank() == 0:
+        torch.save({"stats": stats, "grads": grads}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def nccl_step(model_dir: Path, tmp: Path, nproc: int, tcfg: dict, replay: bool, *flags: str) -> dict:
+    out = tmp / f"nccl-{nproc}-{json.dumps(tcfg, sort_keys=True)}-{replay}{''.join(flags)}.pt".replace("/", "_")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                        __file__, str(model_dir), str(out), json.dumps(tcfg), *(["--replay"] if replay else []), *flags],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return torch.load(out, map_location="cpu")
+
+
+def assert_close_step(a: dict, b: dict, what: str, rtol: float, atol: float) -> None:
+    """tests/test_parallel.py's assert_same_step at a GPU's tolerance: CUDA's index_add_ (the experts'
+    outputs) adds with atomics, and cuBLAS picks kernels by shape, so sums round differently per layout."""
+    assert a["stats"]["loss_sum"] == pytest.approx(b["stats"]["loss_sum"], rel=rtol), what
+    assert a["grads"].keys() == b["grads"].keys(), what
+    for name, g in a["grads"].items():
+        torch.testing.assert_close(b["grads"][name], g, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["router", "r3-replay"])
+def test_a_training_step_on_cuda_equals_the_cpu_step(moe_model_dir, tmp_path, replay):
+    """One rank on CUDA (NCCL) against one rank on CPU (gloo, tests/dist_step.py): the same loss and gradients."""
+    from test_parallel import step
+
+    need(require_cuda)
+    gpu = nccl_step(moe_model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0}, replay)
+    cpu = step(moe_model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0}, replay)
+    assert any(g.abs().max() > 0 for n, g in gpu["grads"].items() if "experts" in n), "experts got gradients"
+    assert_close_step(cpu, gpu, "cuda against cpu, one rank", rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["router", "r3-replay"])
+def test_expert_parallel_on_nccl_matches_one_rank(moe_model_dir, tmp_path, replay):
+    need(require_cuda, gpus=2)
+    one = nccl_step(moe_model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0}, replay)
+    two = nccl_step(moe_model_dir, tmp_path, 2, {"parallel": {"ep": 2}}, replay)
+    assert_close_step(one, two, "ep=2 on 2 GPUs (NCCL)", rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["router", "r3-replay"])
+def test_context_parallel_on_nccl_matches_one_rank(dsa_model_dir, tmp_path, replay):
+    """cp = 2 over NCCL: the KV exchange's backward is NCCL's reduce-scatter (gloo runs an all-reduce)."""
+    need(require_cuda, gpus=2)
+    one = nccl_step(dsa_model_dir, tmp_path, 1, {}, replay, "--cp-adapter")
+    two = nccl_step(dsa_model_dir, tmp_path, 2, {"parallel": {"cp": 2}}, replay)
+    assert_close_step(one, two, "cp=2 on 2 GPUs (NCCL)", rtol=1e-4, atol=1e-6)
+
+
+def test_fp8_expert_parallel_on_nccl(moe_model_dir, tmp_path):
+    """trainer.fp8 with ep = 2 on 2 GPUs: the experts run the GPU FP8 GEMMs on each rank's slice. As in
+    test_parallel's CPU version, all but the expert weight gradients equal one rank's; those (tiled along
+    tokens from both ranks' rows) stay much closer to one rank's than FP8 is to fp32."""
+    need(require_cuda, gpus=2)
+    one = nccl_step(moe_model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0, "fp8": True}, False)
+    fp32 = nccl_step(moe_model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0}, False)
+    ep = nccl_step(moe_model_dir, tmp_path, 2, {"parallel": {"ep": 2}, "fp8": True}, False)
+    stacks = [n for n in one["grads"] if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacks and not torch.equal(one["grads"][stacks[0]], fp32["grads"][stacks[0]]), "the experts ran in FP8"
+    rest = {k: {n: g for n, g in d["grads"].items() if n not in stacks} for k, d in (("one", one), ("ep", ep))}
+    assert_close_step({**one, "grads": rest["one"]}, {**ep, "grads": rest["ep"]}, "fp8, ep=2 on NCCL", 1e-4, 1e-6)
+    for n in stacks:
+        assert rel_err(ep["grads"][n], one["grads"][n]) < 0.5 * rel_err(one["grads"][n], fp32["grads"][n]), n
+
+
+# ---------------------------------------------------------------- the trainer on CUDA
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
+    """`python -m prl.trainer` under torchrun on CUDA (NCCL, FSDP2) against the same run on CPU: the same
+    first loss, and updates (two AdamW steps) that agree."""
+    from test_run import events
+    from test_trainer import run_trainer
+
+    from prl.model.weights import read_weights
+
+    need(require_cuda, gpus=nproc)
+    gpu = run_trainer(tmp_path / "cuda", nproc, steps=2)
+    assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
+    assert "(nccl, cuda:0)" in gpu.stdout + gpu.stderr, "the trainer ran on CUDA"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the child only: this process's CUDA is initialised
+    cpu = run_trainer(tmp_path / "cpu", nproc, steps=2)
+    assert cpu.returncode == 0, cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    assert "(gloo, cpu)" in cpu.stdout + cpu.stderr
+    losses = {k: [e["loss"] for e in events(tmp_path / k, "trainer_step") if e["stage"] == "rl"] for k in ("cuda", "cpu")}
+    assert len(losses["cuda"]) == 2 and losses["cuda"][0] == pytest.approx(losses["cpu"][0], rel=1e-4), losses
+    start, _ = read_weights(tmp_path / "cuda" / "weights" / "v0")
+    after = {k: read_weights(tmp_path / k / "weights" / "v2")[0] for k in ("cuda", "cpu")}
+    delta = {k: torch.cat([(w[n] - start[n]).flatten().double() for n in start]) for k, w in after.items()}
+    assert delta["cpu"].norm() > 0, "training changed the weights"
+    assert ((delta["cuda"] - delta["cpu"]).norm() / delta["cpu"].norm()).item() < 0.05
+
+
+# ---------------------------------------------------------------- vLLM on CUDA
+def test_vllm_on_cuda_serves_the_trainers_logprobs_and_takes_new_weights(tmp_path):
+    """prl's vLLM server (launcher, plugin, weight transfer) on vLLM's CUDA build: logprobs equal the trainer's
+    recomputation (fp32), and after a weight update they are the new weights' and carry the new version."""
+    from test_pretrained import make_pretrained
+    from test_vllm import PROMPT, call, hf_model, make, perturbed_state, publish, ready, reference_logprobs, req
+    from vllm_rig import VLLM_FAILURE, start_server
+
+    need(require_cuda)
+    if VLLM_FAILURE:
+        pytest.skip(VLLM_FAILURE)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder)
+    try:
+        try:
+            asyncio.run(ready(make(srv)))
+        except Exception:
+            print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
+            raise
+        model = hf_model(srv.run_dir / "model")
+        for version in (-1, 1):
+            if version == 1:
+                publish(srv, 1, perturbed_state(model, seed=1))
+                assert call(srv, lambda b: b.load_weights(1)) >= 0
+            resp = call(srv, lambda b: b.generate(req(n=2)))
+            for c in resp.completions:
+                assert len(c.token_ids) == 24 and set(c.versions) == {version}
+                torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, PROMPT, c.token_ids),
+                                           atol=1e-3, rtol=0)
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    nccl_main(sys.argv[1], sys.argv[2], sys.argv[3], "--replay" in sys.argv[4:])
