@@ -1,6 +1,8 @@
 """The orchestrator: keeps inference saturated, scores groups, ships packed batches, relays weights.
 
-Rules:
+Rollouts go through the recipe's environment (`prl.envs`): the orchestrator hands it one example and
+a handle to the server pool, and gets back a scored group; turns, tools and sandboxes are the
+environment's. Rules:
 - staleness is explicit: groups for step s start only while the served version is at least
   s - max_async_level (0 = synchronous); a group whose oldest token is more than
   max_off_policy_steps behind the step that trains it is dropped and counted (`GroupBuffer`);
@@ -15,14 +17,14 @@ import asyncio
 import statistics
 import time
 
-from prl.inference.protocol import GenerateRequest, decode_routing
+from prl.envs import make_env
+from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.servers import ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
 from prl.recipe.roles import OrchestratorConfig
-from prl.tasks import make_task
 from prl.transport.batch import Sample, TrainBatch, pack
 from prl.transport.trainer_client import TrainerClient
 
@@ -37,13 +39,16 @@ def group_advantages(rewards: list[float], mode: str) -> list[float]:
     return adv
 
 
-def sample_routing(resp, completion):
-    """Prompt routing (sent once per group) followed by this completion's: one row per input token."""
-    if resp.prompt_routing is None:
-        return None
-    import torch
+class GroupSampler:
+    """The environment's handle to the inference pool, bound to one group: P/D prefill first (best
+    effort), then the request on the group's server, re-issued elsewhere if that server goes down."""
 
-    return torch.cat([decode_routing(resp.prompt_routing), decode_routing(completion.routing)])
+    def __init__(self, pool: ServerPool, index: int):
+        self.pool, self.index = pool, index
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool
+        return await self.pool.call(self.index, lambda backend: backend.generate(req))
 
 
 class Orchestrator:
@@ -52,8 +57,8 @@ class Orchestrator:
 
         self.cfg, r = cfg, cfg
         self.rl, self.sampling = r.rl, r.sampling
-        self.task = make_task(r.task, r.run.seed)
         self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.env = make_env(cfg, self.tokenizer)
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.changed = asyncio.Condition()
         self.pool = ServerPool([self.backend(u) for u in cfg.servers], self.log, self.changed, r.run.hang_timeout_s,
@@ -204,24 +209,11 @@ class Orchestrator:
             self.changed.notify_all()
 
     async def rollout_group(self, index: int) -> Group:
-        example = self.task.example(index)
-        prompt_ids = self.tokenizer(example["prompt"]).input_ids
-        req = GenerateRequest(
-            prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens,
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=self.rl.group_size,
-            return_routing=self.cfg.router_replay,
-        )
-        await self.pool.prefill(index, prompt_ids)  # P/D: the prompt's KV into the pool (best effort)
-        resp = await self.pool.call(index, lambda backend: backend.generate(req))
-        outs = resp.completions
-        texts = [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-        rewards = [self.task.reward(t, example) for t in texts]
-        advantages = group_advantages(rewards, self.rl.advantage)
-        samples = [
-            Sample(prompt_ids, o.token_ids, o.logprobs, o.versions, a, r, routing=sample_routing(resp, o))
-            for o, a, r in zip(outs, advantages, rewards)
-        ]
-        return Group(index, samples)
+        """One example through the environment; the group's advantages over its rewards."""
+        trajs = await self.env.rollout(self.env.example(index), GroupSampler(self.pool, index))
+        advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
+        return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
+                                    routing=t.routing) for t, a in zip(trajs, advantages)])
 
     # ---- weights ----
     async def relay_weights(self, wait_for: int | None = None) -> None:

@@ -113,7 +113,7 @@ class ServerPool:
     async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable]):
         """Run one request for group `index` on a server that is up, re-issuing it on another server
         when the one it ran on went down under it."""
-        for attempt in range(MAX_ATTEMPTS):
+        for _ in range(MAX_ATTEMPTS):
             server = await self.pick(index)
             task = server.track(make(server.backend))
             try:

@@ -1,0 +1,41 @@
+"""The single-turn environment: today's tasks (`prl.tasks`: a dataset and a reward on the text).
+
+One request per group (`n` = the group size, so the server's prefix cache computes the prompt once),
+each completion decoded and scored by the task's reward."""
+
+from __future__ import annotations
+
+from prl.envs.base import Environment, Sampler, Trajectory
+from prl.inference.protocol import GenerateRequest, decode_routing
+
+
+class SingleTurnEnv(Environment):
+    def __init__(self, task, tokenizer, sampling, group_size: int, router_replay: bool):
+        self.task, self.tokenizer, self.sampling = task, tokenizer, sampling
+        self.group_size, self.router_replay = group_size, router_replay
+
+    def example(self, index: int) -> dict:
+        return self.task.example(index)
+
+    async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]:
+        prompt_ids = self.tokenizer(example["prompt"]).input_ids
+        req = GenerateRequest(
+            prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p, n=self.group_size, return_routing=self.router_replay,
+        )
+        resp = await sampler.generate(req)
+        out = []
+        for c in resp.completions:
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            out.append(Trajectory(prompt_ids, c.token_ids, c.logprobs, c.versions, self.task.reward(text, example),
+                                  routing=sample_routing(resp, c)))
+        return out
+
+
+def sample_routing(resp, completion):
+    """Prompt routing (sent once per group) followed by this completion's: one row per input token."""
+    if resp.prompt_routing is None:
+        return None
+    import torch
+
+    return torch.cat([decode_routing(resp.prompt_routing), decode_routing(completion.routing)])
