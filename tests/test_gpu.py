@@ -104,7 +104,7 @@ def nccl_main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:
     from prl.model.routing import Replay, routers
     from prl.recipe.schema import TrainerCfg
     from prl.trainer import context_parallel
-    from prl.trainer.parallelize import Parallel, make_meshes
+    from prl.trainer.parallelize import Parallel
     from prl.trainer.step import forward_backward
     from prl.transport.batch import pack
 
@@ -119,13 +119,13 @@ def nccl_main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:
         apply_fp8(model)
     rp = Replay(model, replay=True) if replay else None
     cfg = model.config
-    par = Parallel(model, make_meshes(dev, tcfg), tcfg)
-    dp = tcfg.parallel.data_parallel(dist.get_world_size())
-    mbs = pack(samples(len(routers(model)), routed_experts(cfg.to_dict()), cfg.num_experts_per_tok), dp, 64)
+    dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cuda")
+    par = Parallel(model, dims, tcfg)
+    mbs = pack(samples(len(routers(model)), routed_experts(cfg.to_dict()), cfg.num_experts_per_tok), dims.dp_size, 64)
     seq = par.seq
     if seq is None and "--cp-adapter" in sys.argv:  # prl's DSA attention on one rank (no exchange)
         seq = context_parallel.install(par.model, None, 1, 0)
-    stats = forward_backward(par.model, rp, mbs[par.meshes.dp_rank], "rl", tcfg, 1.0, dev, seq)
+    stats = forward_backward(par.model, rp, mbs[dims.dp_rank(dist.get_rank())], "rl", tcfg, 1.0, dev, seq)
     par.finish_grads()
     grads = {n: full(p.grad).detach().cpu().clone() for n, p in par.model.named_parameters() if p.grad is not None}
     if dist.get_rank() == 0:
