@@ -45,9 +45,10 @@ def test_buckets_are_layers_then_the_rest():
 def test_bucketed_folder_equals_the_whole_state(sharded_model, tmp_path, hf_format):
     from prl.model.hf_format import to_checkpoint_format
     from prl.trainer.publish import publish
+    from prl.transport.sinks import FolderSink
 
     model, plain = sharded_model
-    path = publish(model, tmp_path, 3, keep=2, hf_format=hf_format)
+    path = publish(model, FolderSink(tmp_path, keep=2), 3, hf_format=hf_format)
     files = sorted(p.name for p in path.glob("*.safetensors"))
     assert len(files) == len(model.model.layers) + 1, files
     got, manifest = read_weights(path)
@@ -60,10 +61,11 @@ def test_bucketed_folder_equals_the_whole_state(sharded_model, tmp_path, hf_form
 def test_fp8_tensors_are_quantised_in_their_bucket(sharded_model, tmp_path):
     from prl.model.fp8_checkpoint import SCALE_SUFFIX, dequantize_state_dict
     from prl.trainer.publish import publish
+    from prl.transport.sinks import FolderSink
 
     model, plain = sharded_model
     names = [k for k in plain if k.endswith("self_attn.q_proj.weight")]
-    got, _ = read_weights(publish(model, tmp_path, 1, keep=2, fp8_names=names))
+    got, _ = read_weights(publish(model, FolderSink(tmp_path, keep=2), 1, fp8_names=names))
     assert all(got[n].dtype == torch.float8_e4m3fn and n + SCALE_SUFFIX in got for n in names)
     back = dequantize_state_dict(got)
     for n in names:

@@ -4,9 +4,10 @@ The model's state is walked one decoder layer at a time (then what is left: embe
 output head): each sharded tensor of the bucket is sent to rank 0 shard by shard by the other ranks
 of rank 0's shard group (point to point; replicas elsewhere send nothing; no rank but 0 holds the
 whole tensor, as `DTensor.full_tensor` would on every rank), and rank 0 converts the bucket
-(Hugging Face names and layouts for vLLM, block-FP8 where the engine runs FP8), writes it as one
-safetensors file and frees it before the next. No rank ever holds more than one layer of the full
-model. The folder is sealed as every weight folder is (manifest last, renamed in).
+(Hugging Face names and layouts for vLLM, block-FP8 where the engine runs FP8), hands it to the
+weight sink (`prl.transport.sinks`; the sealed folder writes it as one safetensors file) and frees
+it before the next. No rank ever holds more than one layer of the full model. The sink seals the
+version whole (the folder: manifest last, renamed in).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from prl.parallel_dims import shard_layout
-from prl.model.weights import commit_dir, prune_versions, save_tensors, tmp_dir_for, version_dir
+from prl.transport.sinks import WeightSink
 
 LAYER = re.compile(r"\blayers\.(\d+)\.")
 
@@ -85,29 +86,27 @@ def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: 
     return part
 
 
-def publish(model, root: Path, version: int, keep: int, fp8_names: list[str] | None = None,
+def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None = None,
             hf_format: bool = False) -> Path | None:
-    """Seal weights vN (every rank calls; rank 0 writes and returns the folder); versions beyond
-    `keep` are pruned. `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads),
-    else the model's in-memory names (what the embedded engine copies in). `fp8_names`: published
-    block-FP8."""
+    """Publish weights vN into `sink` (every rank calls; rank 0 feeds the sink and returns where the
+    version is). `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else
+    the model's in-memory names (what the embedded engine copies in). `fp8_names`: published
+    block-FP8; one in no bucket fails the version before it is sealed."""
     state = get_model_state_dict(model)  # this rank's shards, nothing gathered
     rank0 = dist.get_rank() == 0
-    final = version_dir(root, version)
-    tmp = tmp_dir_for(final) if rank0 else None
+    if rank0:
+        sink.begin(version)
     unmatched = set(fp8_names or [])
-    for i, names in enumerate(buckets(list(state))):
+    for names in buckets(list(state)):
         part = {name: gathered(state[name], rank0) for name in names}
         if rank0:
             part = converted(model, part, hf_format, fp8_names)
             unmatched -= part.keys()
-            save_tensors(tmp / f"model-{i:05d}.safetensors", part)
+            sink.put(part)
         del part
     if not rank0:
         return None
     if unmatched:  # the engine expects these in FP8: publishing them as they are would load wrong
         raise RuntimeError(f"weights v{version}: FP8 tensors {sorted(unmatched)[:5]} are in no bucket of the "
                            f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
-    path = commit_dir(tmp, final, {"version": version, "format": "hf" if hf_format else "memory"})
-    prune_versions(root, keep)
-    return path
+    return sink.seal({"version": version, "format": "hf" if hf_format else "memory"})

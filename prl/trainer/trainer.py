@@ -36,6 +36,7 @@ from prl.trainer.step import forward_backward
 from prl.trainer.parallelize import Parallel
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
+from prl.transport.sinks import weight_sink
 
 SFT_SEED_OFFSET = 7919  # warm-start prompts are drawn apart from the RL prompts
 
@@ -85,6 +86,7 @@ class Trainer:
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
+        self.sink = weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights)
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
                                             world=self.dims.dp_size,
@@ -236,7 +238,7 @@ class Trainer:
         return bool(found[0])
 
     def publish(self, version: int) -> None:
-        publish(self.model, self.run_dir / "weights", version, self.tcfg.keep_weights, self.fp8_names,
+        publish(self.model, self.sink, version, self.fp8_names,
                 hf_format=registry.get(self.cfg.recipe.inference.backend).publish_format == "hf")
 
     def checkpoint(self, step: int) -> None:
