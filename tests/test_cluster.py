@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, prl_cmd
+from conftest import ROOT, import_or_skip, prl_cmd
 from sshd_rig import IFNAME, host_port
 from vllm_rig import needs_vllm
 
@@ -156,7 +156,7 @@ def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_pat
 def test_kv_pool_master_on_one_host_serves_a_server_on_another(rig, tmp_path):
     """`inference.kv_pool` on a cluster: the kv-master runs on host a (kv_pool.host), the server on b
     joins it over the network and puts its prompt chunks there; teardown stops the master too."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     a, b = rig["hosts"]
     recipe = two_host_recipe(tmp_path, rig, steps=2)
     recipe.write_text(recipe.read_text() + "[inference.kv_pool]\nenabled = true\nhost = 'a'\nchunk_tokens = 4\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, prl_cmd
+from conftest import ROOT, import_or_skip, prl_cmd
 from test_run import assert_nothing_left, events
 
 pytestmark = pytest.mark.slow
@@ -166,7 +166,7 @@ def test_kv_master_killed_mid_run_costs_only_recomputation(tmp_path):
     mounts their memory again), so the pool serves prompts again after the restart, and any store
     operation that failed meanwhile only cost recomputation (`pool_errors`). The run finishes every
     step with the usual checks."""
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    import_or_skip("mooncake.store", "mooncake-transfer-engine-non-cuda")
     at = fault_rng("kv-master").randrange(2, 12)
     print(f"SIGKILL kv-master after RL step {at}")
     proc = start(tmp_path, "--set", "inference.kv_pool.enabled=true", "--set", "inference.kv_pool.chunk_tokens=4",

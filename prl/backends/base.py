@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -58,6 +59,7 @@ class InferenceBackend(abc.ABC):
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
         self.version = -1  # the policy version this server serves, as far as this client knows
+        self.locate: Callable[[], str] | None = None  # where the server listens now (it may move on a restart)
 
     @abc.abstractmethod
     async def wait_ready(self, timeout: float) -> None:
@@ -98,12 +100,20 @@ class InferenceBackend(abc.ABC):
         except httpx.TransportError as e:
             raise BackendError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
 
+    def retarget(self) -> None:
+        """Follow the server to where it listens now (`locate`; a restarted server may have moved off a
+        taken port)."""
+        url = self.locate() if self.locate else self.base_url
+        if url != self.base_url:
+            self.base_url = self.http.base_url = url
+
     async def poll_health(self, timeout: float, path: str = "/health") -> None:
         """Wait until `path` answers 200; transport errors mean the server is still starting."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                r = await self.http.get(path)
+            self.retarget()
+            try:  # a health check answers at once; a listener that does not is not the server
+                r = await self.http.get(path, timeout=httpx.Timeout(5.0, connect=5.0))
                 if r.status_code == 200:
                     return
             except httpx.TransportError:

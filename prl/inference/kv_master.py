@@ -33,8 +33,7 @@ def master_command(addr: MasterAddress, python: str = sys.executable, disk: str 
     the packaged binary: the pid prl supervises is the master's, and any interpreter that imports
     `mooncake` (a host's layered venv too) finds it. `disk`: the pool's disk tier, a folder every
     pool member sees (each put is also written there as a file, and a chunk evicted from memory is
-    read back from it by any server); it is emptied first (`python -m prl.inference.kv_master`),
-    since KV of an earlier run under the same run name and version would match."""
+    read back from it by any server)."""
     master = [python, "-m", "mooncake.cli", f"--rpc_address={addr.host}", f"--rpc_port={addr.rpc_port}",
               "--enable_http_metadata_server=true", f"--http_metadata_server_host={addr.host}",
               f"--http_metadata_server_port={addr.metadata_port}", f"--metrics_host={addr.host}",
@@ -43,27 +42,54 @@ def master_command(addr: MasterAddress, python: str = sys.executable, disk: str 
               # a read leases its object this long (default 10 s): leased objects are not evicted, so a
               # full pool refused puts for 10 s after each read
               "--default_kv_lease_ttl=1000"]
-    if not disk:
-        return master
-    master += [f"--root_fs_dir={disk}"]
-    if disk_gb:
-        master += [f"--global_file_segment_size={int(disk_gb * 2**30)}"]
-    return [python, "-m", "prl.inference.kv_master", "--empty", disk, "--", *master]
+    if disk:
+        master += [f"--root_fs_dir={disk}"] + ([f"--global_file_segment_size={int(disk_gb * 2**30)}"] if disk_gb else [])
+    return master
+
+
+def launch_command(cfg, python: str) -> list[str]:
+    """The `kv-master` role: `python -m prl.inference.kv_master --config CFG`, which settles the ports
+    and the disk tier, then execs `mooncake_master` (same pid)."""
+    return [python, "-m", "prl.inference.kv_master", "--config", cfg.config_path]
+
+
+def address(cfg) -> MasterAddress:
+    """Where the run's master listens: as published on this machine (its ports may have moved off
+    taken ones, `prl.transport.ports`), else as configured."""
+    from prl.transport import ports
+
+    found = ports.lookup(cfg.run_dir, "kv-master")  # published only by a master that picks its ports
+    return MasterAddress(found[0], *found[1]) if found is not None else MasterAddress(**cfg.kv_master)
 
 
 def main(argv: list[str]) -> None:
-    """`--empty DIR -- COMMAND...`: empty DIR (made if missing), then exec COMMAND (same pid)."""
+    """`--config CFG`: pick the master's ports (the last published or configured ones if free, else
+    others; on one machine only), publish them, empty the disk tier (KV of an earlier run under the
+    same name and version would match), then exec `mooncake_master`."""
     import os
     import shutil
     from pathlib import Path
 
-    if len(argv) < 4 or argv[0] != "--empty" or argv[2] != "--":
-        raise SystemExit("usage: python -m prl.inference.kv_master --empty DIR -- COMMAND...")
-    folder = Path(argv[1])
-    folder.mkdir(parents=True, exist_ok=True)
-    for entry in folder.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    os.execvp(argv[3], argv[3:])
+    from prl.recipe.resolve import load_process_config
+    from prl.transport import ports
+
+    if len(argv) != 2 or argv[0] != "--config":
+        raise SystemExit("usage: python -m prl.inference.kv_master --config CFG")
+    cfg = load_process_config(argv[1])
+    addr = address(cfg)
+    if cfg.port_fallback:
+        addr = MasterAddress(addr.host, *ports.pick(addr.host, [addr.rpc_port, addr.metadata_port, addr.metrics_port]))
+        ports.publish(cfg.run_dir, cfg.name, addr.host, [addr.rpc_port, addr.metadata_port, addr.metrics_port])
+    pool = cfg.kv_pool
+    disk = f"{pool.disk_path.rstrip('/')}/{cfg.run.name}" if pool.disk_path else None
+    if disk:
+        folder = Path(disk)
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    command = master_command(addr, sys.executable, disk, pool.disk_gb)
+    print(f"{cfg.name}: master at {addr.master}, metadata {addr.metadata}", flush=True)
+    os.execvp(command[0], command)
 
 
 # What a host needs for the KV pool, run by its Python: the store client imports (it links libibverbs,
@@ -116,16 +142,18 @@ def spawn_master(host: str = "127.0.0.1", disk: str | None = None):
     return proc, addr
 
 
-def wait_for_master(addr: MasterAddress, timeout_s: float) -> None:
-    """Until the master answers its health route (it starts beside the servers)."""
+def wait_for_master(cfg, timeout_s: float) -> MasterAddress:
+    """Until the run's master answers its health route (it starts beside the servers); its address,
+    read again each time (`address`: it may have moved off a taken port)."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not healthy(addr):
+    while not healthy(addr := address(cfg)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the KV pool's master at {addr.master} did not answer {addr.health} within "
                                f"{timeout_s:.0f} s (inference.startup_timeout_s)")
         time.sleep(0.2)
+    return addr
 
 
 def vllm_store_config(addr: MasterAddress, hostname: str, memory_gb: float) -> dict:

@@ -321,11 +321,11 @@ def join_pool(cfg):
     then contribute `memory_gb` of this process's memory."""
     if not cfg.kv_master:
         return None
-    from prl.inference.kv_master import MasterAddress, wait_for_master
+    from prl.inference.kv_master import wait_for_master
     from prl.inference.kv_pool import KvPool
 
-    pool, addr = cfg.inference.kv_pool, MasterAddress(**cfg.kv_master)
-    wait_for_master(addr, cfg.inference.startup_timeout_s)
+    pool = cfg.inference.kv_pool
+    addr = wait_for_master(cfg, cfg.inference.startup_timeout_s)
     kv = KvPool.connect(master=addr.master, metadata=addr.metadata, hostname=cfg.host,
                         segment_bytes=int(pool.memory_gb * 2**30), run=cfg.run.name, chunk_tokens=pool.chunk_tokens,
                         retry_s=pool.retry_s)
@@ -341,6 +341,7 @@ def serve(cfg, log) -> None:
     import uvicorn
 
     from prl.model.build import build_model, load_tokenizer
+    from prl.transport import ports
     from prl.transport.weights import weight_source
 
     inf = cfg.inference
@@ -361,11 +362,14 @@ def serve(cfg, log) -> None:
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.run.name, weight_source(cfg),
                      weights_root=cfg.run_path / "weights")
-    print(f"{cfg.name}: serving on http://{cfg.host}:{cfg.port} (embedded engine, {inf.dtype})", flush=True)
+    sock = ports.bind(cfg.host, cfg.port, cfg.port_fallback)  # its own socket: a taken port is not fatal
+    port = sock.getsockname()[1]
+    ports.publish(cfg.run_dir, cfg.name, cfg.host, port)
+    print(f"{cfg.name}: serving on http://{cfg.host}:{port} (embedded engine, {inf.dtype})", flush=True)
     # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
     # SIGTERM: in-flight generations get 5 s, then are cancelled (and dropped by the engine)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=600,
-                timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600,
+                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
     loop.stop()
     if loop.core.pool is not None:
         loop.core.pool.close()  # leave the pool: the master frees this server's memory at once

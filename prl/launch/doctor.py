@@ -11,6 +11,7 @@ returns the failures as "host: check: detail" lines (empty when all pass).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -87,7 +88,8 @@ def gpu_check(host: Host, h: HostCfg) -> Check:
 
 def port_check(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int]) -> Check:
     """Every port the plan binds on this host is free (SO_REUSEADDR, as the servers set it:
-    a port in TIME_WAIT is free for them)."""
+    a port in TIME_WAIT is free for them); a taken one is named with the process holding it, where
+    `ss` can tell."""
     code = ("import socket, sys\nbusy = []\n"
             f"for p in {sorted(set(ports))!r}:\n"
             "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
@@ -97,7 +99,20 @@ def port_check(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int]) -> Che
             "print(' '.join(map(str, busy))); sys.exit(1 if busy else 0)")
     r = host.run(_py(cfg, code))
     listed = ",".join(map(str, sorted(set(ports))))
-    return Check("port", r.code == 0, f"{listed} free" if r.code == 0 else f"in use: {r.stdout.strip() or r.stderr.strip()}")
+    if r.code == 0:
+        return Check("port", True, f"{listed} free")
+    busy = r.stdout.split()
+    if not busy:
+        return Check("port", False, f"could not check ports {listed}: {r.stderr.strip()[-200:]}")
+    return Check("port", False, "in use: " + ", ".join(f"{h.address}:{p}{holder_on(host, p)}" for p in busy))
+
+
+def holder_on(host: Host, port: str) -> str:
+    """' by pid N (name)' for the process listening on `port` on `host`, as `ss -ltnp` shows it; ''
+    where it cannot be told (no `ss`, another user's process)."""
+    r = host.run(f"ss -ltnpH 'sport = :{int(port)}' 2>/dev/null")
+    m = re.search(r'users:\(\("([^"]+)",pid=(\d+)', r.stdout)
+    return f" by pid {m.group(2)} ({m.group(1)})" if m else ""
 
 
 def reach_check(host: Host, links: list[Link], cfg: ClusterCfg) -> Check:

@@ -32,6 +32,7 @@ from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
 from prl.recipe.load import RecipeError, apply_override, dump_toml, validate
 from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.transport.ports import PORTS
 from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
 from prl.tui.keys import KeyReader
@@ -216,6 +217,7 @@ def start_run(recipe: Recipe, run_dir: Path, console: Console, resume: bool = Fa
         return launch(recipe, run_dir, console, resume)
     configs = resolve(recipe, run_dir, write_secret(run_dir))
     write_configs(configs, run_dir)
+    shutil.rmtree(run_dir / PORTS, ignore_errors=True)  # where an earlier session's processes listened
     return Supervisor(make_plan(configs, run_dir), {"local": LocalHost()}, run_dir)
 
 

@@ -54,11 +54,9 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
     if cfg.role == "trainer":
         return trainer_command(cfg, python)
     if cfg.role == "kv_master":
-        from prl.inference.kv_master import MasterAddress, master_command
+        from prl.inference.kv_master import launch_command
 
-        pool = cfg.kv_pool
-        disk = f"{pool.disk_path.rstrip('/')}/{cfg.run.name}" if pool.disk_path else None
-        return master_command(MasterAddress(**cfg.kv_master), python, disk=disk, disk_gb=pool.disk_gb)
+        return launch_command(cfg, python)
     if cfg.role == "inference":
         command = registry.get(cfg.inference.backend).launch_command(cfg, python)
         if command is not None:

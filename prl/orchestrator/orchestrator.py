@@ -25,6 +25,7 @@ from prl.orchestrator.servers import ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
 from prl.recipe.roles import OrchestratorConfig
+from prl.transport import ports
 from prl.transport.batch import Sample, TrainBatch, pack
 from prl.transport.trainer_client import TrainerClient
 
@@ -61,10 +62,10 @@ class Orchestrator:
         self.env = make_env(cfg, self.tokenizer)
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.changed = asyncio.Condition()
-        self.pool = ServerPool([self.backend(u) for u in cfg.servers], self.log, self.changed, r.run.hang_timeout_s,
+        self.pool = ServerPool([self.backend(i, u) for i, u in enumerate(cfg.servers)], self.log, self.changed, r.run.hang_timeout_s,
                                cfg.startup_timeout_s, prefill=cfg.prefill_servers)
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
-                                     on_hang=self.trainer_hung)
+                                     on_hang=self.trainer_hung, locate=self.locator("trainer", cfg.trainer_url))
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
@@ -74,9 +75,18 @@ class Orchestrator:
         self.tasks: list[asyncio.Task] = []
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
-    def backend(self, url: str) -> InferenceBackend:
+    def backend(self, index: int, url: str) -> InferenceBackend:
         spec, conns = registry.get(self.cfg.backend), self.rl.max_inflight_rollouts + 8
-        return spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
+        client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
+        client.locate = self.locator(f"inference-{index}", url)
+        return client
+
+    def locator(self, name: str, url: str):
+        """On one machine a process publishes where it listens (`prl.transport.ports`); None on a
+        cluster, where ports are configured."""
+        if not self.cfg.port_fallback:
+            return None
+        return lambda: ports.url_of(self.cfg.run_dir, name, url)
 
     def trainer_hung(self, cause: str) -> None:
         self.log.emit("unresponsive", name="trainer", cause=cause[:300])

@@ -139,9 +139,10 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
     lay = Layout(recipe, Path(run_dir))
     env = recipe.cluster.env if recipe.cluster is not None else {}
 
-    def common(pl: Place) -> dict:
+    def common(pl: Place, picked: bool = True) -> dict:
         secret = str(secret_file) if secret_file is not None and pl.node == LOCAL else f"{pl.run_dir}/secret"
-        return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, env=env)
+        return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, env=env,
+                    port_fallback=picked and pl.node == LOCAL)
 
     trainers = trainer_configs(recipe, lay, common)
     trainer_url = f"http://{trainers[0].host}:{trainers[0].port}"
@@ -175,7 +176,7 @@ def server_configs(recipe: Recipe, lay: Layout, common, trainer_url: str) -> lis
             keep_weights=recipe.trainer.keep_weights, trainer_url=trainer_url,
             weight_transfer=recipe.cluster.weight_transfer if recipe.cluster is not None else "http",
             shares_trainer_fs=pl.node == lay.first.node, threads=inf.threads,
-            gpus=list(range(k * per, (k + 1) * per)) if pl.gpus else [], **common(pl),
+            gpus=list(range(k * per, (k + 1) * per)) if pl.gpus else [], **common(pl, picked=not inf.port),
         ))
     return out
 
@@ -188,7 +189,7 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
         backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
         router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
-        data_parallel=par.data_parallel(recipe.trainer_world()),
+        data_parallel=par.dims(recipe.trainer_world()).dp_size,
         micro_batch_tokens=recipe.trainer.micro_batch_tokens, **common(lay.orchestrator),
     )
 
@@ -202,7 +203,7 @@ def kv_master_configs(recipe: Recipe, lay: Layout, common, servers: list[ServerC
     for s in servers:
         s.kv_master = addr
     return [KvMasterConfig(name="kv-master", host=pl.address, port=ports[0], kv_pool=recipe.inference.kv_pool,
-                           kv_master=addr, **common(pl))]
+                           kv_master=addr, **common(pl, picked=not recipe.inference.kv_pool.port))]
 
 
 def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:

@@ -41,6 +41,9 @@ class RoleConfig(BaseModel):
     run: RunCfg
     host: str = "127.0.0.1"  # the address it binds (listening roles)
     port: int = 0
+    # one machine, port chosen by prl: bind another free port if this one is taken, and publish
+    # the port got in RUN_DIR/ports (prl.transport.ports); configured ports are used as given
+    port_fallback: bool = False
     index: int = 0
     node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
     threads: int = 1  # OMP threads

@@ -23,8 +23,7 @@ from prl.model.fp8 import apply_fp8
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.model.routing import Replay, routers
-from prl.backends import registry
-from prl.recipe.resolve import ProcessConfig
+from prl.recipe.roles import TrainerConfig
 from prl.tasks import make_task
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
@@ -67,8 +66,8 @@ def vocab_size(model_dir) -> int | None:
 
 
 class Trainer:
-    def __init__(self, cfg: ProcessConfig):
-        self.cfg, r = cfg, cfg.recipe
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg, r = cfg, cfg
         self.tcfg, self.rl = r.trainer, r.rl
         self.run_dir = cfg.run_path
         self.temperature = r.sampling.temperature or 1.0
@@ -90,7 +89,8 @@ class Trainer:
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
                                             world=self.dims.dp_size,
-                                            vocab_size=vocab_size(self.cfg.model_dir)).start()
+                                            vocab_size=vocab_size(self.cfg.model_dir), fallback=self.cfg.port_fallback,
+                                            name="trainer").start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import build_model, load_tokenizer
@@ -99,13 +99,13 @@ class Trainer:
         # a pretrained folder is read shard by shard into a meta-built model (no rank holds it whole);
         # FP8 quantises full weights at install, so it keeps the whole-model path for now
         sharded = has_weights(self.cfg.model_dir) and not self.tcfg.fp8
-        model = meta_model(self.cfg.model_dir) if sharded else build_model(self.cfg.model_dir, seed=self.cfg.recipe.run.seed).to(self.device)
+        model = meta_model(self.cfg.model_dir) if sharded else build_model(self.cfg.model_dir, seed=self.cfg.run.seed).to(self.device)
         self.replay = Replay(model, replay=self.tcfg.router_replay) if routers(model) else None
         self.fp8_names = None
         if self.tcfg.fp8:
             report = apply_fp8(model)
             self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(report["fp8"]), kept=report["kept"])
-            if self.cfg.recipe.inference.fp8:  # the engine takes FP8 weights as published: half the bytes
+            if self.cfg.publish_fp8:  # the engine takes FP8 weights as published: half the bytes
                 self.fp8_names = tensor_names(report["fp8"])
         self.par = Parallel(model, self.dims.build_meshes(self.device.type), self.tcfg)
         self.model = self.par.model
@@ -155,12 +155,12 @@ class Trainer:
             self.endpoint.stop()
 
     def warm_start(self) -> None:
-        sft = self.cfg.recipe.sft
-        steps = sft.steps_for(self.cfg.recipe.model)
+        sft = self.cfg.sft
+        steps = sft.steps_for(self.cfg.model)
         if not steps:
             return
         opt, sched = self.make_optimizer(sft.lr, steps)
-        task = make_task(self.cfg.recipe.task, self.cfg.recipe.run.seed + SFT_SEED_OFFSET)
+        task = make_task(self.cfg.task, self.cfg.run.seed + SFT_SEED_OFFSET)
         for step in range(steps):
             t0 = time.perf_counter()
             samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
@@ -239,12 +239,12 @@ class Trainer:
 
     def publish(self, version: int) -> None:
         publish(self.model, self.sink, version, self.fp8_names,
-                hf_format=registry.get(self.cfg.recipe.inference.backend).publish_format == "hf")
+                hf_format=self.cfg.publish_format == "hf")
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
-                                                      shared=bool(self.cfg.recipe.shared_checkpoints())))
+                                                      shared=bool(self.cfg.shared_checkpoints)))
         if path:
             self.log_main("checkpoint", step=step, path=str(path))
         if self.endpoint:  # batches before a checkpoint are never replayed: drop them (base first: /resume

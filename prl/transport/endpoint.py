@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from prl.model.weights import MANIFEST, published_versions, version_dir
+from prl.transport import ports
 from prl.transport.batch import BadBatch, load_batch
 from prl.transport.rollouts import FilesystemRolloutTransport
 
@@ -40,8 +41,10 @@ MAX_WAIT_S = 30.0
 
 class TrainerEndpoint:
     def __init__(self, run_dir: Path, secret: str, host: str, port: int, world: int | None = None,
-                 vocab_size: int | None = None):
-        """`world`, `vocab_size`: what an arriving batch is checked against (None: not checked)."""
+                 vocab_size: int | None = None, fallback: bool = False, name: str | None = None):
+        """`world`, `vocab_size`: what an arriving batch is checked against (None: not checked).
+        `fallback`: another free port when `port` is taken; `name`: publish the port got under this
+        name in the run directory (`prl.transport.ports`)."""
         self.inbox = FilesystemRolloutTransport(Path(run_dir) / "rollouts")
         self.world, self.vocab_size = world, vocab_size
         self.weights_root = Path(run_dir) / "weights"
@@ -53,8 +56,12 @@ class TrainerEndpoint:
         class Handler(_Handler):
             ep = endpoint
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
+        self.server.socket.close()
+        self.server.socket = ports.bind(host, port, fallback)
+        self.server.server_address = self.server.socket.getsockname()
         self.server.daemon_threads = True
+        self.run_dir, self.name, self.host = Path(run_dir), name, host
         self.thread = threading.Thread(target=self.server.serve_forever, name="trainer-endpoint", daemon=True)
 
     @property
@@ -63,6 +70,8 @@ class TrainerEndpoint:
 
     def start(self) -> TrainerEndpoint:
         self.thread.start()
+        if self.name:
+            ports.publish(self.run_dir, self.name, self.host, self.port)
         return self
 
     def stop(self) -> None:

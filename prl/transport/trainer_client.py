@@ -25,8 +25,10 @@ class TrainerUnreachable(RuntimeError):
 
 class TrainerClient:
     def __init__(self, base_url: str, secret: str, deadline_s: float = 600.0, hang_timeout_s: float = 120.0,
-                 on_hang: Callable[[str], None] | None = None):
-        self.base_url = base_url
+                 on_hang: Callable[[str], None] | None = None, locate: Callable[[], str] | None = None):
+        """`locate`: where the endpoint listens now, asked again after a failed connection (a restarted
+        trainer may have moved off a taken port)."""
+        self.base_url, self.locate = base_url, locate
         self.deadline_s, self.hang_timeout_s, self.on_hang = deadline_s, hang_timeout_s, on_hang
         self.hung = False  # reported, until the endpoint answers again
         self.http = httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
@@ -47,6 +49,9 @@ class TrainerClient:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
+                if self.locate and self.locate() != self.base_url:  # it moved: not a hang, ask there now
+                    self.base_url = self.http.base_url = self.locate()
+                    continue
                 if isinstance(e, httpx.TimeoutException) and not self.hung and self.on_hang:
                     self.hung = True
                     self.on_hang(f"trainer endpoint {self.base_url}{path} answered nothing: {last}")

@@ -100,9 +100,24 @@ def main(argv: list[str]) -> None:
     env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
     if cfg.kv_master:
         env.update(join_pool(cfg))
-    command = argv[3:]
+    command = settle_port(cfg, argv[3:])
     print(f"{cfg.name}: exec {' '.join(command)}", flush=True)
     os.execvpe(command[0], command, env)
+
+
+def settle_port(cfg: ServerConfig, command: list[str]) -> list[str]:
+    """On one machine, the port vLLM will bind: the given one if free now, else one the OS picks
+    (`--port` rewritten), published for the orchestrator. vLLM binds it itself, so a race lost after
+    this probe fails the start, and the restart probes again (never the same taken port)."""
+    from prl.transport import ports
+
+    if not cfg.port_fallback:
+        return command
+    found = ports.lookup(cfg.run_dir, cfg.name)  # a restart first tries the port it had
+    port = ports.pick(cfg.host, [found[1][0] if found else cfg.port])[0]
+    i = command.index("--port")
+    ports.publish(cfg.run_dir, cfg.name, cfg.host, port)
+    return [*command[:i + 1], str(port), *command[i + 2:]]
 
 
 def join_pool(cfg: ServerConfig) -> dict[str, str]:
@@ -110,10 +125,9 @@ def join_pool(cfg: ServerConfig) -> dict[str, str]:
     the environment that points it there."""
     from pathlib import Path
 
-    from prl.inference.kv_master import MasterAddress, vllm_store_config, wait_for_master
+    from prl.inference.kv_master import vllm_store_config, wait_for_master
 
-    addr = MasterAddress(**cfg.kv_master)
-    wait_for_master(addr, cfg.inference.startup_timeout_s)
+    addr = wait_for_master(cfg, cfg.inference.startup_timeout_s)
     path = Path(cfg.run_dir) / "config" / f"{cfg.name}-mooncake.json"
     path.write_text(json.dumps(vllm_store_config(addr, cfg.host, cfg.inference.kv_pool.memory_gb)))
     print(f"{cfg.name}: KV pool at {addr.master} ({path})", flush=True)

@@ -152,8 +152,6 @@ def repack_cpu_experts(model) -> int:
     the new raw weights into the same storage but runs that hook only on the first load, so the
     kernel then reads raw weights as if packed (wrong outputs, found by prl's logprob test). Re-run
     the hook after every reload on CPU; a MoE layer of an unknown shape fails loudly."""
-    from vllm.platforms import current_platform
-
     import vllm
     from vllm.platforms import current_platform
 

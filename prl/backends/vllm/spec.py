@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from prl.backends.registry import BackendSpec
+from prl.model.families import FAMILIES
 
 # vLLM arguments prl sets itself (`prl.backends.vllm.launch`): the recipe key that controls each
 OWN_ARGS = {
@@ -84,9 +85,10 @@ def cpu_refusal(recipe, folder) -> str | None:
         return (f"model.head_dim = {head_dim} on inference.backend = 'vllm' without a GPU: vLLM's CPU attention "
                 f"kernel supports head sizes {list(CPU_HEAD_DIMS)} only (its engine dies on the first request "
                 f"otherwise); use head_dim = 32")
-    if model_type == "glm_moe_dsa":
-        return ("model: GLM-5 (glm_moe_dsa) on inference.backend = 'vllm' needs GPU servers: vLLM's CPU build has no "
-                "sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
+    family = FAMILIES.get(model_type)
+    if family is not None and family.sparse_attention:
+        return (f"model: {model_type} on inference.backend = 'vllm' needs GPU servers: vLLM's CPU build has no "
+                f"sparse (DSA) attention; use arch = 'qwen3_moe' or the embedded engine")
     return None
 
 
