@@ -6,11 +6,14 @@ Rules this module guarantees:
 - a new policy is applied between two decode steps, whole: `stage_weights` takes an already
   validated state dict, and `step` copies it in before the next forward; running requests keep
   their KV cache and continue under the new weights;
-- a prompt's KV prefix is reused only under the version that computed it (cache salt = version).
+- KV is reused only under the version that computed it (cache salt = version): a prompt reuses the
+  longest prefix (prompt and generated tokens of earlier requests, `prl.inference.prefix_cache`)
+  computed under the version it starts under, and computes only the rest; a sequence whose KV spans a
+  weight load is never kept for reuse.
 
 `EngineCore` is synchronous and single-threaded; `prl.inference.loop.EngineLoop` runs it on a
 thread and `prl.inference.server` puts HTTP in front of it.
-Simplified: prefill runs one request at a time (B=1), and the prefix cache reuses exact prompts.
+Simplified: prefill runs one request at a time (B=1).
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from prl.inference.kv_pool import fill_cache
-from prl.inference.kvcache import BatchCache, clone_cache
+from prl.inference.kvcache import BatchCache, clone_cache, narrow_cache
+from prl.inference.prefix_cache import Entry, Hit, PrefixCache
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Sequence:
     pooled: tuple[int, int] = (0, 0)  # (weights version, prompt tokens) its prefill left in the KV pool
     prompt_routing: torch.Tensor | None = None  # [prompt tokens, MoE layers, k] when capturing
     routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
+    kv_version: int | None = None  # the weights version its prefill ran under
+    prefix_entry: Entry | None = None  # the prefix-cache entry its KV extends (replaced when it finishes)
 
     def completion_routing(self) -> torch.Tensor | None:
         """Routing of the completion tokens fed back as inputs (all but the last)."""
@@ -73,15 +79,16 @@ class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens actually computed (prefix-cache misses)
-    prefix_hits: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (not from the prefix cache or the KV pool)
+    prefix_hits: int = 0  # prefills that reused KV from the local prefix cache (any length)
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the local prefix cache
     weight_loads: int = 0
     busy_s: float = 0.0
 
 
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
-                 capture_routing: bool = False, pool=None):
+                 capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None):
         self.model = model.eval()
         self.pool = pool  # prl.inference.kv_pool.KvPool: prompt KV shared with the run's other servers
         self.template = None  # an empty cache of this model's layer types (from the first prefill)
@@ -99,7 +106,7 @@ class EngineCore:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.batch = BatchCache()
-        self.prefix: OrderedDict[tuple, tuple] = OrderedDict()
+        self.prefix = PrefixCache(prefix_cache_entries, prefix_cache_tokens)  # entries, and tokens held (None: any)
         self.rng = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
         self._staged: tuple[Policy, threading.Event] | None = None
@@ -143,6 +150,7 @@ class EngineCore:
             self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
         for seq in finished:
+            seq.prefix_entry = None  # do not pin an entry's KV beyond the request
             if seq.on_done:
                 seq.on_done(seq)
         return finished
@@ -193,39 +201,53 @@ class EngineCore:
         return finished
 
     def _prefill(self, seq: Sequence):
-        """KV cache and last-position logits for the prompt, from the prefix cache when possible."""
-        seq.length = len(seq.prompt_ids)
+        """KV cache and last-position logits for the prompt: the longest prefix that the prefix cache
+        (or, when longer, the KV pool) holds under this version is reused, only the rest computed."""
+        seq.length, seq.kv_version = len(seq.prompt_ids), self.version
         self.stats.prompt_tokens += seq.length
-        key = (self.version, tuple(seq.prompt_ids))
-        if key in self.prefix and not seq.prefill_only:  # a prefill-only prompt is for the pool: put it
-            self.prefix.move_to_end(key)
-            self.stats.prefix_hits += 1
-            cache, logits, seq.prompt_routing = self.prefix[key]
-            return clone_cache(cache), logits
-        out, routing, pooled = self._forward_prompt(seq.prompt_ids)
+        ids = tuple(seq.prompt_ids)
+        hit = None if seq.prefill_only else self.prefix.lookup(self.version, ids)  # prefill-only: all for the pool
+        if hit is not None and hit.logits is not None:  # the whole prompt, with its last logits
+            self._count_hit(hit.tokens)
+            seq.prompt_routing = None if hit.entry.routing is None else hit.entry.routing[: seq.length]
+            seq.prefix_entry = hit.entry if len(hit.entry.ids) == seq.length else None
+            return narrow_cache(hit.entry.cache, seq.length), hit.logits
+        done, cache, before, pooled = self._start(seq.prompt_ids, hit)
+        if done and not pooled:
+            self._count_hit(done)
+        out, seq.prompt_routing = self._forward_prompt(seq.prompt_ids, done, cache, before)
         logits = out.logits[0, -1].float().cpu()
-        seq.prompt_routing = routing
-        self.stats.prefill_tokens += seq.length - pooled * (self.pool.chunk if self.pool else 0)
-        if self.pool is not None:
-            stored = self.pool.put(self.version, seq.prompt_ids, out.cache, routing, skip=pooled, wait=seq.prefill_only)
-            loadable = (seq.length - 1) // self.pool.chunk  # a lookup leaves the last token to compute
-            seq.pooled = (self.version, min(stored, loadable) * self.pool.chunk)
-        if self.prefix_cache_entries:
-            self.prefix[key] = (clone_cache(out.cache), logits, seq.prompt_routing)
-            if len(self.prefix) > self.prefix_cache_entries:
-                self.prefix.popitem(last=False)
+        self.stats.prefill_tokens += seq.length - done
+        offered = self._put_in_pool(seq, out.cache, pooled, hit if done and not pooled else None)
+        self._remember_prompt(seq, ids, out.cache, logits, offered, hit)
         return out.cache, logits
 
-    def _forward_prompt(self, prompt: list[int]):
-        """The prompt's forward (model output with `.cache`), its routing, and how many of its
-        chunks came from the KV pool (their KV loaded, only the rest computed)."""
-        chunks = self.pool.fetch(self.version, prompt) if self.pool is not None and self.template is not None else []
-        cache, routing_before = fill_cache(self.template, chunks, self.device) if chunks else (None, None)
-        if chunks and self.capture is not None and routing_before is None:
-            chunks, cache = [], None  # pooled by a server that did not capture routing: compute it all
-        done = len(chunks) * self.pool.chunk if chunks else 0
-        if done:
-            self.pool.stats.hit_tokens += done
+    def _count_hit(self, tokens: int) -> None:
+        self.stats.prefix_hits += 1
+        self.stats.prefix_hit_tokens += tokens
+
+    def _start(self, prompt: list[int], hit: Hit | None):
+        """Where the prompt's forward starts: (tokens reused, their cache, their routing, KV-pool chunks
+        used). The pool is asked only when its full chunks could cover more than the local hit."""
+        done = hit.tokens if hit is not None else 0
+        if done and self.capture is not None and hit.entry.routing is None:
+            done = 0  # cannot give the prefix's routing (R3): compute it
+        local = (done, narrow_cache(hit.entry.cache, done) if done else None,
+                 hit.entry.routing[:done] if done and hit.entry.routing is not None else None, 0)
+        if self.pool is None or self.template is None or (len(prompt) - 1) // self.pool.chunk * self.pool.chunk <= done:
+            return local
+        chunks = self.pool.fetch(self.version, prompt)
+        if len(chunks) * self.pool.chunk <= done:
+            return local
+        cache, routing = fill_cache(self.template, chunks, self.device)
+        if self.capture is not None and routing is None:
+            return local  # pooled by a server that did not capture routing
+        self.pool.stats.hit_tokens += len(chunks) * self.pool.chunk
+        return len(chunks) * self.pool.chunk, cache, routing, len(chunks)
+
+    def _forward_prompt(self, prompt: list[int], done: int, cache, before: torch.Tensor | None):
+        """The forward of `prompt[done:]` after `cache` (the KV of `prompt[:done]`, whose routing is
+        `before`): the model output with `.cache` (the whole prompt's), and the whole prompt's routing."""
         ids = torch.tensor([prompt[done:]], device=self.device)
         if done:
             pos = torch.arange(done, len(prompt), device=self.device)[None]
@@ -237,8 +259,33 @@ class EngineCore:
             self.template = empty_like_cache(out.cache)
         routing = self.capture.take() if self.capture else None
         if routing is not None and done:
-            routing = torch.cat([routing_before, routing])
-        return out, routing, len(chunks)
+            routing = torch.cat([before, routing])
+        return out, routing
+
+    def _put_in_pool(self, seq: Sequence, cache, pooled: int, local: Hit | None) -> int:
+        """Offer the prompt's full chunks to the KV pool, but those it came with (from the pool, or
+        from a local entry that offered them already); the prompt tokens now offered."""
+        if self.pool is None:
+            return 0
+        chunk = self.pool.chunk
+        skip = max(pooled, min(local.tokens, local.entry.pooled) // chunk if local else 0)
+        stored = self.pool.put(self.version, seq.prompt_ids, cache, seq.prompt_routing, skip=skip,
+                               wait=seq.prefill_only)
+        loadable = (seq.length - 1) // chunk  # a lookup leaves the last token to compute
+        seq.pooled = (self.version, min(stored, loadable) * chunk)
+        return seq.length // chunk * chunk if self.pool.usable() else skip * chunk
+
+    def _remember_prompt(self, seq: Sequence, ids: tuple[int, ...], cache, logits, offered: int,
+                         hit: Hit | None) -> None:
+        """Keep the prompt's KV and last logits; an entry it wholly extends goes. When an entry already
+        holds the whole prompt (only its last token was computed), it just learns the logits."""
+        if hit is not None and hit.shared >= len(ids):
+            self.prefix.add_logits(hit.entry, len(ids), logits)
+            seq.prefix_entry = hit.entry if len(hit.entry.ids) == len(ids) else None
+            return
+        extends = hit.entry if hit is not None and hit.tokens == len(hit.entry.ids) else None
+        seq.prefix_entry = self.prefix.insert(self.version, ids, clone_cache(cache), seq.prompt_routing,
+                                              {len(ids): logits}, pooled=offered, replaces=extends)
 
     def _decode(self) -> list[Sequence]:
         ids = torch.tensor([[s.pending] for s in self.running], device=self.device)
@@ -263,9 +310,26 @@ class EngineCore:
         keep = [i for i, s in enumerate(self.running) if not s.finish_reason]
         finished = [s for s in self.running if s.finish_reason]
         if finished:
+            self._remember_finished([i for i, s in enumerate(self.running) if s.finish_reason])
             self.batch.keep(keep)
             self.running = [self.running[i] for i in keep]
         return finished
+
+    def _remember_finished(self, rows: list[int]) -> None:
+        """Keep the KV of finished sequences (prompt and generated tokens, all but the last sampled one,
+        never fed back) for a next turn to extend; each replaces the entry its KV extended. A sequence
+        whose KV spans a weight load is not kept: its prefix was computed under an older version."""
+        if self.prefix.max_entries <= 0:
+            return
+        for i in rows:
+            s = self.running[i]
+            if s.kv_version != self.version:
+                continue
+            ids = tuple(s.prompt_ids) + tuple(s.out_ids[: s.length - len(s.prompt_ids)])
+            routing = None if s.prompt_routing is None else torch.cat([s.prompt_routing, s.completion_routing()])
+            prev = s.prefix_entry
+            self.prefix.insert(self.version, ids, self.batch.row(i, s.length), routing,
+                               pooled=prev.pooled if prev is not None else 0, replaces=prev)
 
     def _emit(self, seq: Sequence, tok: int, lp: float) -> None:
         seq.out_ids.append(tok)

@@ -97,6 +97,30 @@ class BatchCache:
         """Record that a decode step appended one real token to every row."""
         self.mask = self.step_mask()
 
+    def row(self, i: int, n: int):
+        """A batch-1 cache holding row `i`'s last `n` tokens (its real ones: rows are right-aligned),
+        copied out, so the prefix cache keeps a finished sequence's KV without pinning the batch's."""
+        new = clone_cache(self.cache)
+        for layer in new.layers:
+            for attr, dim in layer_tensors(layer):
+                t = getattr(layer, attr)
+                d = dim % t.dim()
+                setattr(layer, attr, t[i : i + 1].narrow(d, t.shape[d] - n, n).clone())
+        return new
+
+
+def narrow_cache(cache, n: int):
+    """A new cache object viewing the first `n` tokens of `cache` (a longest-prefix reuse).
+
+    Views are safe for the same reason as in `clone_cache`: nothing grows a cache tensor in place."""
+    new = clone_cache(cache)
+    for layer in new.layers:
+        for attr, dim in layer_tensors(layer):
+            t = getattr(layer, attr)
+            if t.shape[dim] != n:
+                setattr(layer, attr, t.narrow(dim % t.dim(), 0, n))
+    return new
+
 
 def clone_cache(cache):
     """A new cache object sharing the (never mutated in place) tensors of `cache`.
