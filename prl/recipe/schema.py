@@ -74,13 +74,24 @@ class ModelCfg(Section):
 
 
 class TaskCfg(Section):
-    """Built-in task by name, or user functions as `module:function`."""
+    """Built-in task by name, a reasoning-gym task as `reasoning_gym:<name>` (the `envs` extra; the
+    name and options are checked when `prl run` imports the task), or user functions as `module:function`."""
 
-    name: Literal["reverse", "sort", "add", "custom"] = "reverse"
+    name: str = "reverse"  # reverse | sort | add | custom | reasoning_gym:<name>
     dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
     reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
-    min_len: int = Field(3, gt=0)
+    min_len: int = Field(3, gt=0)  # built-in tasks only
     max_len: int = Field(8, gt=0)
+    options: dict[str, Any] = {}  # reasoning_gym tasks: the dataset's config, e.g. { size = 500, min_digits = 2 }
+
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, v: str) -> str:
+        """Built-ins by name; `reasoning_gym:<name>` by shape only (importing reasoning-gym takes seconds)."""
+        rg = v.partition(":")[2] if v.startswith("reasoning_gym:") else None
+        if v in ("reverse", "sort", "add", "custom") or (rg and rg.replace("_", "a").isalnum() and rg.isascii()):
+            return v
+        raise ValueError(f"task.name = {v!r}: one of reverse, sort, add, custom, or reasoning_gym:<name>")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -88,6 +99,8 @@ class TaskCfg(Section):
             raise ValueError(f"task.min_len ({self.min_len}) must be <= task.max_len ({self.max_len})")
         if self.name == "custom" and not (self.dataset and self.reward):
             raise ValueError("task.name = 'custom' needs task.dataset and task.reward as 'module:function'")
+        if self.options and not self.name.startswith("reasoning_gym:"):
+            raise ValueError(f"task.options is for reasoning_gym tasks; task.name = {self.name!r} has none")
         return self
 
 

@@ -1,5 +1,6 @@
 """Tasks: a dataset function (index -> {"prompt", "answer", ...}) and a reward function
-(completion text, example -> float in [0, 1]). Built-ins by name, user tasks by `module:function`."""
+(completion text, example -> float in [0, 1]). Built-ins by name, reasoning-gym's tasks as
+`reasoning_gym:<name>` (`prl.tasks.reasoning_gym`), user tasks by `module:function`."""
 
 from __future__ import annotations
 
@@ -38,7 +39,13 @@ def import_function(spec: str, key: str) -> Callable:
 
 
 def make_task(cfg: TaskCfg, seed: int) -> Task:
+    """The recipe's task; a ValueError naming the key when a function, a reasoning-gym task or its
+    options cannot be used (`prl run` turns it into a refusal before anything starts)."""
     dataset, reward = BUILTIN.get(cfg.name, (None, None))
+    if cfg.name.startswith("reasoning_gym:"):
+        from prl.tasks.reasoning_gym import reasoning_gym_task
+
+        dataset, reward = reasoning_gym_task(cfg.name.partition(":")[2], cfg.options)
     if cfg.dataset:
         dataset = import_function(cfg.dataset, "task.dataset")
     if cfg.reward:
