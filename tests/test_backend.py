@@ -165,3 +165,66 @@ def test_staging_runs_off_the_caller_and_reports_through_status_files(tmp_path):
     assert read_status(tmp_path, 3) == {"state": "failed", "error": "ValueError: v3: non-finite values in lm_head.weight"}
     with pytest.raises(ValueError, match="non-finite"):
         ranks[0].result(3)
+
+
+# ---- fault paths of the vLLM client against a stand-in server (tests/fake_vllm.py) ----
+
+def pool_on(fake, tmp_path):
+    from prl.metrics import EventLog
+    from prl.orchestrator.servers import ServerPool
+
+    backend = VllmBackend(fake.url, "s")
+    return ServerPool([backend], EventLog(tmp_path / "metrics.jsonl", "orchestrator"), asyncio.Condition(),
+                      hang_timeout_s=5.0)
+
+
+def pool_events(tmp_path, kind: str) -> list[dict]:
+    from prl.metrics import read_events
+
+    return [e for e in read_events(tmp_path / "metrics.jsonl")[0] if e["kind"] == kind]
+
+
+async def load_then_rejoin(fake, tmp_path, after_load=lambda: None) -> None:
+    """Load v1 on the one server of a pool, which must not raise (the run goes on); the server must be
+    down and reported for a restart (`after_load` checks the server meanwhile); then, restarted
+    (fresh and healthy), it rejoins serving v1."""
+    pool = pool_on(fake, tmp_path)
+    try:
+        await pool.start(30)
+        await pool.load_all(1)
+        server = pool.servers[0]
+        assert not server.up, "a server left paused must not take requests"
+        restart = pool_events(tmp_path, "unresponsive")
+        assert [e["name"] for e in restart] == ["inference-0"], "the driver must be asked to restart it"
+        after_load()
+        fake.fresh()  # the driver restarted it
+        await pool.rejoin(server)
+        assert server.up and server.backend.version == 1 and fake.weight_version == "v1" and not fake.paused
+    finally:
+        for s in pool.servers:
+            await s.backend.close()
+
+
+def test_a_server_that_does_not_resume_is_down_and_restarted(tmp_path):
+    """After loading v1, `/resume` fails: the server stays paused, so it is down (not serving v1 as
+    far as the orchestrator knows), the driver is asked to restart it, and it rejoins with v1."""
+    from fake_vllm import FakeVllm
+
+    with FakeVllm(refuse_resume=True) as fake:
+        asyncio.run(load_then_rejoin(fake, tmp_path))
+        assert "/update_weights:load" in fake.calls and "/resume" in fake.calls
+    assert "/resume" in pool_events(tmp_path, "unresponsive")[0]["cause"]
+
+
+def test_a_load_that_fails_after_it_began_takes_the_server_out_and_the_run_goes_on(tmp_path):
+    """vLLM's layerwise reload fails half way: the model may be half-loaded, so the server is never
+    resumed (it stays paused: nothing is served from it), it is taken out and restarted, and the run
+    goes on (load_all does not raise); the restarted server rejoins with the served version."""
+    from fake_vllm import FakeVllm
+
+    def never_resumed():
+        after = fake.calls[fake.calls.index("/update_weights:load") + 1:]
+        assert "/resume" not in after and fake.paused, "a half-loaded model must never be resumed"
+
+    with FakeVllm(fail_load=True) as fake:
+        asyncio.run(load_then_rejoin(fake, tmp_path, never_resumed))

@@ -7,7 +7,14 @@ Rules every backend keeps:
 - `load_weights(v)` is an in-flight update: running requests keep their KV and continue under v;
   requests started after it never reuse prefix KV computed under an older version; a rejected
   version raises `WeightsRejected` and the old one keeps serving;
-- a server that died or stopped answering raises `BackendError` naming it, never hangs.
+- a server that died or stopped answering raises `BackendError` naming it, never hangs; one left in a
+  state only a restart fixes (paused by a failed weight load or `/resume`) raises `ServerStuck`;
+- a request is sent again only when it cannot have reached the server (connection refused, connect
+  timeout), or when repeating it is harmless (`repeatable`: a generation whose connection broke is
+  dropped by the server; never after a read timeout, when the first may still be running);
+- a generation has a deadline: `GENERATE_FLOOR_S` plus `GENERATE_SLACK` times its `max_tokens` at
+  the slowest seconds per token of this server's recent generations; past it the request is
+  cancelled, which closes its connection, and the server drops the generation.
 
 Backends are registered in `prl.backends.registry` (client class, launch command, publish format,
 refusals, doctor checks); `prl.backends.registry.make_backend(kind, ...)` makes a client.
@@ -47,6 +54,35 @@ class WeightsRejected(BackendError):
     """A server refused a weights version; it keeps serving the version it had."""
 
 
+class ServerStuck(BackendError):
+    """A server that answers but will not serve again until it is restarted (left paused after a
+    weight load failed half way, or after `/resume` failed): take it out and restart it."""
+
+
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the request never left the client
+BROKEN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # the connection broke under the request
+GENERATE_FLOOR_S = 60.0
+GENERATE_SLACK = 4.0
+UNMEASURED_S = 600.0  # a server's first generations, before any pace is known
+
+
+class Pace:
+    """Seconds per generated token of a server's recent generations (a request's wall time, queueing
+    included, over its longest completion), and the deadline a new generation gets from it."""
+
+    def __init__(self, floor_s: float = GENERATE_FLOOR_S, slack: float = GENERATE_SLACK, window: int = 64):
+        self.floor_s, self.slack, self.window = floor_s, slack, window
+        self.recent: list[float] = []
+
+    def record(self, seconds: float, tokens: int) -> None:
+        self.recent = [*self.recent, seconds / max(tokens, 1)][-self.window:]
+
+    def deadline(self, max_tokens: int) -> float:
+        if not self.recent:
+            return max(UNMEASURED_S, self.floor_s)
+        return self.floor_s + self.slack * max_tokens * max(self.recent)
+
+
 class InferenceBackend(abc.ABC):
     """One inference server, reached over HTTP with the run's bearer secret."""
 
@@ -56,17 +92,41 @@ class InferenceBackend(abc.ABC):
             base_url=base_url,
             headers={"Authorization": f"Bearer {secret}"},
             timeout=httpx.Timeout(600.0, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # idle connections are dropped before a server's keep-alive timeout (uvicorn's 5 s) would close
+            # one under a new request: a request on a connection that broke is not sent again
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=2.0),
         )
         self.version = -1  # the policy version this server serves, as far as this client knows
         self.locate: Callable[[], str] | None = None  # where the server listens now (it may move on a restart)
+        self.pace = Pace()
 
     @abc.abstractmethod
     async def wait_ready(self, timeout: float) -> None:
         """Return once the server answers requests (raise `BackendError` after `timeout`)."""
 
+    generate_path = "/generate"
+
     @abc.abstractmethod
-    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+    def generate_body(self, req: GenerateRequest) -> dict: ...
+
+    @abc.abstractmethod
+    def parse_generate(self, r: httpx.Response, req: GenerateRequest) -> GenerateResponse: ...
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        """One generation, within its deadline (`Pace`); past it the request is cancelled (its connection
+        closes: the server drops the generation) and `BackendError` names the server."""
+        deadline, t0 = self.pace.deadline(req.max_tokens), time.monotonic()
+        try:
+            async with asyncio.timeout(deadline):
+                r = await self.post(self.generate_path, self.generate_body(req), repeatable=True,
+                                    timeout=httpx.Timeout(None, connect=10.0))
+        except TimeoutError:
+            raise BackendError(f"{self.base_url}{self.generate_path}: no answer within {deadline:.0f}s "
+                               f"(max_tokens {req.max_tokens} at this server's measured pace); cancelled") from None
+        resp = self.parse_generate(self.check(r, self.generate_path), req)
+        self.pace.record(time.monotonic() - t0, max((len(c.token_ids) for c in resp.completions), default=0))
+        return resp
 
     @abc.abstractmethod
     async def load_weights(self, version: int) -> float:
@@ -82,14 +142,18 @@ class InferenceBackend(abc.ABC):
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def post(self, path: str, body: dict | None = None, attempts: int = 3, **kw) -> httpx.Response:
-        """POST, retrying transport errors (a keep-alive connection closed under us is not a dead
-        server; a dead server fails every attempt and the error surfaces, naming it)."""
+    async def post(self, path: str, body: dict | None = None, attempts: int = 3, repeatable: bool = False,
+                   **kw) -> httpx.Response:
+        """POST; sent again only where that is safe: a request that never left (connection refused,
+        connect timeout), or, when `repeatable`, one whose connection broke (the server drops what it
+        was doing for it). Never after a read timeout: the first may still be running. A dead server
+        fails every attempt and the error surfaces, naming it."""
+        retry = NEVER_SENT + BROKEN if repeatable else NEVER_SENT
         for attempt in range(attempts):
             try:
                 return await self.http.post(path, json=body, **kw)
             except httpx.TransportError as e:
-                if attempt == attempts - 1:
+                if attempt == attempts - 1 or not isinstance(e, retry):
                     raise BackendError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+
 from prl.backends.base import InferenceBackend, WeightsRejected
 from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, PrefillResponse, UpdateWeightsResponse
 
@@ -10,13 +12,15 @@ class EmbeddedBackend(InferenceBackend):
     async def wait_ready(self, timeout: float = 120.0) -> None:
         await self.poll_health(timeout)
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        r = self.check(await self.post("/generate", req.model_dump()), "/generate")
+    def generate_body(self, req: GenerateRequest) -> dict:
+        return req.model_dump()
+
+    def parse_generate(self, r: httpx.Response, req: GenerateRequest) -> GenerateResponse:
         return GenerateResponse.model_validate_json(r.content)
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResponse:
         """P/D: have this (prefill) server put the prompt's KV into the run's pool."""
-        r = self.check(await self.post("/prefill", {"prompt_ids": prompt_ids}), "/prefill")
+        r = self.check(await self.post("/prefill", {"prompt_ids": prompt_ids}, repeatable=True), "/prefill")
         return PrefillResponse.model_validate_json(r.content)
 
     async def load_weights(self, version: int) -> float:

@@ -85,7 +85,7 @@ class Faults:
         for e in state.unresponsive[self.seen_reports:]:
             unit = e["name"] if e["name"] == "trainer" or e["name"] in self.sup.procs else None
             if unit and e["t"] > self.started.get(unit, 0):
-                self.kill(unit, f"hung: {e.get('cause', '')}")
+                self.kill(unit, f"{'stuck' if e.get('stuck') else 'hung'}: {e.get('cause', '')}")
         self.seen_reports = len(state.unresponsive)
         for unit, (_, when) in list(self.hung.items()):  # a kill that did not take: allow another
             if time.monotonic() - when > 15:

@@ -5,7 +5,9 @@ Rules:
   `/metrics` for `run.hang_timeout_s` is taken out: its in-flight requests are cancelled and their
   groups re-issued to the servers still up (a run with one server waits for it);
 - a hung server is reported to the driver (an `unresponsive` event), which kills and restarts it;
-  a dead one the driver sees exit and restarts by itself;
+  so is a stuck one (`ServerStuck`: left paused by a weight load that failed half way, or by a
+  `/resume` that failed), at once; a dead one the driver sees exit and restarts by itself; the run
+  goes on meanwhile (with `run.max_restarts = 0` the driver stops it, naming the server);
 - a server comes back once it answers `/health` again and has loaded the version being served, so
   no request ever runs on stale or half-loaded weights;
 - a 4xx answer is the request's fault, not the server's: it is raised, never retried elsewhere.
@@ -17,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
+from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.metrics import EventLog
 
 MAX_ATTEMPTS = 8  # a group that failed this often on servers that kept coming back ends the run
@@ -63,15 +65,16 @@ class ServerPool:
         if not any(s.up for s in self.servers):
             raise next(r for r in results if isinstance(r, BaseException))
 
-    async def mark_down(self, server: Server, cause: str, hung: bool = False) -> None:
+    async def mark_down(self, server: Server, cause: str, hung: bool = False, stuck: bool = False) -> None:
+        """Take `server` out; a hung or stuck one is reported for the driver to restart."""
         if not server.up:
             return
         server.up, server.down_since = False, time.monotonic()
         for task in list(server.calls):
             task.cancel()
         self.log.emit("server_state", name=server.name, state="down", cause=("hung: " if hung else "") + cause[:300])
-        if hung:
-            self.log.emit("unresponsive", name=server.name, cause=cause[:300])
+        if hung or stuck:
+            self.log.emit("unresponsive", name=server.name, cause=cause[:300], stuck=stuck)
         async with self.changed:
             self.changed.notify_all()
 
@@ -145,7 +148,9 @@ class ServerPool:
                     raise r
                 if isinstance(r, asyncio.CancelledError):
                     continue  # went down meanwhile
-                if isinstance(r, BackendError):
+                if isinstance(r, ServerStuck):
+                    await self.mark_down(s, f"loading weights v{version}: {r}", stuck=True)
+                elif isinstance(r, BackendError):
                     await self.mark_down(s, f"loading weights v{version} failed: {r}")
                 elif isinstance(r, BaseException):
                     raise r
@@ -210,6 +215,8 @@ class ServerPool:
                     return
                 except BackendError as e:  # rejected too: the served version may have been pruned meanwhile
                     self.log.emit("server_state", name=server.name, state="down", cause=f"rejoin failed: {e}"[:300])
+                    if isinstance(e, ServerStuck):
+                        self.log.emit("unresponsive", name=server.name, cause=f"rejoin: {e}"[:300], stuck=True)
                     return
             server.up = True
         self.log.emit("server_state", name=server.name, state="up", version=self.served,

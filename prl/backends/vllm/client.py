@@ -9,7 +9,9 @@
   `/pause?mode=keep` (running requests keep their KV), load the staged tensors, `/finish_weight_update`
   with weight version "vN", `/resume`. A version that fails a check is refused before any tensor is
   touched (`WeightsRejected`): the old one keeps serving. A failure after the load began leaves the
-  server paused and raises `BackendError`: a half-loaded model is never served.
+  server paused (a half-loaded model is never served) and raises `ServerStuck`, as does a `/resume`
+  that fails: the orchestrator takes the server out, the driver restarts it, it rejoins with the
+  served version, and the run goes on.
 - Prefix KV: requests carry `cache_salt = "prl-v{N}"`; N becomes the new version once the server is
   paused for it, so every request queued from then on is prefilled under vN and never hits blocks
   computed under an older version (a request sent before keeps running under the new weights, like
@@ -25,7 +27,9 @@ import base64
 import io
 import time
 
-from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, WeightsRejected
+import httpx
+
+from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.backends.vllm.rejected import REJECTED
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
@@ -51,6 +55,8 @@ class VllmBackend(InferenceBackend):
         self.salt_version = STARTUP_VERSION
         self.staged_version: int | None = None  # staged in an open weight-update session
         self._rate: list[tuple[float, float]] = []
+        self.weight_loads = 0  # versions this client swapped in (vLLM counts none)
+        self.busy = BusyClock()
 
     # ---- start ----
     async def wait_ready(self, timeout: float = 600.0) -> None:
@@ -59,18 +65,22 @@ class VllmBackend(InferenceBackend):
         self.check(await self.post("/init_weight_transfer_engine", {"init_info": {}}), "/init_weight_transfer_engine")
         r = self.check(await self.get("/weight_info"), "/weight_info")
         self.version = self.salt_version = parse_version(str(r.json().get("weight_version") or ""))
+        await self.metrics()  # the busy clock's first sample: its share spans time from here
 
     async def warm_up(self) -> None:
         """One short generation before any real request. vLLM checks some kernel constraints only
         when the first batch runs (on CPU: the attention head size; its engine then dies), so a
         server that cannot serve this model fails here, at start, naming the server."""
         body = {"token_ids": WARM_UP_PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
-        self.check(await self.post("/inference/v1/generate", body), "warm-up /inference/v1/generate")
+        self.check(await self.post("/inference/v1/generate", body, repeatable=True), "warm-up /inference/v1/generate")
 
     # ---- rollouts ----
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        r = await self.post("/inference/v1/generate", self.request_body(req))
-        self.check(r, "/inference/v1/generate")
+    generate_path = "/inference/v1/generate"
+
+    def generate_body(self, req: GenerateRequest) -> dict:
+        return self.request_body(req)
+
+    def parse_generate(self, r: httpx.Response, req: GenerateRequest) -> GenerateResponse:
         return self.parse_response(r.json(), req)
 
     def request_body(self, req: GenerateRequest) -> dict:
@@ -113,6 +123,7 @@ class VllmBackend(InferenceBackend):
     def reset(self) -> None:
         super().reset()
         self.staged_version = None  # a restarted server holds no staged session
+        self.weight_loads, self.busy = 0, BusyClock()  # counted per server process, as the embedded engine does
 
     async def load_weights(self, version: int) -> float:
         """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
@@ -146,28 +157,37 @@ class VllmBackend(InferenceBackend):
             await self.weight_call("/start_weight_update")
 
     async def swap(self, version: int) -> float:
-        """Pause (keep), load the staged `version`, label it, resume."""
+        """Pause (keep), load the staged `version`, label it, resume. A failure once the load began, or
+        a `/resume` that fails, raises `ServerStuck`: the server stays paused until it is restarted."""
         self.staged_version = None
         t0 = time.perf_counter()
-        loading = keep_paused = False
+        loading = False
         try:
             self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
             self.salt_version = max(self.salt_version, version)  # queued from now on: prefilled under vN
             loading = True
             await self.update(version, "load")
             await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
+        except ServerStuck:
+            raise
         except WeightsRejected:
             await self.end_session()
+            await self.resume(quiet=True)  # the run stops on a rejected version: its error is the one to report
             raise
-        except BaseException:
-            keep_paused = loading  # the model may be half-loaded: never serve it
+        except BackendError as e:
+            if loading:  # the model may be half-loaded: never serve it
+                raise ServerStuck(f"{e}; the server stays paused until it is restarted") from None
+            await self.end_session()
+            await self.resume()  # /pause may have taken effect with its answer lost
+            raise
+        except BaseException:  # cancelled: the server was taken out, or the run stops
             if not loading:
                 await self.end_session()
+                await self.resume(quiet=True)
             raise
-        finally:
-            if not keep_paused:
-                await self.resume_quietly()  # also when /pause's answer was lost: resume is harmless
+        await self.resume()
         self.version = version
+        self.weight_loads += 1
         return time.perf_counter() - t0
 
     async def wait_staged(self, version: int, timeout: float = 600.0) -> None:
@@ -189,8 +209,8 @@ class VllmBackend(InferenceBackend):
             return
         if action == "stage" or REJECTED in r.text:  # refused before any tensor was touched: the old version serves on
             raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {r.text[:400]}")
-        raise BackendError(f"{self.base_url}: loading weights v{version} failed after it began; the model is in an "
-                           f"undefined state and the server stays paused (restart it): {r.text[:400]}")
+        raise ServerStuck(f"{self.base_url}: loading weights v{version} failed after it began; the model is in an "
+                          f"undefined state and the server stays paused (restart it): {r.text[:400]}")
 
     async def end_session(self) -> None:
         """vLLM ends a weight-update session when an update fails; end it in any case (best effort)."""
@@ -199,31 +219,38 @@ class VllmBackend(InferenceBackend):
         except BackendError:
             pass
 
-    async def resume_quietly(self) -> None:
+    async def resume(self, quiet: bool = False) -> None:
+        """`/resume`; a server that does not resume stays paused: `ServerStuck` (or, `quiet`, printed)."""
         try:
-            self.check(await self.post("/resume"), "/resume")
+            self.check(await self.post("/resume", repeatable=True), "/resume")
         except BackendError as e:
-            print(f"prl: {e}", flush=True)  # the caller's error, if any, is the one to report
+            if not quiet:
+                raise ServerStuck(f"{e}; the server did not resume and stays paused until it is restarted") from None
+            print(f"prl: {e}", flush=True)
 
     async def weight_call(self, path: str, body: dict | None = None) -> None:
         self.check(await self.post(path, body), path)
 
     # ---- metrics ----
     async def metrics(self) -> Metrics:
+        """vLLM's counters in prl's terms. Busy time: vLLM exports no engine-busy counter, so it is
+        sampled, as `BusyClock` says; weight loads: the versions this client swapped in."""
         r = self.check(await self.get("/metrics"), "/metrics")
         m = prometheus_values(r.text)
         generated = int(m.get("vllm:generation_tokens_total", 0))
         paused = self.check(await self.get("/is_paused"), "/is_paused").json().get("is_paused", False)
+        running = int(m.get("vllm:num_requests_running", 0))
+        busy_s, busy_frac = self.busy.sample(running > 0 and not paused)
         return Metrics(
-            version=self.version, running=int(m.get("vllm:num_requests_running", 0)),
+            version=self.version, running=running,
             waiting=int(m.get("vllm:num_requests_waiting", 0)), paused=bool(paused), generated_tokens=generated,
             prompt_tokens=int(m.get("vllm:prompt_tokens_total", 0)),
             prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)
                                - m.get("vllm:external_prefix_cache_hits_total", 0)),  # computed here
-            prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=0,
+            prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=self.weight_loads,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
             **mooncake_counts(r.text),
-            tokens_per_s=self.rate(generated), busy_frac=0.0, busy_s=0.0,
+            tokens_per_s=self.rate(generated), busy_frac=busy_frac, busy_s=busy_s,
         )
 
     def rate(self, total: float) -> float:
@@ -231,6 +258,29 @@ class VllmBackend(InferenceBackend):
         self._rate = [(t, n) for t, n in self._rate if now - t < 10][-32:] + [(now, total)]
         t0, n0 = self._rate[0]
         return (total - n0) / (now - t0) if now > t0 else 0.0
+
+
+class BusyClock:
+    """Busy time of a server sampled at each metrics poll (about once a second): the time between two
+    polls counts as busy by the share of its two ends that found requests running and the server not
+    paused. An estimate with one poll's resolution; busy share = busy time / time observed. The first
+    sample is taken when the server is ready (`wait_ready`), so every reported share spans time."""
+
+    def __init__(self):
+        self.last: tuple[float, bool] | None = None
+        self.first = 0.0
+        self.busy_s = 0.0
+
+    def sample(self, busy: bool, now: float | None = None) -> tuple[float, float]:
+        now = time.monotonic() if now is None else now
+        if self.last is None:
+            self.first = now
+        else:
+            t, was_busy = self.last
+            self.busy_s += (now - t) * (was_busy + busy) / 2
+        self.last = (now, busy)
+        span = now - self.first
+        return self.busy_s, (min(1.0, self.busy_s / span) if span > 0 else 0.0)
 
 
 def token_versions(spans: list[dict] | None, n: int) -> list[int]:
