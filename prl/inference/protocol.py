@@ -135,12 +135,13 @@ class Metrics(Msg):
     paused: bool
     generated_tokens: int
     prompt_tokens: int
-    prefill_tokens: int
-    prefix_hits: int
+    prefill_tokens: int  # prompt tokens computed (not reused from the prefix cache or the KV pool)
+    prefix_hits: int  # prefills that reused local prefix-cache KV (embedded engine; vLLM: hit tokens)
     weight_loads: int
     tokens_per_s: float
     busy_frac: float
     busy_s: float
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the local prefix cache (embedded engine)
     pool_hit_tokens: int = 0  # prompt tokens loaded from the KV pool instead of computed
     pool_stored_chunks: int = 0
     pool_errors: int = 0  # failed store operations (each falls back to computing the prompt)

@@ -1,0 +1,154 @@
+"""Multi-turn prefix reuse in the embedded engine (`prl.inference.prefix_cache`): a growing token
+history computes only its new tokens, samples what a cache-less engine samples, returns the routing a
+fresh prefill gives, never reuses another weights version's KV, and stays within its bounds.
+
+The model is GLM-5's tiny architecture with a DSA indexer that keeps fewer keys than the history
+holds (`index_topk` 8), so a reused prefix's indexer keys decide which keys every later token attends.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from prl.inference.engine import EngineCore, Policy, SamplingParams, Sequence
+from prl.inference.prefix_cache import BLOCK, PrefixCache
+
+ENV = 7  # environment tokens appended after each completion
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    return build_model(write_model_dir(ModelCfg(num_layers=2, index_topk=8), tmp_path_factory.mktemp("m")), seed=0)
+
+
+def finish(core: EngineCore, seqs: list[Sequence]) -> list[Sequence]:
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return seqs
+
+
+def sampled(prompt: list[int], seed: int, n: int = 10) -> Sequence:
+    return Sequence(list(prompt), SamplingParams(temperature=1.0, max_tokens=n), generator=torch.Generator().manual_seed(seed))
+
+
+def conversations(core: EngineCore, turns: int = 3, branches: int = 2):
+    """`branches` conversations from one prompt, run side by side, each turn the whole history
+    (prompt, completions, environment tokens) as ids; per turn the tokens computed and the sequences."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, 40, (21,), generator=g).tolist()
+    histories, out = [prompt] * branches, []
+    for turn in range(turns):
+        before = core.stats.prefill_tokens
+        seqs = finish(core, [sampled(h, seed=100 * turn + b) for b, h in enumerate(histories)])
+        out.append((core.stats.prefill_tokens - before, seqs))
+        histories = [h + s.out_ids + torch.randint(4, 40, (ENV,), generator=g).tolist() for h, s in zip(histories, seqs)]
+    return out
+
+
+def test_a_growing_history_computes_only_its_new_tokens_and_samples_the_same(model):
+    reused = conversations(EngineCore(model, capture_routing=True))
+    plain = conversations(EngineCore(model, capture_routing=True, prefix_cache_entries=0))
+    assert reused[0][0] == 21, "turn 1: the prompt once; the second branch reuses it whole"
+    for computed, _ in reused[1:]:
+        assert computed == 2 * (ENV + 1), "per branch: the environment tokens and the last sampled token"
+    for (computed, seqs), (_, ref) in zip(reused[1:], plain[1:]):
+        assert computed < sum(len(s.prompt_ids) for s in ref)
+    for (_, seqs), (_, ref) in zip(reused, plain):
+        for s, r in zip(seqs, ref):
+            assert s.prompt_ids == r.prompt_ids and s.out_ids == r.out_ids
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_conversation_holds_one_entry_with_its_indexer_keys(model):
+    core = EngineCore(model)
+    *_, (_, seqs) = conversations(core, turns=3, branches=1)
+    assert len(core.prefix) == 1, "each turn's entry replaced the one it extended"
+    entry = next(iter(core.prefix.entries.values()))
+    s = seqs[0]
+    assert entry.ids == tuple(s.prompt_ids + s.out_ids[:-1])
+    for layer in entry.cache.layers:
+        assert layer.keys.shape[-2] == layer.indexer_keys.shape[1] == len(entry.ids)
+
+
+def test_the_reused_prefix_routing_equals_a_fresh_prefill(model):
+    *_, (_, seqs) = conversations(EngineCore(model, capture_routing=True), turns=3, branches=2)
+    for s in seqs:
+        fresh = finish(EngineCore(model, capture_routing=True, prefix_cache_entries=0), [sampled(s.prompt_ids, 0, n=1)])[0]
+        assert s.prompt_routing.shape[0] == len(s.prompt_ids)
+        assert torch.equal(s.prompt_routing, fresh.prompt_routing), "R3: the reused prefix's routing comes back"
+
+
+def perturbed(model, scale=0.5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in model.state_dict().items()}
+
+
+def test_nothing_of_an_old_version_is_reused(model):
+    core = EngineCore(copy.deepcopy(model))
+    first = finish(core, [sampled(list(range(4, 30)), seed=1)])[0]
+    core.stage_weights(Policy(perturbed(model), {}, version=1))
+    core.step()
+    history = first.prompt_ids + first.out_ids + [5] * ENV
+    hits, computed = core.stats.prefix_hit_tokens, core.stats.prefill_tokens
+    again = finish(core, [sampled(history, seed=2)])[0]
+    assert core.stats.prefix_hit_tokens == hits and core.stats.prefill_tokens - computed == len(history)
+    assert set(again.versions) == {1}
+    # a sequence running across the load continues under v1, but its v0 prefix is never kept
+    span = sampled(list(range(6, 40)), seed=3, n=12)
+    core.add(span)
+    for _ in range(4):
+        core.step()
+    core.stage_weights(Policy(perturbed(model, seed=2), {}, version=2))
+    finish(core, [])
+    assert set(span.versions) == {1, 2} and len(core.prefix) == 0
+    hits = core.stats.prefix_hit_tokens
+    finish(core, [sampled(span.prompt_ids + span.out_ids + [5] * ENV, seed=4)])
+    assert core.stats.prefix_hit_tokens == hits
+    # the salt is the version itself, not only the clearing on a load
+    core.version = 3
+    finish(core, [sampled(span.prompt_ids + span.out_ids + [5] * ENV + [6], seed=4)])
+    assert core.stats.prefix_hit_tokens == hits
+
+
+def test_eviction_keeps_the_cache_within_its_bounds(model):
+    core = EngineCore(model, prefix_cache_entries=3)
+    prompts = [[4 + i] + list(range(10, 30)) for i in range(6)]
+    for p in prompts:
+        finish(core, [sampled(p, seed=0, n=4)])
+        assert len(core.prefix) <= 3
+    before = core.stats.prefill_tokens
+    finish(core, [sampled(prompts[0], seed=0, n=1)])
+    assert core.stats.prefill_tokens - before == len(prompts[0]), "the oldest was evicted"
+    before = core.stats.prefill_tokens
+    finish(core, [sampled(prompts[-1], seed=0, n=1)])
+    assert core.stats.prefill_tokens == before, "the newest is whole, with its last logits"
+
+    budget = EngineCore(model, prefix_cache_tokens=60)
+    for p in prompts:
+        finish(budget, [sampled(p, seed=0, n=4)])
+        assert 0 < budget.prefix.tokens <= 60
+        assert budget.prefix.tokens == sum(len(e.ids) for e in budget.prefix.entries.values())
+
+
+def test_matches_are_per_token_and_a_hash_collision_is_a_miss(monkeypatch):
+    cache = PrefixCache(max_entries=8)
+    base = tuple(range(100, 100 + 2 * BLOCK + 5))
+    cache.insert(0, base, cache=None, routing=None)
+    hit = cache.lookup(0, base[: BLOCK + 3] + (7, 8, 9))
+    assert hit.tokens == BLOCK + 3, "the match ends at the first differing token, not a block boundary"
+    assert cache.lookup(0, base).tokens == len(base) - 1, "no logits: the last token is computed"
+    assert cache.lookup(1, base) is None, "another version"
+    import prl.inference.prefix_cache as pc
+
+    colliding = PrefixCache(max_entries=8)
+    monkeypatch.setattr(pc, "hash", lambda _: 0, raising=False)  # every block key the same
+    colliding.insert(0, base, cache=None, routing=None)
+    assert colliding.lookup(0, tuple(range(2 * BLOCK + 5))) is None
