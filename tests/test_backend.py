@@ -228,3 +228,33 @@ def test_a_load_that_fails_after_it_began_takes_the_server_out_and_the_run_goes_
 
     with FakeVllm(fail_load=True) as fake:
         asyncio.run(load_then_rejoin(fake, tmp_path, never_resumed))
+
+
+def test_vllm_busy_time_and_weight_loads_are_measured(tmp_path):
+    """vLLM exports no busy counter: the client samples `vllm:num_requests_running` at each poll (the
+    time between two polls counts by the share of its ends that found requests running, not paused),
+    and counts the versions it swapped in. Idle polls add no busy time; running ones do."""
+    from fake_vllm import FakeVllm
+
+    async def main(fake):
+        backend = VllmBackend(fake.url, "s")
+        try:
+            await backend.wait_ready(30)
+            idle = await backend.metrics()
+            assert idle.busy_s == 0 and idle.busy_frac == 0 and idle.weight_loads == 0
+            fake.running = 2
+            await backend.metrics()
+            busy = await backend.metrics()
+            assert busy.busy_s > 0 and 0 < busy.busy_frac < 1, busy
+            fake.running = 0
+            await backend.metrics()
+            after = await backend.metrics()
+            assert after.busy_s == (await backend.metrics()).busy_s, "idle polls add no busy time"
+            for version in (1, 2):
+                await backend.load_weights(version)
+            assert (await backend.metrics()).weight_loads == 2
+        finally:
+            await backend.close()
+
+    with FakeVllm() as fake:
+        asyncio.run(main(fake))
