@@ -187,3 +187,23 @@ def test_kv_master_killed_mid_run_costs_only_recomputation(tmp_path):
     print({n: {k: v for k, v in m.items() if k.startswith("pool_")} for n, m in last.items()})
     hits = lambda ms: sum(m["pool_hit_tokens"] for m in ms.values())  # noqa: E731
     assert hits(last) > hits(before), "the pool served prompts again after the master's restart"
+
+
+def test_a_hang_stops_the_run_when_no_restarts_are_allowed(tmp_path):
+    """`run.max_restarts = 0`: a hung server (SIGSTOP) is still found after `hang_timeout_s` (at its
+    minimum here); the run stops, naming the server and the hang, restarts nothing, and leaves
+    nothing running."""
+    proc = start(tmp_path, "--set", "run.max_restarts=0", "--set", "run.hang_timeout_s=5", "--set", "sft.steps=0")
+    run_dir = tmp_path / "reverse-tiny"
+    wait_for(run_dir, proc, lambda evs: any(e["kind"] == "server" for e in evs))  # the orchestrator watches it
+    os.kill(pid_of(run_dir, "inference-0"), signal.SIGSTOP)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"the hang was never acted on:\n{out[-3000:]}") from None
+    assert proc.returncode == 1, out[-3000:]
+    assert "inference-0" in out and "killed by prl as hung" in out and "run.max_restarts = 0" in out, out[-3000:]
+    assert not events(run_dir, "restart")
+    assert_nothing_left(run_dir)

@@ -2,7 +2,8 @@
 
 Rules:
 - a process that exits before the run is done, or is reported hung, is restarted on its host with
-  the same command, at most `run.max_restarts` times; past that (or with 0) the run stops, naming it;
+  the same command, at most `run.max_restarts` times; past that (or with 0) the run stops, naming it
+  (a hung one is detected and killed whatever `max_restarts` is: with 0 its hang stops the run);
 - the trainer's processes are one unit: any rank that dies takes the others down and all restart
   together (from the newest checkpoint, replaying the batches after it: `prl.trainer.ledger`);
 - hangs: the orchestrator reports a server or trainer endpoint that stops answering (`unresponsive`
@@ -73,10 +74,13 @@ class Faults:
         return True
 
     def exhausted(self, name: str) -> str:
+        """Why a unit that exited stops the run: killed as hung or stuck (the cause), past its restarts."""
         unit = self.unit(name)
+        hung = self.hung.get(unit)
+        why = f", killed by prl as {hung[0]}" if hung else ""
         if not self.max_restarts:
-            return ""
-        return f" after {self.counts.get(unit, 0)} restarts of {unit} (run.max_restarts = {self.max_restarts})"
+            return why + (" (run.max_restarts = 0)" if hung else "")
+        return f"{why} after {self.counts.get(unit, 0)} restarts of {unit} (run.max_restarts = {self.max_restarts})"
 
     def check_hangs(self, state: RunState, hosts_answering: bool = True) -> None:
         """Kill units reported hung, and an orchestrator that has logged nothing for hang_timeout_s
@@ -102,9 +106,12 @@ class Faults:
             self.kill("orchestrator", f"hung: no events for {self.hang_timeout_s:.0f}s")
 
     def kill(self, unit: str, cause: str) -> None:
-        if unit in self.hung or not self.max_restarts:
-            return  # already being killed; or no restarts: a hang is left to the processes' own timeouts
+        """SIGKILL a hung (or stuck) unit; its exit is then handled like any other: restarted while its
+        budget allows, else the run stops naming it and this cause (`exhausted`)."""
+        if unit in self.hung:
+            return  # already being killed
         self.hung[unit] = (cause, time.monotonic())
-        self.log.emit("error", name=unit, line=f"{cause}; killing it to restart it")
+        then = "restart it" if self.counts.get(unit, 0) < self.max_restarts else "stop the run (no restarts left)"
+        self.log.emit("error", name=unit, line=f"{cause}; killing it to {then}")
         with contextlib.suppress(HostError):
             self.sup.kill(self.members(unit))
