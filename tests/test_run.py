@@ -308,3 +308,42 @@ def check_reward_png(run_dir: Path, png_dir: Path) -> None:
     for s, r, _ in logged:
         x, y = to_pixel(s, r, lims)
         assert img.getpixel((round(x), round(y))) == (0x1F, 0x77, 0xB4), f"step {s}: no point at its reward"
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path, monkeypatch):
+    """`prl run --resume` runs every check `prl run` runs before it writes anything: a refused resume
+    (a setting not built yet; a task that does not import, found by the pre-flight) starts nothing
+    and leaves every file of the run directory byte for byte as it was."""
+    import hashlib
+    import io
+
+    from rich.console import Console
+
+    from prl.launch import driver
+    from prl.recipe.schema import Recipe
+
+    run_dir = tmp_path / "run"
+    files = {"recipe.json": json.dumps(Recipe().model_dump(mode="json")), "metrics.jsonl": '{"kind": "run"}\n',
+             "trained.jsonl": '{"step": 0, "prompts": [1]}\n{"step": 1, "prompts": [2]}\n',
+             "checkpoints/step_0/manifest.json": "{}", "weights/v1/manifest.json": "{}",
+             "weights/v2/manifest.json": "{}", "rollouts/step_1.pt": "x"}
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+
+    def snapshot() -> dict[str, str]:
+        return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    started = []
+    monkeypatch.setattr(driver, "execute", lambda *a, **k: started.append(a) or driver.Outcome("failed", "", 1))
+    before = snapshot()
+    refusals = {"kv_pool.protocol = 'rdma'": ["inference.kv_pool.enabled=true", "inference.kv_pool.protocol=rdma"],
+                "task.dataset": ["task.name=custom", "task.dataset=no_such_module:data",
+                                 "task.reward=no_such_module:reward"]}
+    for words, overrides in refusals.items():
+        out = io.StringIO()
+        rc = driver.run(None, resume=run_dir, overrides=overrides, force=False, tui=False,
+                        console=Console(file=out, width=200))
+        assert rc == 2 and words in out.getvalue() and not started, out.getvalue()
+        assert snapshot() == before, f"the refused resume ({words}) changed the run directory"

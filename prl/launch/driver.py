@@ -185,17 +185,21 @@ def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
     write_model_dir(recipe.model, run_dir / "model")
 
 
-def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
-    """Reload the run's recipe (plus `--set` overrides, e.g. more steps) and drop what was
-    produced after its last checkpoint."""
+def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
+    """The run's recipe plus `--set` overrides (e.g. more steps), validated; writes nothing."""
     source = run_dir / "recipe.json"
     if not source.is_file():
         raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json)")
     data = json.loads(source.read_text())
     for item in overrides:
         apply_override(data, item, source)
-    recipe = validate(data, str(source))
-    source.write_text(recipe.model_dump_json(indent=1))
+    return validate(data, str(source))
+
+
+def prepare_resume(run_dir: Path, recipe: Recipe) -> None:
+    """Once every check passed: record the recipe (with its overrides) and drop what was produced
+    after the last checkpoint."""
+    (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=1))
     steps = sealed(run_dir / "checkpoints", "step_")
     last = steps[-1] if steps else -1
     for v in published_versions(run_dir / "weights"):
@@ -206,7 +210,6 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     from prl.trainer.ledger import truncate
 
     truncate(run_dir, last)
-    return recipe
 
 
 def start_run(recipe: Recipe, run_dir: Path, console: Console, resume: bool = False) -> Supervisor:
@@ -397,11 +400,12 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
         console: Console) -> int:
     t0 = time.time()
     try:
-        if resume:
+        if resume:  # every check before anything is written: a refused resume leaves the run as it was
             run_dir = Path(resume)
-            recipe = prepare_resume(run_dir, overrides)
+            recipe = load_resume(run_dir, overrides)
             refuse_not_built(recipe)
-            check_wandb(recipe)
+            preflight(recipe)
+            prepare_resume(run_dir, recipe)
         else:
             run_dir = run_dir_for(recipe)
             refuse_not_built(recipe)
