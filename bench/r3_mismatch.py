@@ -35,7 +35,8 @@ from prl.inference.protocol import decode_routing, encode_routing
 from prl.model.build import build_model, load_tokenizer
 from prl.model.routing import Replay
 from prl.model.tiny import EOS_ID, write_model_dir
-from prl.recipe.schema import ModelCfg, TaskCfg
+from prl.envs import SingleTurnEnv
+from prl.recipe.schema import ModelCfg, SamplingCfg, TaskCfg
 from prl.tasks import make_task
 from prl.trainer.loss import mismatch_stats, token_logprobs
 from prl.trainer.trainer import sft_sample
@@ -48,11 +49,10 @@ def on(mb: MicroBatch, device) -> MicroBatch:
 
 def warm_start(model, tok, steps: int) -> None:
     """A short supervised start so routers and experts are trained, not random."""
-    task = make_task(TaskCfg(), seed=1)
+    env = SingleTurnEnv(make_task(TaskCfg(), seed=1), tok, SamplingCfg(), 1, False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
-        exs = [task.example(step * 32 + i) for i in range(32)]
-        samples = [sft_sample(tok, e) for e in exs]
+        samples = [sft_sample(env.demonstration(step * 32 + i)) for i in range(32)]
         for mb in pack(samples, 1, 4096)[0]:
             mb = on(mb, next(model.parameters()).device)
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)

@@ -28,8 +28,9 @@ class Sampler(Protocol):
 @dataclass
 class Trajectory:
     """One scored member of a group: the prompt, then every completion token with its inference
-    logprob and the policy version that produced it; `routing`: the experts the engine used for
-    every input token (R3), or None."""
+    logprob and the policy version that produced it (multi-turn: environment tokens interleaved,
+    `mask` 0, logprob 0, version -1); `routing`: the experts the engine used for every input token
+    (R3), or None."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -37,6 +38,7 @@ class Trajectory:
     versions: list[int]
     reward: float
     routing: Any = None  # torch.Tensor [tokens, MoE layers, k]
+    mask: list[int] | None = None  # per completion token: 1 the model's, 0 the environment's (None: all 1)
     info: dict | None = None  # what the environment wants logged (turns, tool calls, ...)
 
 
@@ -49,3 +51,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]: ...
+
+    @abc.abstractmethod
+    def demonstration(self, index: int) -> Trajectory:
+        """A worked example for the supervised warm start (`[sft]`): the model's tokens (mask 1) are
+        what it learns to write; environment tokens (mask 0) are context."""

@@ -17,6 +17,13 @@ class SingleTurnEnv(Environment):
     def example(self, index: int) -> dict:
         return self.task.example(index)
 
+    def demonstration(self, index: int) -> Trajectory:
+        """The prompt, then the answer and EOS."""
+        example = self.task.example(index)
+        answer = self.tokenizer(example["answer"]).input_ids + [self.tokenizer.eos_token_id]
+        return Trajectory(self.tokenizer(example["prompt"]).input_ids, answer, [0.0] * len(answer),
+                          [0] * len(answer), 1.0)
+
     async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]:
         prompt_ids = self.tokenizer(example["prompt"]).input_ids
         req = GenerateRequest(

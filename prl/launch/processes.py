@@ -69,7 +69,7 @@ def make_plan(configs: list[ProcessConfig], run_dir: Path,
     """`python_for(node)`: the interpreter on that host (the run's venv on cluster hosts)."""
     specs = []
     for cfg in configs:
-        env = {**BASE_ENV, "OMP_NUM_THREADS": str(cfg.threads), "PRL_RUN_DIR": cfg.run_dir, **cfg.env}
+        env = {**BASE_ENV, "OMP_NUM_THREADS": str(cfg.threads), "PRL_RUN_DIR": cfg.run_dir, **cfg.process_env}
         if cfg.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.gpus))
         specs.append(ProcessSpec(

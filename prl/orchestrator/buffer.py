@@ -7,7 +7,7 @@ distance is s minus the oldest policy version among its tokens. A group farther 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prl.transport.batch import Sample
 
@@ -16,14 +16,16 @@ from prl.transport.batch import Sample
 class Group:
     prompt_index: int
     samples: list[Sample]
+    infos: list[dict] = field(default_factory=list)  # what the environment reported per trajectory
 
     @property
     def min_version(self) -> int:
-        return min(min(s.versions) for s in self.samples)
+        """The oldest policy version among the group's model tokens (a trajectory may span several)."""
+        return min((v for s in self.samples for v in s.model_versions()), default=1 << 62)
 
     @property
     def max_version(self) -> int:
-        return max(max(s.versions) for s in self.samples)
+        return max((v for s in self.samples for v in s.model_versions()), default=-1)
 
 
 class GroupBuffer:

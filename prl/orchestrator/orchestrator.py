@@ -18,6 +18,7 @@ import statistics
 import time
 
 from prl.envs import make_env
+from prl.envs.stats import summarize
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.buffer import Group, GroupBuffer
@@ -59,7 +60,8 @@ class Orchestrator:
         self.cfg, r = cfg, cfg
         self.rl, self.sampling = r.rl, r.sampling
         self.tokenizer = load_tokenizer(cfg.model_dir)
-        self.env = make_env(cfg, self.tokenizer)
+        self.env = make_env(cfg.env, cfg.task, cfg.run.seed, self.tokenizer, cfg.sampling, cfg.rl.group_size,
+                            cfg.router_replay)
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.changed = asyncio.Condition()
         self.pool = ServerPool([self.backend(i, u) for i, u in enumerate(cfg.servers)], self.log, self.changed, r.run.hang_timeout_s,
@@ -172,10 +174,11 @@ class Orchestrator:
         )
         await self.trainer.send_batch(batch)
         self.position = batch.data_position
-        self.log_step(step, samples, batch.data_position, dropped, wait_s)
+        self.log_step(step, samples, batch.data_position, dropped, wait_s, summarize([i for g in groups for i in g.infos]))
 
-    def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float) -> None:
-        lags = [step - v for s in samples for v in s.versions]
+    def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float,
+                 env: dict) -> None:
+        lags = [step - v for s in samples for v in s.model_versions()] or [0]
         rewards = [s.reward for s in samples]
         self.log.emit(
             "orch_step", step=step, reward=sum(rewards) / len(rewards),
@@ -183,7 +186,7 @@ class Orchestrator:
             stale_dropped=dropped, stale_dropped_total=self.buffer.dropped_samples,
             off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
             inflight=self.inflight_groups * self.rl.group_size, served_version=self.served,
-            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position,
+            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **env,
         )
 
     # ---- rollouts ----
@@ -223,7 +226,8 @@ class Orchestrator:
         trajs = await self.env.rollout(self.env.example(index), GroupSampler(self.pool, index))
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
-                                    routing=t.routing) for t, a in zip(trajs, advantages)])
+                                    routing=t.routing, mask=t.mask) for t, a in zip(trajs, advantages)],
+                     infos=[t.info or {} for t in trajs])
 
     # ---- weights ----
     async def relay_weights(self, wait_for: int | None = None) -> None:

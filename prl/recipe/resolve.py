@@ -141,7 +141,7 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
 
     def common(pl: Place, picked: bool = True) -> dict:
         secret = str(secret_file) if secret_file is not None and pl.node == LOCAL else f"{pl.run_dir}/secret"
-        return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, env=env,
+        return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, process_env=env,
                     port_fallback=picked and pl.node == LOCAL)
 
     trainers = trainer_configs(recipe, lay, common)
@@ -157,7 +157,7 @@ def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
     rendezvous = f"{lay.first.address}:{recipe.cluster.rendezvous_port}" if recipe.cluster is not None else ""
     return [TrainerConfig(
         name="trainer" if len(lay.trainers) == 1 else f"trainer-{i}", host=pl.address, port=port, index=i,
-        model=recipe.model, task=recipe.task, sft=recipe.sft, rl=recipe.rl, sampling=recipe.sampling,
+        model=recipe.model, task=recipe.task, env=recipe.env, sft=recipe.sft, rl=recipe.rl, sampling=recipe.sampling,
         trainer=recipe.trainer, publish_format=backend.publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
         rendezvous=rendezvous, threads=recipe.trainer.threads, **common(pl),
@@ -185,7 +185,7 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
                         trainer_url: str) -> OrchestratorConfig:
     par = recipe.trainer.parallel
     return OrchestratorConfig(
-        name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task,
+        name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task, env=recipe.env,
         backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
         router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,

@@ -5,8 +5,8 @@ section fails: the attribute does not exist.
 | role | sections | derived for it |
 | --- | --- | --- |
 | inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
-| orchestrator | run, rl, sampling, task | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
-| trainer | run, model, task, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout |
+| orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
+| trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout |
 | kv_master | run, kv_pool | its address |
 """
 
@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from prl.recipe.schema import (
+    EnvCfg,
     InferenceCfg,
     KvPoolCfg,
     ModelCfg,
@@ -47,7 +48,7 @@ class RoleConfig(BaseModel):
     index: int = 0
     node: str = "local"  # the host it runs on (a cluster host name, "workstation" or "local")
     threads: int = 1  # OMP threads
-    env: dict[str, str] = {}  # extra environment (cluster.env)
+    process_env: dict[str, str] = {}  # extra environment variables (cluster.env)
     gpus: list[int] = []  # GPU indices on its host
 
     @property
@@ -83,6 +84,7 @@ class OrchestratorConfig(RoleConfig):
     rl: RlCfg
     sampling: SamplingCfg
     task: TaskCfg
+    env: EnvCfg
     backend: str = "embedded"
     startup_timeout_s: int = 600
     router_replay: bool = False  # ask the servers for routed experts
@@ -97,6 +99,7 @@ class TrainerConfig(RoleConfig):
     role: Literal["trainer"] = "trainer"
     model: ModelCfg
     task: TaskCfg
+    env: EnvCfg
     sft: SftCfg
     rl: RlCfg
     sampling: SamplingCfg

@@ -6,6 +6,7 @@ rewrite the config (derived values live in `prl.recipe.resolve`).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -117,6 +118,41 @@ class SftCfg(Section):
         return 0 if model.path else 40
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
+
+
+class SandboxCfg(Section):
+    """Where model-written code runs (`prl.sandbox`): its own uid and namespaces, limits, a pool."""
+
+    isolation: Literal["namespaces", "none"] = "namespaces"  # none: rlimits and the uid only (shown, warned)
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(256, gt=0)
+    max_procs: int = Field(16, gt=0)
+    max_output_bytes: int = Field(4096, gt=0)
+    concurrency: int = Field(2, gt=0)  # executions at once (the pool's workers)
+
+
+class EnvCfg(Section):
+    """The environment a rollout runs in (`prl.envs`): one turn (today's tasks), turns with tools, or
+    turns whose code runs in the sandbox. Per turn the model samples up to `sampling.max_tokens`."""
+
+    kind: Literal["single_turn", "tools", "code"] = "single_turn"
+    max_turns: int = Field(4, gt=0)
+    max_total_tokens: int = Field(512, gt=0)  # model and environment tokens after the prompt
+    tools: list[str] = []  # kind = "tools": Python functions as "module:function"
+    tool_timeout_s: float = Field(5.0, gt=0)
+    max_env_chars: int = Field(512, gt=0)  # a tool result or program output is cut here, with a marker
+    format: Literal["auto", "tiny", "chat"] = "auto"  # auto: chat when the tokenizer has a chat template
+    language: Literal["minilang", "python"] = "minilang"  # kind = "code": what the model writes
+    sandbox: SandboxCfg = SandboxCfg()
+
+    @model_validator(mode="after")
+    def _tools(self):
+        if self.kind == "tools" and not self.tools:
+            raise ValueError("env.kind = 'tools' needs env.tools, e.g. ['mypkg.tools:lookup']")
+        bad = [t for t in self.tools if not re.fullmatch(r"[\w.]+:\w+", t)]
+        if bad:
+            raise ValueError(f"env.tools: {bad[0]!r} is not 'module:function'")
+        return self
 
 
 class RlCfg(Section):
@@ -364,6 +400,7 @@ class Recipe(Section):
     run: RunCfg = RunCfg()
     model: ModelCfg = ModelCfg()
     task: TaskCfg = TaskCfg()
+    env: EnvCfg = EnvCfg()
     sft: SftCfg = SftCfg()
     rl: RlCfg = RlCfg()
     sampling: SamplingCfg = SamplingCfg()
@@ -468,8 +505,10 @@ class Recipe(Section):
         return self
 
     def longest_sample(self) -> int:
-        """Prompt (task text, about 2 tokens per character plus framing) and completion, in tokens."""
-        return self.task.max_len * 2 + 8 + self.sampling.max_tokens
+        """Prompt (task text, about 2 tokens per character plus framing) and completion (one turn, or
+        every turn's model and environment tokens), in tokens."""
+        after = self.sampling.max_tokens if self.env.kind == "single_turn" else self.env.max_total_tokens
+        return self.task.max_len * 2 + 8 + after
 
     @model_validator(mode="after")
     def _cross(self):

@@ -22,7 +22,7 @@ from prl.sandbox.result import MiB, Limits, Result, SandboxUnavailable
 
 # language -> (file name in the working directory, command that runs it given a Python interpreter)
 LANGUAGES = {
-    "python": ("main.py", lambda f, python: [python, "-I", "-B", f]),
+    "python": ("main.py", lambda f, python: [python, "-I", "-S", "-B", f]),  # -S: no site (stdlib only; 40% faster start)
     "sh": ("main.sh", lambda f, python: ["/bin/sh", f]),
     "bash": ("main.sh", lambda f, python: ["/bin/bash", f]),
 }

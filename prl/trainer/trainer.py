@@ -24,7 +24,7 @@ from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.model.routing import Replay, routers
 from prl.recipe.roles import TrainerConfig
-from prl.tasks import make_task
+from prl.envs import make_env
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
@@ -52,11 +52,11 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float):
     return f
 
 
-def sft_sample(tokenizer, example: dict) -> Sample:
-    """A supervised sample: the prompt, then the answer and EOS as loss tokens."""
-    prompt = tokenizer(example["prompt"]).input_ids
-    answer = tokenizer(example["answer"]).input_ids + [tokenizer.eos_token_id]
-    return Sample(prompt, answer, [0.0] * len(answer), [0] * len(answer), advantage=1.0)
+def sft_sample(demo) -> Sample:
+    """A supervised sample from an environment's demonstration: its model tokens are the loss tokens
+    (environment tokens, mask 0, are context only)."""
+    n = len(demo.completion_ids)
+    return Sample(demo.prompt_ids, demo.completion_ids, [0.0] * n, [0] * n, advantage=1.0, mask=demo.mask)
 
 
 def vocab_size(model_dir) -> int | None:
@@ -160,10 +160,11 @@ class Trainer:
         if not steps:
             return
         opt, sched = self.make_optimizer(sft.lr, steps)
-        task = make_task(self.cfg.task, self.cfg.run.seed + SFT_SEED_OFFSET)
+        env = make_env(self.cfg.env, self.cfg.task, self.cfg.run.seed + SFT_SEED_OFFSET, self.tokenizer,
+                       self.cfg.sampling, 1, False)
         for step in range(steps):
             t0 = time.perf_counter()
-            samples = [sft_sample(self.tokenizer, task.example(step * sft.batch_size + i)) for i in range(sft.batch_size)]
+            samples = [sft_sample(env.demonstration(step * sft.batch_size + i)) for i in range(sft.batch_size)]
             mbs = pack(samples, self.dims.dp_size, self.tcfg.micro_batch_tokens)[self.dims.dp_rank(self.rank)]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)

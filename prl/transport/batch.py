@@ -2,7 +2,9 @@
 
 A sample of prompt P and completion C becomes one stretch of a packed row: input ids P+C minus
 the last token, targets shifted by one, a loss mask over the completion, and per loss token
-the inference logprob, the advantage and the policy version that produced it. Position ids
+the inference logprob, the advantage and the policy version that produced it. A multi-turn
+completion interleaves model and environment tokens: `mask` says which are the model's (1, trained)
+and which the environment's (0: tool results, feedback, template tokens; never trained, version -1). Position ids
 restart at 0 for every sample, which is how the model keeps packed samples apart. Packing is
 first-fit-decreasing into bins of `max_tokens`; every rank gets the same number of micro-batches
 (an empty one where needed) because each forward/backward under FSDP is a collective.
@@ -24,10 +26,17 @@ class Sample:
     advantage: float = 0.0
     reward: float = 0.0
     routing: torch.Tensor | None = None  # [num_tokens, MoE layers, k]: experts the engine used per input token
+    mask: list[int] | None = None  # per completion token: 1 the model's (trained), 0 the environment's; None: all 1
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids) - 1
+
+    def model_versions(self) -> list[int]:
+        """The policy versions of the model's tokens (environment tokens have none)."""
+        if self.mask is None:
+            return list(self.versions)
+        return [v for v, m in zip(self.versions, self.mask) if m]
 
 
 @dataclass
@@ -112,7 +121,8 @@ def check_micro_batch(mb: MicroBatch, where: str, vocab_size: int | None) -> Non
 def sample_arrays(s: Sample) -> dict[str, list]:
     seq = s.prompt_ids + s.completion_ids
     n, p = len(seq) - 1, len(s.prompt_ids)
-    loss = [i >= p - 1 for i in range(n)]
+    mask = s.mask if s.mask is not None else [1] * len(s.completion_ids)
+    loss = [False] * (p - 1) + [bool(m) for m in mask]
     pad = [0.0] * (p - 1)
     return {
         "input_ids": seq[:-1],
@@ -120,8 +130,8 @@ def sample_arrays(s: Sample) -> dict[str, list]:
         "target_ids": seq[1:],
         "loss_mask": loss,
         "advantages": [s.advantage if m else 0.0 for m in loss],
-        "infer_logprobs": pad + list(s.logprobs),
-        "versions": [-1] * (p - 1) + list(s.versions),
+        "infer_logprobs": pad + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask)],
+        "versions": [-1] * (p - 1) + [v if m else -1 for v, m in zip(s.versions, mask)],
     }
 
 

@@ -1,0 +1,116 @@
+"""Turns of code execution: the model writes a program, prl runs it in the sandbox (`prl.sandbox`,
+a pool of workers so a hung program never blocks generation), and its outcome (exit code, output,
+errors, capped) comes back as the next turn's environment tokens; the episode ends when a program
+passes or at a limit. The reward comes from the final state: 1 for a passing program, else half the
+similarity of its output to the target (a program that cannot run: 0).
+
+Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
+prints `ok` or `got:... want:...` as a test runner would) and `python` (a Hugging Face model's
+```python block or its whole answer; it passes when its stdout, stripped, is the example's answer).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+from prl.envs.multi_turn import Episode, MultiTurnEnv
+from prl.envs.tools import cap
+from prl.tasks.builtin import edit_similarity
+
+HARNESS = (Path(__file__).parent / "minilang.py").read_text()
+
+
+class LazySandbox:
+    """The recipe's sandbox pool, made on first use: a process that only asks for demonstrations
+    (the trainer's warm start) never needs one."""
+
+    def __init__(self, cfg):
+        self.cfg, self.pool = cfg, None
+
+    async def run(self, code, **kw):
+        if self.pool is None:
+            from prl.sandbox import SandboxPool
+
+            c = self.cfg
+            self.pool = SandboxPool(concurrency=c.concurrency, isolation=c.isolation, timeout_s=c.timeout_s,
+                                    memory_mb=c.memory_mb, max_procs=c.max_procs, max_output_bytes=c.max_output_bytes)
+        return await self.pool.run(code, **kw)
+FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
+
+
+class CodeEnv(MultiTurnEnv):
+    def __init__(self, sandbox, language: str, max_env_chars: int, **kw):
+        super().__init__(**kw)
+        self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
+
+    async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
+        result = await self.execute(text, example)
+        ep.stats["executions"] += 1
+        ep.stats["sandbox_s"] += result.wall_s
+        if result.timed_out:
+            ep.stats["timeouts"] += 1
+        elif result.killed_reason:
+            ep.stats["kills"] += 1
+        passed = self.passed(result, example)
+        ep.attempts.append(passed)
+        ep.last_output = result.stdout.strip()
+        if passed:
+            return None
+        ep.replies.append(self.feedback(result))
+        return self.fmt.reply_ids("feedback", ep.replies[-1])
+
+    async def execute(self, text: str, example: dict):
+        if self.language == "minilang":
+            return await self.sandbox.run(HARNESS, language="python", stdin=f"{example['answer']}\n{text.strip()}")
+        m = FENCE.search(text)
+        return await self.sandbox.run(m.group(1) if m else text, language="python")
+
+    def passed(self, result, example: dict) -> bool:
+        if self.language == "minilang":
+            return result.exit_code == 0 and result.stdout.strip() == "ok"
+        return result.exit_code == 0 and result.stdout.strip() == example["answer"]
+
+    def feedback(self, result) -> str:
+        if self.language == "minilang":
+            out = result.stdout.strip() or ("err:timeout" if result.timed_out else "err:no output")
+            return cap(out, self.max_env_chars)
+        why = f" ({result.killed_reason})" if result.killed_reason else ""
+        return cap(f"exit code {result.exit_code}{why}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}",
+                   self.max_env_chars)
+
+    def demonstration(self, index: int):
+        """A passing program; for half the examples first a failing one (context only, not learned),
+        the harness's real feedback on it, then the fix."""
+        example, rng = self.task.example(index), random.Random(index)
+        ep = Episode(self.prompt_ids(example))
+        answer = example["answer"]
+        if rng.random() < 0.5 and len(set(answer)) > 1:
+            wrong = "".join(rng.sample(answer, len(answer)))
+            while wrong == answer:
+                wrong = "".join(rng.sample(answer, len(answer)))
+            self.model_turn(ep, self.program(wrong), learn=False)
+            self.env_turn(ep, self.fmt.reply_ids("feedback", self.expected_feedback(wrong, answer)))
+        self.model_turn(ep, self.program(answer))
+        return self.demo(ep)
+
+    def program(self, output: str) -> str:
+        return f"p {output}" if self.language == "minilang" else f"```python\nprint({output!r})\n```"
+
+    def expected_feedback(self, printed: str, answer: str) -> str:
+        """What running `program(printed)` answers (computed here: it is prl's own program, not the
+        model's)."""
+        if self.language == "minilang":
+            return f"got:{printed} want:{answer}"
+        return f"exit code 0\nstdout:\n{printed}\n\nstderr:\n"
+
+    def score(self, ep: Episode, example: dict) -> float:
+        if ep.attempts and ep.attempts[-1]:
+            return 1.0
+        out = ep.last_output
+        got = out.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else out
+        if not got or got.startswith("err:"):
+            return 0.0
+        return 0.5 * edit_similarity(got, example)
+

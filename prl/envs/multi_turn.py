@@ -1,0 +1,137 @@
+"""The multi-turn loop: sample, let the environment answer, append its answer as token ids, sample
+again, until the model is done, `max_turns`, or the token budget.
+
+Tokens in, tokens out: every request sends the whole history as ids (the server's prefix cache,
+salted by version, makes its prefill cost only the new tokens); the model's tokens are kept exactly
+as sampled (mask 1, with their logprobs and versions) and the environment's are appended as ids
+(mask 0, version -1), never re-tokenised with the history. R3: the engine's routing for every input
+token (prompt, model and environment tokens) is collected turn by turn (`routing_start`), so the
+trainer's forward replays them all. A trajectory cut by a limit is still scored and trained, marked
+truncated; the history never ends in environment tokens (nothing was sampled after them).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+from prl.envs.base import Environment, Sampler, Trajectory
+from prl.inference.protocol import GenerateRequest, decode_routing
+
+
+@dataclass
+class Episode:
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routing: list = field(default_factory=list)  # tensors, one row per input token so far
+    turns: int = 0
+    truncated: bool = False
+    last_text: str = ""  # the model's last turn, decoded
+    last_output: str = ""  # code: the last program's output
+    replies: list[str] = field(default_factory=list)  # the environment's answers, as text
+    stats: Counter = field(default_factory=Counter)
+    attempts: list[bool] = field(default_factory=list)  # code: did each program pass
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def add_model(self, completion) -> None:
+        self.ids += completion.token_ids
+        self.mask += [1] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+        self.stats["model_tokens"] += len(completion.token_ids)
+
+    def add_env(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.stats["env_tokens"] += len(ids)
+
+
+class MultiTurnEnv(Environment):
+    """Subclasses say how the environment answers a turn (`respond`) and how an episode scores."""
+
+    def __init__(self, task, tokenizer, fmt, sampling, group_size: int, router_replay: bool, max_turns: int,
+                 max_total_tokens: int):
+        self.task, self.tokenizer, self.fmt, self.sampling = task, tokenizer, fmt, sampling
+        self.group_size, self.router_replay = group_size, router_replay
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+
+    def example(self, index: int) -> dict:
+        return self.task.example(index)
+
+    def prompt_ids(self, example: dict) -> list[int]:
+        return self.fmt.prompt_ids(example["prompt"], [])
+
+    @abc.abstractmethod
+    async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
+        """The environment's answer to the model's turn as token ids, or None: the episode is over."""
+
+    @abc.abstractmethod
+    def score(self, ep: Episode, example: dict) -> float: ...
+
+    async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]:
+        return list(await asyncio.gather(*(self.episode(example, sampler) for _ in range(self.group_size))))
+
+    async def episode(self, example: dict, sampler: Sampler) -> Trajectory:
+        ep = Episode(self.prompt_ids(example))
+        while True:
+            await self.sample_turn(ep, sampler)
+            reply = await self.respond(ep, ep.last_text, example)
+            if reply is None:
+                break
+            if ep.turns >= self.max_turns or len(ep.ids) + len(reply) >= self.max_total_tokens:
+                ep.truncated = True  # a limit ends it: scored as it stands, marked
+                break
+            ep.add_env(reply)
+        return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
+                          routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep))
+
+    async def sample_turn(self, ep: Episode, sampler: Sampler) -> None:
+        held = sum(len(r) for r in ep.routing)  # input positions whose routing this episode holds
+        req = GenerateRequest(
+            prompt_ids=ep.history, max_tokens=max(1, min(self.sampling.max_tokens, self.max_total_tokens - len(ep.ids))),
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=1,
+            return_routing=self.router_replay, routing_start=held,
+        )
+        resp = await sampler.generate(req)
+        c = resp.completions[0]
+        if resp.prompt_routing is not None:
+            ep.routing += [decode_routing(resp.prompt_routing), decode_routing(c.routing)]
+        ep.add_model(c)
+        ep.turns += 1
+        ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def routing_of(ep: Episode):
+        if not ep.routing:
+            return None
+        import torch
+
+        return torch.cat(ep.routing)
+
+    def model_turn(self, ep: Episode, text: str, learn: bool = True) -> None:
+        """A demonstration's model turn: `text` and the end-of-turn token; learned (mask 1), or kept as
+        context only (a wrong first try the demonstration then fixes)."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        ep.ids += ids
+        ep.mask += [int(learn)] * len(ids)
+
+    def env_turn(self, ep: Episode, ids: list[int]) -> None:
+        ep.ids += ids
+        ep.mask += [0] * len(ids)
+
+    def demo(self, ep: Episode, reward: float = 1.0) -> Trajectory:
+        n = len(ep.ids)
+        return Trajectory(ep.prompt_ids, ep.ids, [0.0] * n, [0] * n, reward, mask=ep.mask)
+
+    def info(self, ep: Episode) -> dict:
+        return {"turns": ep.turns, "truncated": ep.truncated, "attempts": ep.attempts, **ep.stats}

@@ -1,0 +1,52 @@
+"""Turns with tools: the model answers or calls tools; prl runs the calls and appends their results
+as environment tokens; the model's last turn without a call is its answer, scored by the task."""
+
+from __future__ import annotations
+
+from prl.envs.multi_turn import Episode, MultiTurnEnv
+from prl.envs.tools import ToolBox
+
+
+class ToolEnv(MultiTurnEnv):
+    def __init__(self, toolbox: ToolBox, **kw):
+        super().__init__(**kw)
+        self.toolbox = toolbox
+
+    def prompt_ids(self, example: dict) -> list[int]:
+        return self.fmt.prompt_ids(example["prompt"], list(self.toolbox.tools.values()))
+
+    async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
+        calls = self.fmt.parse_calls(text, self.toolbox.tools)
+        if not calls:
+            return None  # an answer: the episode is over
+        results = []
+        for call in calls:
+            ep.stats["tool_calls"] += 1
+            if call.error:
+                ep.stats["tool_errors"] += 1
+                ep.stats["tool_error.malformed"] += 1
+                results.append(f"error: {call.error}")
+                continue
+            out = await self.toolbox.call(call.name, call.args)
+            if out.error:
+                ep.stats["tool_errors"] += 1
+                ep.stats[f"tool_error.{out.error}"] += 1
+            results.append(out.text)
+        ep.replies.append("\n".join(results))
+        return self.fmt.reply_ids("tool", ep.replies[-1])
+
+    def demonstration(self, index: int):
+        """The example's own calls (`example["calls"]`: [name, arguments] pairs, if the task gives
+        them), each followed by the tool's real result, then the answer."""
+        example = self.task.example(index)
+        ep = Episode(self.prompt_ids(example))
+        for name, args in example.get("calls", []):
+            self.model_turn(ep, self.fmt.call_text(name, args))
+            self.env_turn(ep, self.fmt.reply_ids("tool", str(self.toolbox.tools[name].fn(**args))))
+        self.model_turn(ep, example["answer"])
+        return self.demo(ep)
+
+    def score(self, ep: Episode, example: dict) -> float:
+        if self.fmt.parse_calls(ep.last_text, self.toolbox.tools):
+            return 0.0  # cut by a limit while still calling tools: no answer
+        return self.task.reward(ep.last_text, example)

@@ -1,0 +1,28 @@
+"""A task no model can solve without its tool: each key's code is a hash, known only to the `get`
+tool. `recipes/tool-tiny.toml` trains prl's tiny model to call `get` and answer with its result.
+Use it as `task.dataset = "prl.tasks.lookup:dataset"`, `task.reward = "prl.tasks.lookup:reward"` and
+`env.tools = ["prl.tasks.lookup:get"]`."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+LETTERS = "abcdefgh"
+
+
+def get(key: str) -> str:
+    """The code of `key` (four hexadecimal digits)."""
+    return hashlib.sha256(f"prl-lookup:{key}".encode()).hexdigest()[:4]
+
+
+def dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
+    rng = random.Random(seed * 1_000_003 + index)
+    key = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+    return {"prompt": f"key:{key}=", "answer": get(key), "calls": [["get", {"key": key}]]}
+
+
+def reward(completion: str, example: dict) -> float:
+    """1 for the code, else the share of its four digits in place."""
+    got, want = completion.strip(), example["answer"]
+    return sum(a == b for a, b in zip(got, want)) / len(want) if got != want else 1.0
