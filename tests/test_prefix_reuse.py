@@ -152,3 +152,55 @@ def test_matches_are_per_token_and_a_hash_collision_is_a_miss(monkeypatch):
     monkeypatch.setattr(pc, "hash", lambda _: 0, raising=False)  # every block key the same
     colliding.insert(0, base, cache=None, routing=None)
     assert colliding.lookup(0, tuple(range(2 * BLOCK + 5))) is None
+
+
+class MemoryStore:
+    """The calls `KvPool` makes on a Mooncake store, over a dict (no master needed)."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+
+    def batch_is_exist(self, keys):
+        return [1 if k in self.objects else 0 for k in keys]
+
+    def get_size(self, key):
+        return len(self.objects.get(key, b""))
+
+    def get(self, key):
+        return self.objects[key]
+
+    def put(self, key, data):
+        self.objects[key] = bytes(data)
+        return 0
+
+    def close(self):
+        pass
+
+
+def test_local_reuse_and_the_kv_pool_together(model):
+    """A conversation's turn reuses its own server's KV first and offers the pool only the chunks it
+    lacks; another server then loads the whole history's chunks from the pool (issue 22: a
+    conversation moving to another server) with the same routing as a fresh prefill."""
+    from prl.inference.kv_pool import KvPool
+
+    store, chunk = MemoryStore(), 8
+    a = EngineCore(model, capture_routing=True, pool=KvPool(store, "run", chunk))
+    b = EngineCore(model, capture_routing=True, pool=KvPool(store, "run", chunk))
+    finish(a, [sampled([4, 5, 6], 0, n=2)])  # each engine's first prefill learns its cache layout
+    finish(b, [sampled([4, 5, 7], 0, n=2)])
+    first = finish(a, [sampled(list(range(4, 4 + 3 * chunk + 3)), seed=1)])[0]
+    history = first.prompt_ids + first.out_ids + [9] * ENV
+    a.pool.flush()
+    puts, hits = a.pool.stats.stored_chunks, a.stats.prefix_hit_tokens
+    second = finish(a, [sampled(history, seed=2)])[0]
+    a.pool.flush()
+    assert a.stats.prefix_hit_tokens - hits == len(first.prompt_ids) + len(first.out_ids) - 1
+    assert a.pool.stats.hit_tokens == 0, "the local KV was longer than the pool's"
+    assert a.pool.stats.stored_chunks - puts == len(history) // chunk - len(first.prompt_ids) // chunk
+    third = second.prompt_ids + second.out_ids + [9] * ENV
+    before = b.stats.prefill_tokens
+    moved = finish(b, [sampled(third, seed=3)])[0]
+    assert b.pool.stats.hit_tokens == len(history) // chunk * chunk, "the history's chunks came from the pool"
+    assert b.stats.prefill_tokens - before == len(third) - len(history) // chunk * chunk
+    fresh = finish(EngineCore(model, capture_routing=True, prefix_cache_entries=0), [sampled(third, seed=3)])[0]
+    assert moved.out_ids == fresh.out_ids and torch.equal(moved.prompt_routing, fresh.prompt_routing)

@@ -228,7 +228,8 @@ class EngineCore:
 
     def _start(self, prompt: list[int], hit: Hit | None):
         """Where the prompt's forward starts: (tokens reused, their cache, their routing, KV-pool chunks
-        used). The pool is asked only when its full chunks could cover more than the local hit."""
+        used). The pool is asked only when its full chunks could cover more than the local hit; the
+        chunks it gives, once read, are used unless the local hit is longer."""
         done = hit.tokens if hit is not None else 0
         if done and self.capture is not None and hit.entry.routing is None:
             done = 0  # cannot give the prefix's routing (R3): compute it
@@ -237,7 +238,7 @@ class EngineCore:
         if self.pool is None or self.template is None or (len(prompt) - 1) // self.pool.chunk * self.pool.chunk <= done:
             return local
         chunks = self.pool.fetch(self.version, prompt)
-        if len(chunks) * self.pool.chunk <= done:
+        if not chunks or len(chunks) * self.pool.chunk < done:
             return local
         cache, routing = fill_cache(self.template, chunks, self.device)
         if self.capture is not None and routing is None:
