@@ -271,3 +271,26 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert asyncio.run(env.respond(ep, "r abc", ex)) is None  # passes: the episode is over
     assert ep.attempts == [False, False, True] and ep.stats["executions"] == 3
     assert env.score(ep, ex) == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["code-tiny", "tool-tiny"])
+def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):
+    """A shortened `prl run` of each agentic recipe: multi-turn rollouts (programs in the sandbox, or
+    tool calls) reach the trainer, and the step events carry the environment's figures."""
+    import json
+
+    from conftest import ROOT, prl_cmd
+
+    p = subprocess.run(prl_cmd("run", ROOT / "recipes" / f"{recipe}.toml", "--no-tui", "--set", "sft.steps=3",
+                               "--set", "rl.max_steps=2", "--set", f"run.output_dir={tmp_path}"),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / recipe / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "orch_step"]
+    assert len(steps) == 2 and all(e["env_turns_mean"] >= 1 and e["env_model_tokens"] > 0 for e in steps)
+    if recipe == "code-tiny":
+        assert all(e["sandbox_executions"] >= 32 for e in steps), steps  # every trajectory ran a program
+    else:
+        assert all("env_tool_calls_per_turn" in e for e in steps)
+    assert sum(e["kind"] == "trainer_step" and e["stage"] == "rl" for e in events) == 2
