@@ -13,12 +13,13 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from prl.tasks import import_function
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -41,13 +42,9 @@ class CallResult:
 
 
 def load_tool(spec: str) -> Tool:
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.tools: {spec!r}: cannot import ({e})") from None
-    if not callable(fn):
-        raise ValueError(f"env.tools: {spec!r} is not a function")
+    """`module:function` imported (a ValueError naming `env.tools` when it cannot be)."""
+    name = spec.partition(":")[2]
+    fn = import_function(spec, "env.tools")
     return Tool(name, fn, tool_schema(name, fn))
 
 

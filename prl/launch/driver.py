@@ -171,6 +171,27 @@ def check_task(recipe: Recipe) -> None:
         task.reward("", task.example(0))
     except ValueError as e:
         raise RecipeError(f"invalid task, nothing was started: {e}") from None
+    check_env(recipe)
+
+
+def check_env(recipe: Recipe) -> None:
+    """The environment's tools import, and model-written code has a sandbox here (on a cluster the
+    orchestrator's host must offer one; `prl doctor` does not check it yet)."""
+    from prl.envs.tools import load_tool
+
+    try:
+        for spec in recipe.env.tools:
+            load_tool(spec)
+    except ValueError as e:
+        raise RecipeError(f"invalid environment, nothing was started: {e}") from None
+    if recipe.env.kind == "code" and recipe.cluster is None:
+        from prl.sandbox import SandboxUnavailable, check
+
+        try:
+            check(recipe.env.sandbox.isolation)
+        except SandboxUnavailable as e:
+            raise RecipeError(f"env.sandbox.isolation = {recipe.env.sandbox.isolation!r}: {e}; nothing was "
+                              f"started") from None
 
 
 def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:

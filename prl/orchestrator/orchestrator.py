@@ -115,6 +115,9 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.log.emit("orchestrator", state="waiting for the trainer")
+        if self.cfg.env.kind == "code" and self.cfg.env.sandbox.isolation == "none":  # shown by the dashboard
+            self.log.emit("error", name=self.cfg.name, line="env.sandbox.isolation = 'none': model-written code "
+                          "runs without namespaces (its own uid and rlimits only)")
         self.start_step, self.next_prompt = await self.trainer.resume_point()
         self.position = self.next_prompt  # data position shipped so far: never goes back
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
