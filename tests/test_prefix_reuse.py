@@ -58,7 +58,7 @@ def test_a_growing_history_computes_only_its_new_tokens_and_samples_the_same(mod
     assert reused[0][0] == 21, "turn 1: the prompt once; the second branch reuses it whole"
     for computed, _ in reused[1:]:
         assert computed == 2 * (ENV + 1), "per branch: the environment tokens and the last sampled token"
-    for (computed, seqs), (_, ref) in zip(reused[1:], plain[1:]):
+    for (computed, _), (_, ref) in zip(reused[1:], plain[1:]):
         assert computed < sum(len(s.prompt_ids) for s in ref)
     for (_, seqs), (_, ref) in zip(reused, plain):
         for s, r in zip(seqs, ref):
