@@ -148,6 +148,16 @@ def test_a_three_turn_tool_trajectory_trains_exactly_the_sampled_ids(served):
     assert all(v == -1 for v, m in zip(t.versions, t.mask) if not m)
     logps = [lp for r in responses for lp in r.completions[0].logprobs]
     assert mb.infer_logprobs[mb.loss_mask].tolist() == pytest.approx(logps)
+    # the trainer's forward over the packed row gives the engine's logprobs (the engine reused its
+    # cached history between turns; the trainer computes the whole row at once)
+    from prl.model.build import build_model
+    from prl.trainer.loss import token_logprobs
+
+    model = build_model(served[1] / "model")
+    with torch.no_grad():
+        out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    mine = token_logprobs(out.logits[0], mb.target_ids)[mb.loss_mask]
+    assert torch.allclose(mine, mb.infer_logprobs[mb.loss_mask], atol=1e-4), (mine - mb.infer_logprobs[mb.loss_mask])
 
 
 def test_routing_covers_every_input_token_across_turns(served):
