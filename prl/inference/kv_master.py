@@ -62,13 +62,23 @@ def address(cfg) -> MasterAddress:
     return MasterAddress(found[0], *found[1]) if found is not None else MasterAddress(**cfg.kv_master)
 
 
+def empty_folder(path: str) -> None:
+    """The disk tier's folder, made if missing and emptied: KV of an earlier run under the same name
+    and version would match."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
 def main(argv: list[str]) -> None:
     """`--config CFG`: pick the master's ports (the last published or configured ones if free, else
     others; on one machine only), publish them, empty the disk tier (KV of an earlier run under the
     same name and version would match), then exec `mooncake_master`."""
     import os
-    import shutil
-    from pathlib import Path
 
     from prl.recipe.resolve import load_process_config
     from prl.transport import ports
@@ -83,10 +93,7 @@ def main(argv: list[str]) -> None:
     pool = cfg.kv_pool
     disk = f"{pool.disk_path.rstrip('/')}/{cfg.run.name}" if pool.disk_path else None
     if disk:
-        folder = Path(disk)
-        folder.mkdir(parents=True, exist_ok=True)
-        for entry in folder.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        empty_folder(disk)
     command = master_command(addr, sys.executable, disk, pool.disk_gb)
     print(f"{cfg.name}: master at {addr.master}, metadata {addr.metadata}", flush=True)
     os.execvp(command[0], command)
@@ -131,9 +138,11 @@ def spawn_master(host: str = "127.0.0.1", disk: str | None = None):
     import subprocess
     import time
 
-    from prl.recipe.resolve import free_port
+    from prl.transport import ports
 
-    addr = MasterAddress(host, free_port(host), free_port(host), free_port(host))
+    addr = MasterAddress(host, *ports.pick(host, [0, 0, 0]))
+    if disk:
+        empty_folder(disk)
     proc = subprocess.Popen(master_command(addr, disk=disk), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not healthy(addr):
         if proc.poll() is not None:

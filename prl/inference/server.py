@@ -190,7 +190,8 @@ def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
         return Metrics(
             version=core.version, running=len(core.running), waiting=len(core.waiting), paused=loop.paused,
             generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, prefill_tokens=st.prefill_tokens,
-            prefix_hits=st.prefix_hits, weight_loads=st.weight_loads, tokens_per_s=loop.tokens_per_s(),
+            prefix_hits=st.prefix_hits, prefix_hit_tokens=st.prefix_hit_tokens, weight_loads=st.weight_loads,
+            tokens_per_s=loop.tokens_per_s(),
             pool_hit_tokens=pool.hit_tokens if pool else 0, pool_stored_chunks=pool.stored_chunks if pool else 0,
             pool_errors=pool.errors if pool else 0, pool_full=pool.full if pool else 0,
             pool_dropped=pool.dropped if pool else 0,
