@@ -271,7 +271,7 @@ def test_chat_format_parses_qwen_tool_calls_and_renders_results_as_the_template_
 def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_output():
     from prl.envs.multi_turn import Episode
 
-    recipe = Recipe.model_validate({"env": {"kind": "code", "max_turns": 3}})
+    recipe = Recipe.model_validate({"env": {"kind": "code", "max_turns": 3, "max_total_tokens": 64}})
     env = make_env(recipe.env, recipe.task, 0, char_tokenizer(), recipe.sampling, 1, False)
     ex = {"prompt": "rev:abc=", "answer": "cba"}
     tok = char_tokenizer()
