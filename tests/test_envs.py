@@ -284,7 +284,7 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["code-tiny", "tool-tiny"])
+@pytest.mark.parametrize("recipe", ["code-tiny"])  # tool calls end to end: the server-backed tests above
 def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):
     """A shortened `prl run` of each agentic recipe: multi-turn rollouts (programs in the sandbox, or
     tool calls) reach the trainer, and the step events carry the environment's figures."""

@@ -64,7 +64,7 @@ class Result:
     killed_reason: Optional[str]
     wall_s: float
     cpu_s: float
-    max_rss_mb: float
+    max_rss_mb: Optional[float]  # None: not above the caller's own peak, which Linux carries into the child
     signal: Optional[str] = None
     isolation: str = "namespaces"
     cgroup: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import selectors
 import shutil
 import signal
@@ -158,6 +159,9 @@ class _Watch:
         self.exited_at: Optional[float] = None
         self.status: Optional[int] = None
         self.rusage = None
+        # Linux keeps a process's peak RSS across fork and exec: the command starts with ours as its
+        # peak, so a peak not above it cannot be told from ours
+        self.parent_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         self.wall_s = 0.0
 
     def run(self) -> None:
@@ -259,7 +263,8 @@ def _result(watch: _Watch, limits: Limits, cgroup: Optional[Cgroup], isolation: 
     return Result(exit_code=code, stdout=_text(out, watch.out_fd in watch.over, "stdout", limits),
                   stderr=_text(err, watch.err_fd in watch.over, "stderr", limits),
                   timed_out=reason == "timeout", killed_reason=reason, wall_s=round(watch.wall_s, 4),
-                  cpu_s=round(cpu, 4), max_rss_mb=round(rss_kb / 1024, 2),
+                  cpu_s=round(cpu, 4),
+                  max_rss_mb=round(rss_kb / 1024, 2) if rss_kb > watch.parent_rss_kb else None,
                   signal=sig, isolation=isolation, cgroup=cgroup is not None)
 
 

@@ -214,8 +214,8 @@ class VllmBackend(InferenceBackend):
 
     async def end_session(self) -> None:
         """vLLM ends a weight-update session when an update fails; end it in any case (best effort)."""
-        try:
-            await self.post("/finish_weight_update")
+        try:  # ending a session twice is harmless: sent again if its connection broke (vLLM may close one after a 500)
+            await self.post("/finish_weight_update", repeatable=True)
         except BackendError:
             pass
 
