@@ -113,12 +113,6 @@ class ChatFormat:
             end += len(self.eos_text)
         return self.tokenizer(full[end:], add_special_tokens=False).input_ids
 
-    def renders_as_sampled(self, messages: list[dict], sampled_text: str) -> bool:
-        """Whether the template renders the conversation as the tokens sampled (else a peer that
-        re-renders the history each turn would train other tokens than were sampled)."""
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        return rendered.startswith(sampled_text) or sampled_text.startswith(rendered)
-
 
 def make_format(kind: str, tokenizer):
     """`kind`: "tiny", "chat", or "auto" (chat when the tokenizer has a chat template)."""

@@ -24,7 +24,6 @@ def summarize(infos: list[dict]) -> dict:
         "env_truncated_share": sum(bool(i.get("truncated")) for i in infos) / len(infos),
         "env_tokens": sum(i.get("env_tokens", 0) for i in infos),
         "env_model_tokens": sum(i.get("model_tokens", 0) for i in infos),
-        "env_retokenize_forks": sum(i.get("retokenize_forks", 0) for i in infos),
     }
     if any("executions" in i for i in infos):
         out.update(sandbox_executions=sum(i.get("executions", 0) for i in infos),

@@ -114,15 +114,19 @@ class Layout:
         self.pool_place = place[recipe.inference.kv_pool.host or p.inference[0]]
         self.pick = None
 
-    def server_ports(self) -> list[int]:
+    def server_slots(self) -> list[int]:
+        """Each server's slot on its own host (0, 1, ... per host, in placement order)."""
+        seen: dict[str, int] = {}
+        out = []
+        for pl in self.server_places:
+            out.append(seen.get(pl.node, 0))
+            seen[pl.node] = out[-1] + 1
+        return out
+
+    def server_ports(self, slots: list[int]) -> list[int]:
         inf = self.recipe.inference
         if self.recipe.cluster is not None:  # ports count up per host
-            seen: dict[str, int] = {}
-            out = []
-            for pl in self.server_places:
-                out.append(self.recipe.cluster.inference_port + seen.get(pl.node, 0))
-                seen[pl.node] = seen.get(pl.node, 0) + 1
-            return out
+            return [self.recipe.cluster.inference_port + k for k in slots]
         return [inf.port + i if inf.port else self.pick() for i in range(inf.num_servers)]
 
     def trainer_port(self) -> int:
@@ -167,9 +171,8 @@ def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
 def server_configs(recipe: Recipe, lay: Layout, common, trainer_url: str) -> list[ServerConfig]:
     inf, out = recipe.inference, []
     per = recipe.placement_or_default().gpus_per_server if recipe.cluster is not None else 1
-    seen: dict[str, int] = {}
-    for i, (pl, port) in enumerate(zip(lay.server_places, lay.server_ports())):
-        k = seen[pl.node] = seen.get(pl.node, -1) + 1  # this server's slot on its host
+    slots = lay.server_slots()
+    for i, (pl, k, port) in enumerate(zip(lay.server_places, slots, lay.server_ports(slots))):
         out.append(ServerConfig(
             name=f"inference-{i}", host=pl.address, port=port, index=i, inference=inf,
             router_replay=recipe.trainer.router_replay, pretrained=bool(recipe.model.path),

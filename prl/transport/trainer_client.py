@@ -49,8 +49,9 @@ class TrainerClient:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
-                if self.locate and self.locate() != self.base_url:  # it moved: not a hang, ask there now
-                    self.base_url = self.http.base_url = self.locate()
+                moved = self.locate() if self.locate else self.base_url
+                if moved != self.base_url:  # it moved: not a hang, ask there now
+                    self.base_url = self.http.base_url = moved
                     continue
                 if isinstance(e, httpx.TimeoutException) and not self.hung and self.on_hang:
                     self.hung = True
