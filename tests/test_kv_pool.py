@@ -155,6 +155,7 @@ def test_a_dead_master_costs_recomputation_not_requests(model_dir, tmp_path):
         proc.wait(30)
     a.version = 7  # look the prompt up again under a new key
     again = generate(a, PROMPT)
+    a.pool.flush()  # the put after the prefill is the worker's: wait for it before counting errors
     assert again.finish_reason is not None and len(again.out_ids) == len(reference.out_ids)
     assert a.pool.stats.errors >= 1 and not a.pool.usable(), "the pool is off for a while"
     assert again.out_ids == reference.out_ids

@@ -121,6 +121,9 @@ class KvPool:
         except Exception:  # noqa: BLE001 - the pool is an optimisation: never fail the request
             self.failed()
             return []
+        if any(there < 0 for there in present):  # Mooncake answers -1 per key when the master is gone
+            self.failed()
+            return []
         chunks = []
         for key, there in zip(keys, present):
             if there != 1:
