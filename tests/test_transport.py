@@ -104,21 +104,29 @@ def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
     state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     write_weights(root / "v1", state, {"version": 1})
 
+    polling, latest = threading.Event(), endpoint.latest
+
+    def spy(after, wait_s):  # the endpoint's long poll for a version after 1 has begun
+        if after == 1:
+            polling.set()
+        return latest(after, wait_s)
+
+    endpoint.latest = spy
+
     def publish_later():
-        time.sleep(0.5)
+        polling.wait(60)
         write_weights(root / "v2", {k: v + 1 for k, v in state.items()}, {"version": 2})
 
     async def poll():
         client = TrainerClient(url(endpoint), SECRET)
         now = await client.latest_version(after=-1, wait_s=5)
-        t0 = time.monotonic()
-        newer = await client.latest_version(after=1, wait_s=10)
+        newer = await client.latest_version(after=1, wait_s=120)
         await client.close()
-        return now, newer, time.monotonic() - t0
+        return now, newer
 
     threading.Thread(target=publish_later).start()
-    now, newer, waited = asyncio.run(poll())
-    assert (now, newer) == (1, 2) and 0.3 < waited < 5
+    # v2 is written only once the endpoint polls for a version after 1: answering 2 means it waited
+    assert asyncio.run(poll()) == (1, 2)
     fetch = HttpFetch(url(endpoint), SECRET, tmp_path / "server_host" / "weights", keep=1)
     got = fetch.fetch(2)
     from safetensors.torch import load_file
