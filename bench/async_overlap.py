@@ -67,6 +67,10 @@ def main() -> None:
         print(f"max_async_level={lvl}: {r['s_per_step']:.2f} s/step  trainer idle {r['trainer_idle']:.0%}  "
               f"inference idle {r['inference_idle']:.0%}  mean completion {r['completion_len']:.1f} tokens")
     print(f"speed-up async 2 vs sync: {best[0]['s_per_step'] / best[2]['s_per_step']:.2f}x")
+    print(json.dumps({"s_per_step_sync": round(best[0]["s_per_step"], 3), "s_per_step_async2": round(best[2]["s_per_step"], 3),
+                      "async_over_sync": round(best[0]["s_per_step"] / best[2]["s_per_step"], 3),
+                      "trainer_idle_sync": round(best[0]["trainer_idle"], 3),
+                      "trainer_idle_async2": round(best[2]["trainer_idle"], 3)}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ server); the embedded engine and `generate` run one thread.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import sys
 import random
@@ -147,6 +148,10 @@ def main() -> None:
     print(f"embedded engine : {e:8.0f} tokens/s")
     print(f"model.generate  : {g:8.0f} tokens/s")
     print(f"ratio engine/generate: {e / g:.2f}x" + (f", vLLM/engine: {v / e:.2f}x" if vll else ""))
+    line = {"engine_tokens_s": round(e), "generate_tokens_s": round(g), "engine_over_generate": round(e / g, 3)}
+    if vll:
+        line.update(vllm_tokens_s=round(v), vllm_over_generate=round(v / g, 3), vllm_over_engine=round(v / e, 3))
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

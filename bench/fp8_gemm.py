@@ -11,6 +11,7 @@ GPU was present: the reference exists to be right, not fast.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -41,6 +42,7 @@ def main() -> None:
     dev = "cuda" if gpu else "cpu"
     m = args.tokens if gpu else min(args.tokens, 256)
     print(f"device: {torch.cuda.get_device_name() if gpu else 'CPU (no GPU present)'}; FP8 backend: {backend()}; M={m}")
+    line = {"device": torch.cuda.get_device_name() if gpu else "cpu", "m": m}
     for name, (n, k) in SHAPES.items():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -51,9 +53,12 @@ def main() -> None:
             bf16_s = timed(lambda x=x, w=w: x @ w.t(), args.repeats)
             print(f"{name:14s} N={n} K={k}: bf16 {flops / bf16_s / 1e12:7.1f} TFLOP/s   "
                   f"fp8 {flops / fp8_s / 1e12:7.1f} TFLOP/s   ratio {bf16_s / fp8_s:.2f}x")
+            line[f"{name}_fp8_over_bf16"] = round(bf16_s / fp8_s, 3)
         else:
             print(f"{name:14s} N={n} K={k}: reference {fp8_s * 1e3:8.1f} ms ({flops / fp8_s / 1e9:.1f} GFLOP/s); "
                   f"no GPU present, no TFLOP/s to report")
+            line[f"{name}_reference_ms"] = round(fp8_s * 1e3, 1)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

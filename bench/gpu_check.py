@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     n_absent = len(results["absent"])
     print(f"gpu-check on {device}: {'FAILED: ' + ', '.join(bad) if bad else 'all checks passed'}"
           f"{f' ({n_absent} not present here)' if n_absent else ''}")
+    print(json.dumps({"device": device, "failed": bad, "not_present": n_absent, "sections": only}))
     sys.exit(1 if bad else 0)
 
 

@@ -17,6 +17,7 @@ All simulated hosts share this machine's CPUs, so CPU-bound steps (importing tor
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -103,6 +104,10 @@ def main() -> None:
         print(f"N={n}: cold/warm {by[(n, 'cold')] / by[(n, 'warm')]:.1f}x; warm serial/parallel "
               f"{by[(n, 'serial')] / by[(n, 'warm')]:.2f}x; cold vs N={small}: "
               f"{by[(n, 'cold')] / by[(small, 'cold')]:.2f}x time for {n / small:.0f}x hosts")
+    big = max(args.hosts)
+    print(json.dumps({**{f"total_s_n{n}_{lab}": round(t, 2) for (n, lab), t in by.items()},
+                      f"cold_over_warm_n{big}": round(by[(big, "cold")] / by[(big, "warm")], 2),
+                      f"serial_over_parallel_n{big}": round(by[(big, "serial")] / by[(big, "warm")], 2)}))
 
 
 if __name__ == "__main__":

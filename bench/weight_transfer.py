@@ -14,6 +14,7 @@ Loopback has no wire limit, so this measures prl's own overhead; on real hosts t
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -64,12 +65,15 @@ def main() -> None:
     ap.add_argument("--mb", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    line = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mb in args.mb:
             t = one_size(Path(tmp), mb, args.repeats)
+            line.update({f"http_MBps_{mb}MB": round(mb / t["http"]), f"http_over_copy_{mb}MB": round(t["http"] / t["copy"], 2)})
             print(f"{mb:5d} MB: http {t['http']:.3f}s ({mb / t['http']:6.0f} MB/s)   copy+verify {t['copy']:.3f}s "
                   f"({mb / t['copy']:6.0f} MB/s)   verify alone {t['verify']:.3f}s   http/copy "
                   f"{t['http'] / t['copy']:.2f}x", flush=True)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ orchestrator's call `load_weights(v)` is timed:
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import statistics
 import sys
@@ -103,10 +104,14 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"median of {args.updates} updates per cell; seconds")
     print(f"{'hidden':>6} {'weights MB':>10} | {'embedded total':>14} {'stall':>8} | {'vLLM total':>10} {'stall':>8}")
+    line = {}
     for hidden in args.hidden:
         r = measure(hidden, args.updates)
         (et, es), (vt, vs) = r["embedded"], r["vllm"]
         print(f"{hidden:>6} {r['MB']:>10.1f} | {et:>14.3f} {es:>8.3f} | {vt:>10.3f} {vs:>8.3f}", flush=True)
+        line.update({f"embedded_stall_s_h{hidden}": round(es, 4), f"vllm_stall_s_h{hidden}": round(vs, 4),
+                     f"vllm_stall_over_embedded_h{hidden}": round(vs / max(es, 1e-9), 1)})
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -64,13 +64,14 @@ def test_a_path_that_raised_fails_the_check_and_prints_its_traceback(monkeypatch
     assert r["failed"] == ["probe/deep_gemm"] and r["absent"] == {"probe/scaled_mm": "prl_no_such_gemm_library is not installed"}
     tail = printed[printed.index("## FAILED probe/deep_gemm"):]
     assert "Traceback (most recent call last)" in tail and "in cuda_kernel_fault" in tail and "illegal memory" in tail
-    assert "FAILED: probe/deep_gemm" in printed.splitlines()[-1]
+    assert "FAILED: probe/deep_gemm" in printed.splitlines()[-2]
+    assert json.loads(printed.splitlines()[-1])["failed"] == ["probe/deep_gemm"]
 
 
 def test_paths_not_present_are_listed_and_pass(monkeypatch, capsys, tmp_path):
     code, printed, r = run_main(monkeypatch, capsys, tmp_path, {"nccl": gpu_check.attempt(too_few_gpus), "ok": True})
     assert code == 0 and r["failed"] == [] and list(r["absent"]) == ["probe/nccl"]
-    assert "## not present here" in printed and printed.splitlines()[-1].endswith("all checks passed (1 not present here)")
+    assert "## not present here" in printed and printed.splitlines()[-2].endswith("all checks passed (1 not present here)")
 
 
 def test_the_gpu_tests_outcomes_are_read_from_pytests_report():
