@@ -127,3 +127,14 @@ def test_sharded_checkpoints_across_trainer_hosts_need_a_shared_folder():
     assert not any("checkpoint_format" in item for item in sharded.not_built())
     assert any("needs cluster.shared_checkpoints" in item for item in without_shared(sharded).not_built())
     assert not any("checkpoint_format" in item for item in without_shared(load_recipe(FLAGSHIP)).not_built())
+
+
+def test_the_flagship_header_names_exactly_what_run_refuses():
+    """The recipe's header says what `prl run` refuses; it must be what `not_built()` lists today."""
+    line = next(ln for ln in FLAGSHIP.read_text().splitlines() if "refuses what is not built yet" in ln)
+    named = [item.strip() for item in line.split("):", 1)[1].rstrip(".").replace(" = ", "=").split(",")]
+    refused = load_recipe(FLAGSHIP).not_built()
+    assert len(named) == len(refused), (named, refused)
+    for item in named:
+        key = item.split("=")[0].split(" ")[0]
+        assert any(r.startswith(key) for r in refused), (item, refused)
