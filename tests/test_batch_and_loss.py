@@ -98,12 +98,35 @@ def test_positive_advantage_raises_logprob(tiny_model):
 
 
 def test_stale_groups_are_dropped_and_counted():
-    buf = GroupBuffer(max_off_policy_steps=1)
+    buf = GroupBuffer(max_off_policy_steps=1, policy="drop")
     for v in (3, 4, 5):
-        buf.add(Group(v, [Sample([1], [2, 3], [0, 0], [v, v + 1])]))
+        buf.add(Group(v, [Sample([1], [2, 3, 4][: 6 - v], [0] * (6 - v), [v, v + 1, v + 1][: 6 - v])]))
     dropped = buf.drop_stale(step=5)
     assert [g.prompt_index for g in dropped] == [3]
-    assert buf.dropped_samples == 1 and [g.prompt_index for g in buf.take(5)] == [4, 5]
+    taken, ages = buf.take(5, step=5)
+    assert buf.dropped_samples == 1 and [g.prompt_index for g in taken] == [4, 5]
+    assert ages == {"off_policy_hist": {"0": 2, "1": 1}, "stale_tokens": 0}
+    # the longest trajectory (3 tokens, the top decile) was the one dropped: the bias is visible
+    fields = buf.lengths.fields([s for g in taken for s in g.samples])
+    assert fields["len_generated_max"] == 3 and fields["len_accepted_max"] == 2
+    assert fields["dropped_by_len_decile"][-1] == 1.0 and sum(fields["dropped_by_len_decile"][:-1]) == 0
+
+
+def test_stale_tokens_are_masked_or_kept_and_counted_never_dropped():
+    """A trajectory whose first tokens outlived the window: "mask" trains only its fresh tokens
+    (environment tokens stay masked), "correct" trains all of them; both count them; no group is dropped."""
+    def fill(policy):
+        buf = GroupBuffer(max_off_policy_steps=1, policy=policy)
+        buf.add(Group(0, [Sample([1], [2, 3, 4, 5], [0.0] * 4, [2, 3, -1, 4], mask=[1, 1, 0, 1])]))
+        buf.add(Group(1, [Sample([1], [6], [0.0], [4])]))
+        assert buf.drop_stale(step=4) == []
+        return buf.take(2, step=4)
+
+    masked, ages = fill("mask")
+    assert [s.mask for g in masked for s in g.samples] == [[0, 1, 0, 1], None]
+    assert ages == {"off_policy_hist": {"0": 2, "1": 1, "2": 1}, "stale_tokens": 1}
+    kept, ages = fill("correct")
+    assert [s.mask for g in kept for s in g.samples] == [[1, 1, 0, 1], None] and ages["stale_tokens"] == 1
 
 
 def test_group_advantages():

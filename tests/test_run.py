@@ -84,6 +84,10 @@ def test_run_trains_and_advances_versions(finished_run):
     steps = events(run_dir, "orch_step")
     assert [e["step"] for e in steps] == [0, 1, 2, 3]
     assert all(0 <= e["off_policy_max"] <= 2 for e in steps), "no trained token older than max_off_policy_steps"
+    for e in steps:  # every model token's age is counted (stale_policy "mask": none older trained, none dropped)
+        assert sum(e["off_policy_hist"].values()) == round(e["completion_len"] * 128)  # 128: rl.batch_size
+        assert e["stale_dropped_total"] == 0
+        assert e["len_batch_max"] <= e["len_generated_max"] and e["len_generated_p90"] > 0
     rl_steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in rl_steps] == [0, 1, 2, 3]
     assert all(0.5 < e["routing_agreement"] <= 1.0 for e in rl_steps), "R3 routing reached the trainer"
@@ -176,12 +180,12 @@ def test_resume_continues_steps_and_data(finished_run):
 
 
 def test_stale_rollouts_are_dropped_and_counted(tmp_path):
-    p = prl_run(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=4",
+    p = prl_run(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=4", "--set", "rl.stale_policy=drop",
                 "--set", "rl.max_async_level=2", "--set", "rl.max_off_policy_steps=0")
     assert p.returncode == 0, p.stdout[-4000:]
     steps = events(tmp_path / "reverse-tiny", "orch_step")
-    assert all(e["off_policy_max"] == 0 for e in steps)
-    assert steps[-1]["stale_dropped_total"] > 0
+    assert all(e["off_policy_max"] == 0 and e["stale_tokens"] == 0 for e in steps)
+    assert steps[-1]["stale_dropped_total"] > 0 and sum(steps[-1]["dropped_by_len_decile"]) > 0
 
 
 def start_background(tmp_path: Path, *args: str) -> subprocess.Popen:

@@ -1,15 +1,26 @@
-"""Completed groups waiting to be trained, and the staleness rule.
+"""Completed groups waiting to be trained, the staleness rule, and the length-bias ledger.
 
-Rule: nothing stale ships. A group is trained at step s under trainer version s; its off-policy
-distance is s minus the oldest policy version among its tokens. A group farther than
-`max_off_policy_steps` is dropped (and counted) when a batch for step s is assembled.
+A group is trained at step s under trainer version s; a token's age is s minus the policy version
+that sampled it. A token older than `max_off_policy_steps` is handled by `rl.stale_policy` when the
+batch for step s is assembled, and counted:
+- "mask" (default): the token is not trained (its loss mask is 0); the rest of its trajectory and
+  its group are, so long trajectories are not thrown away for their old beginnings;
+- "correct": the token is trained, the loss's importance ratio (trainer.loss.correction) corrects it;
+- "drop": the whole group is dropped and a replacement starts (prl's rule before issue 22): the
+  longest trajectories are the likeliest to be dropped, which `LengthLedger` makes visible.
+Trajectories still running when new weights arrive always continue under them (in-flight updates),
+each token keeping the version that sampled it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from prl.transport.batch import Sample
+
+POLICIES = ("mask", "correct", "drop")
 
 
 @dataclass
@@ -28,27 +39,100 @@ class Group:
         return max((v for s in self.samples for v in s.model_versions()), default=-1)
 
 
+def stale_masked(sample: Sample, oldest: int) -> tuple[Sample, int]:
+    """`sample` with its model tokens older than version `oldest` masked out, and how many."""
+    mask = sample.mask if sample.mask is not None else [1] * len(sample.completion_ids)
+    new = [m if not m or v >= oldest else 0 for m, v in zip(mask, sample.versions)]
+    masked = sum(mask) - sum(new)
+    return (dataclasses.replace(sample, mask=new) if masked else sample), masked
+
+
+def percentile(values: list[int], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+class LengthLedger:
+    """Lengths (completion tokens) of every trajectory the run generated and of those it trained:
+    the length bias of the staleness policy, shown every step."""
+
+    def __init__(self):
+        self.generated: list[int] = []
+        self.accepted: list[int] = []
+        self.dropped: list[int] = []
+
+    def completed(self, group: Group) -> None:
+        self.generated += [len(s.completion_ids) for s in group.samples]
+
+    def trained(self, groups: list[Group]) -> None:
+        self.accepted += [len(s.completion_ids) for g in groups for s in g.samples]
+
+    def lost(self, groups: list[Group]) -> None:
+        self.dropped += [len(s.completion_ids) for g in groups for s in g.samples]
+
+    def dropped_by_decile(self) -> list[float]:
+        """Share of the generated trajectories in each length decile (of all generated) that were dropped."""
+        if not self.dropped:
+            return [0.0] * 10
+        edges = [percentile(self.generated, q / 10) for q in range(1, 10)]
+        made, lost = Counter(decile(n, edges) for n in self.generated), Counter(decile(n, edges) for n in self.dropped)
+        return [round(lost[d] / made[d], 4) if made[d] else 0.0 for d in range(10)]
+
+    def fields(self, batch: list[Sample]) -> dict:
+        now = [len(s.completion_ids) for s in batch]
+        out = {}
+        for name, values in (("len_batch", now), ("len_accepted", self.accepted), ("len_generated", self.generated)):
+            out[f"{name}_mean"] = round(sum(values) / max(1, len(values)), 2)
+            out[f"{name}_p90"] = percentile(values, 0.9)
+            out[f"{name}_max"] = max(values, default=0)
+        out["dropped_by_len_decile"] = self.dropped_by_decile()
+        return out
+
+
+def decile(n: int, edges: list[float]) -> int:
+    return sum(n >= e for e in edges)
+
+
 class GroupBuffer:
-    def __init__(self, max_off_policy_steps: int):
-        self.max_off_policy_steps = max_off_policy_steps
+    def __init__(self, max_off_policy_steps: int, policy: str = "mask"):
+        if policy not in POLICIES:
+            raise ValueError(f"stale policy {policy!r}: expected one of {POLICIES}")
+        self.max_off_policy_steps, self.policy = max_off_policy_steps, policy
         self.groups: list[Group] = []
         self.dropped_samples = 0
+        self.lengths = LengthLedger()
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def add(self, group: Group) -> None:
         self.groups.append(group)
+        self.lengths.completed(group)
 
     def drop_stale(self, step: int) -> list[Group]:
-        """Drop and return the groups too old to train at `step`."""
+        """Under the "drop" policy: drop and return the groups too old to train at `step`."""
+        if self.policy != "drop":
+            return []
         fresh = [g for g in self.groups if step - g.min_version <= self.max_off_policy_steps]
         dropped = [g for g in self.groups if step - g.min_version > self.max_off_policy_steps]
         self.groups = fresh
         self.dropped_samples += sum(len(g.samples) for g in dropped)
+        self.lengths.lost(dropped)
         return dropped
 
-    def take(self, n: int) -> list[Group]:
-        """The `n` oldest groups (first completed, first trained)."""
+    def take(self, n: int, step: int) -> tuple[list[Group], dict]:
+        """The `n` oldest groups (first completed, first trained) for `step`, and the batch's token
+        ages: `off_policy_hist` {age: model tokens} before the policy, `stale_tokens` older than the
+        window (masked out under "mask", trained and corrected under "correct"; none under "drop",
+        which dropped their groups before)."""
         taken, self.groups = self.groups[:n], self.groups[n:]
-        return taken
+        self.lengths.trained(taken)
+        ages = Counter(step - v for g in taken for s in g.samples for v in s.model_versions())
+        oldest = step - self.max_off_policy_steps
+        if self.policy == "mask":
+            for g in taken:
+                g.samples = [stale_masked(s, oldest)[0] for s in g.samples]
+        stale = sum(k for age, k in ages.items() if age > self.max_off_policy_steps)
+        return taken, {"off_policy_hist": {str(a): ages[a] for a in sorted(ages)}, "stale_tokens": stale}

@@ -4,8 +4,9 @@ Rollouts go through the recipe's environment (`prl.envs`): the orchestrator hand
 a handle to the server pool, and gets back a scored group; turns, tools and sandboxes are the
 environment's. Rules:
 - staleness is explicit: groups for step s start only while the served version is at least
-  s - max_async_level (0 = synchronous); a group whose oldest token is more than
-  max_off_policy_steps behind the step that trains it is dropped and counted (`GroupBuffer`);
+  s - max_async_level (0 = synchronous); a token more than max_off_policy_steps behind the step
+  that trains it is masked, corrected or its group dropped, as `rl.stale_policy` says, and counted
+  (`GroupBuffer`); every step reports the lengths generated and trained (the policy's length bias);
 - at most max_inflight_rollouts requests are in flight;
 - a new policy is relayed to every server as soon as the trainer seals it;
 - batches go to the trainer endpoint (rank 0), which also says where a resumed run starts.
@@ -68,7 +69,7 @@ class Orchestrator:
                                cfg.startup_timeout_s, prefill=cfg.prefill_servers)
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
                                      on_hang=self.trainer_hung, locate=self.locator("trainer", cfg.trainer_url))
-        self.buffer = GroupBuffer(r.rl.max_off_policy_steps)
+        self.buffer = GroupBuffer(r.rl.max_off_policy_steps, r.rl.stale_policy)
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0
@@ -100,8 +101,8 @@ class Orchestrator:
             await self.start()
             for step in range(self.start_step, self.rl.max_steps):
                 t0 = time.perf_counter()
-                groups, dropped = await self.next_groups(step)
-                await self.ship(step, groups, dropped, time.perf_counter() - t0)
+                groups, ages, dropped = await self.next_groups(step)
+                await self.ship(step, groups, {**ages, "stale_dropped": dropped}, time.perf_counter() - t0)
             await self.pool.report_final()
         finally:
             await self.stop()
@@ -149,8 +150,9 @@ class Orchestrator:
         await asyncio.gather(*(s.backend.close() for s in self.pool.servers), self.trainer.close())
 
     # ---- batches ----
-    async def next_groups(self, step: int) -> tuple[list[Group], int]:
-        """The oldest fresh groups for `step`, and how many samples were dropped as stale meanwhile."""
+    async def next_groups(self, step: int) -> tuple[list[Group], dict, int]:
+        """The oldest groups for `step`, their token ages, and how many samples were dropped as stale
+        meanwhile (the "drop" policy)."""
         dropped = 0
         async with self.changed:
             while True:
@@ -162,10 +164,10 @@ class Orchestrator:
                 if self.error:
                     raise self.error
                 if len(self.buffer) >= self.groups_per_batch:
-                    return self.buffer.take(self.groups_per_batch), dropped
+                    return *self.buffer.take(self.groups_per_batch, step), dropped
                 await self.changed.wait()
 
-    async def ship(self, step: int, groups: list[Group], dropped: int, wait_s: float) -> None:
+    async def ship(self, step: int, groups: list[Group], ages: dict, wait_s: float) -> None:
         samples = [s for g in groups for s in g.samples]
         batch = TrainBatch(
             step=step,
@@ -177,19 +179,19 @@ class Orchestrator:
         )
         await self.trainer.send_batch(batch)
         self.position = batch.data_position
-        self.log_step(step, samples, batch.data_position, dropped, wait_s, summarize([i for g in groups for i in g.infos]))
+        env = summarize([i for g in groups for i in g.infos])
+        self.log_step(step, samples, batch.data_position, {**ages, **self.buffer.lengths.fields(samples), **env}, wait_s)
 
-    def log_step(self, step: int, samples: list[Sample], data_position: int, dropped: int, wait_s: float,
-                 env: dict) -> None:
-        lags = [step - v for s in samples for v in s.model_versions()] or [0]
+    def log_step(self, step: int, samples: list[Sample], data_position: int, extra: dict, wait_s: float) -> None:
+        lags = [step - v for s in samples for v in s.model_versions()] or [0]  # of the tokens trained
         rewards = [s.reward for s in samples]
         self.log.emit(
             "orch_step", step=step, reward=sum(rewards) / len(rewards),
             reward_std=statistics.pstdev(rewards), completion_len=sum(len(s.completion_ids) for s in samples) / len(samples),
-            stale_dropped=dropped, stale_dropped_total=self.buffer.dropped_samples,
+            stale_dropped_total=self.buffer.dropped_samples, stale_policy=self.buffer.policy,
             off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
             inflight=self.inflight_groups * self.rl.group_size, served_version=self.served,
-            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **env,
+            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **extra,
         )
 
     # ---- rollouts ----

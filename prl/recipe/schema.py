@@ -160,7 +160,8 @@ class RlCfg(Section):
     batch_size: int = Field(64, gt=0)  # samples (completions) per trainer step
     group_size: int = Field(8, gt=0)  # completions per prompt
     max_async_level: int = Field(1, ge=0)  # steps inference may run ahead of the trainer
-    max_off_policy_steps: int = Field(2, ge=0)  # older rollouts are dropped and counted
+    max_off_policy_steps: int = Field(2, ge=0)  # tokens older than this follow stale_policy, counted
+    stale_policy: Literal["mask", "correct", "drop"] = "mask"  # prl.orchestrator.buffer
     max_inflight_rollouts: int = Field(64, gt=0)
     advantage: Literal["mean", "mean_std"] = "mean"
 

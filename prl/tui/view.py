@@ -74,7 +74,8 @@ def metrics_table(s: RunState) -> Table:
               f"  routing agreement {fmt(tr.get('routing_agreement'), '.2%')}")
     t.add_row("rollouts in flight", f"{ro.get('inflight', '-')}  buffered {ro.get('buffered', '-')}")
     t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
-              f"  stale dropped {o.get('stale_dropped_total', 0)}")
+              f"  stale: {o.get('stale_policy', '-')} {o.get('stale_tokens', 0)} tokens, dropped {o.get('stale_dropped_total', 0)}")
+    t.add_row("lengths p90", f"trained {fmt(o.get('len_accepted_p90'), '.0f')}  generated {fmt(o.get('len_generated_p90'), '.0f')}")
     t.add_row("trainer tokens/s", fmt(tr.get("tokens_per_s"), ".0f"))
     t.add_row("step time", f"wait {fmt(tr.get('wait_s'), '.2f')}s  fwd-bwd {fmt(tr.get('fwd_bwd_s'), '.2f')}s"
               f"  publish {fmt(tr.get('publish_s'), '.2f')}s")
