@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prl.inference.protocol import GenerateRequest, decode_routing
-from prl.backends.vllm.client import VllmBackend, prometheus_values, token_versions
+from prl.backends.vllm.client import VllmBackend, prometheus_max, prometheus_values, token_versions
 
 
 def npy_b64(arr: np.ndarray) -> str:
@@ -69,6 +69,9 @@ def test_prometheus_text_sums_labelled_samples():
     text = ('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\nvllm:num_requests_running{model_name="b"} 1.0\n'
             'vllm:generation_tokens_total{engine="0"} 1.5e3\n')
     assert prometheus_values(text) == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 1500.0}
+    usage = 'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+    assert prometheus_max(text + usage, "vllm:kv_cache_usage_perc") == 0.75, "the fullest data-parallel engine"
+    assert prometheus_max(text, "vllm:kv_cache_usage_perc") is None
 
 
 def test_mooncake_counters_become_pool_metrics():

@@ -88,7 +88,8 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
-                 capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None):
+                 capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None,
+                 kv_capacity_tokens: int = 0):
         self.model = model.eval()
         self.pool = pool  # prl.inference.kv_pool.KvPool: prompt KV shared with the run's other servers
         self.template = None  # an empty cache of this model's layer types (from the first prefill)
@@ -100,6 +101,7 @@ class EngineCore:
 
             self.capture = Capture(model)
         self.max_batch_size = max_batch_size
+        self.kv_capacity_tokens = kv_capacity_tokens  # token slots of the batch's KV cache (0: unbounded)
         self.prefix_cache_entries = prefix_cache_entries
         self.version = -1  # no policy loaded yet: random init
         self.stats = EngineStats()
@@ -130,6 +132,21 @@ class EngineCore:
             seq.aborted = True
             if seq in self.waiting:
                 self.waiting.remove(seq)
+
+    def reserved_tokens(self, extra: Sequence | None = None) -> int:
+        """Token slots the running batch's KV cache can reach: its rows are padded to the longest, so
+        rows x the longest prompt + max_tokens among them (with `extra` admitted, if given). There is
+        no preemption: a request is admitted only if this stays within the capacity."""
+        seqs = self.running + ([extra] if extra is not None else [])
+        return len(seqs) * max((len(s.prompt_ids) + s.params.max_tokens for s in seqs), default=0)
+
+    def kv_usage(self) -> float | None:
+        """Reserved token slots over the capacity; None when the capacity is unbounded."""
+        return self.reserved_tokens() / self.kv_capacity_tokens if self.kv_capacity_tokens else None
+
+    def room_for(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` keeps the batch within the KV capacity (one request alone always fits)."""
+        return not self.kv_capacity_tokens or not self.running or self.reserved_tokens(seq) <= self.kv_capacity_tokens
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)
@@ -182,8 +199,8 @@ class EngineCore:
         finished = []
         while len(self.running) < self.max_batch_size:
             with self._lock:
-                if not self.waiting:
-                    break
+                if not self.waiting or not self.room_for(self.waiting[0]):
+                    break  # a full KV capacity: the request waits for running ones to finish
                 seq = self.waiting.popleft()
             cache, logits = self._prefill(seq)
             seq.admitted_at_step = self.stats.steps

@@ -147,3 +147,4 @@ class Metrics(Msg):
     pool_errors: int = 0  # failed store operations (each falls back to computing the prompt)
     pool_full: int = 0  # puts the pool refused because it was full
     pool_dropped: int = 0  # chunks not put because puts fell behind prefill (embedded engine)
+    kv_usage: float | None = None  # KV held over capacity (vLLM: the fullest engine's); None: unbounded

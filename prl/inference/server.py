@@ -194,7 +194,7 @@ def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
             tokens_per_s=loop.tokens_per_s(),
             pool_hit_tokens=pool.hit_tokens if pool else 0, pool_stored_chunks=pool.stored_chunks if pool else 0,
             pool_errors=pool.errors if pool else 0, pool_full=pool.full if pool else 0,
-            pool_dropped=pool.dropped if pool else 0,
+            pool_dropped=pool.dropped if pool else 0, kv_usage=core.kv_usage(),
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - s.started, 1e-9)), busy_s=st.busy_s,
         )
 
@@ -354,7 +354,7 @@ def serve(cfg, log) -> None:
         report = apply_fp8(model)
         print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
     core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.run.seed + 1000 * cfg.index,
-                      capture_routing=cfg.router_replay, pool=join_pool(cfg))
+                      capture_routing=cfg.router_replay, pool=join_pool(cfg), kv_capacity_tokens=inf.kv_capacity_tokens)
     def failed() -> None:  # the engine thread died: say why, then stop serving (the driver restarts us)
         log.emit("error", name=cfg.name, type="EngineFailure", line=str(loop.failed)[:300])
         os.kill(os.getpid(), signal.SIGTERM)

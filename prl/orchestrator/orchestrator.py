@@ -7,7 +7,7 @@ environment's. Rules:
   s - max_async_level (0 = synchronous); a token more than max_off_policy_steps behind the step
   that trains it is masked, corrected or its group dropped, as `rl.stale_policy` says, and counted
   (`GroupBuffer`); every step reports the lengths generated and trained (the policy's length bias);
-- at most max_inflight_rollouts requests are in flight;
+- rollouts in flight follow the servers' KV usage (`InflightBudget`), at most max_inflight_rollouts;
 - a new policy is relayed to every server as soon as the trainer seals it;
 - batches go to the trainer endpoint (rank 0), which also says where a resumed run starts.
 """
@@ -22,6 +22,7 @@ from prl.envs import make_env
 from prl.envs.stats import summarize
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
+from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.servers import ServerPool
 from prl.backends import registry
@@ -70,6 +71,10 @@ class Orchestrator:
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
                                      on_hang=self.trainer_hung, locate=self.locator("trainer", cfg.trainer_url))
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps, r.rl.stale_policy)
+        self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target)
+        for i in cfg.prefill_servers:  # P/D: prefill servers generate nothing
+            self.budget.limits[i] = 0
+        self.pool.on_metrics = self.observe_kv
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0
@@ -90,6 +95,13 @@ class Orchestrator:
         if not self.cfg.port_fallback:
             return None
         return lambda: ports.url_of(self.cfg.run_dir, name, url)
+
+    def observe_kv(self, server, metrics) -> None:
+        if not server.prefill:
+            self.budget.observe(server.index, metrics.kv_usage, self.inflight_groups * self.rl.group_size)
+
+    def inflight_budget(self) -> int:
+        return self.budget.total([s.up for s in self.pool.servers])
 
     def trainer_hung(self, cause: str) -> None:
         self.log.emit("unresponsive", name="trainer", cause=cause[:300])
@@ -190,8 +202,8 @@ class Orchestrator:
             reward_std=statistics.pstdev(rewards), completion_len=sum(len(s.completion_ids) for s in samples) / len(samples),
             stale_dropped_total=self.buffer.dropped_samples, stale_policy=self.buffer.policy,
             off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
-            inflight=self.inflight_groups * self.rl.group_size, served_version=self.served,
-            buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **extra,
+            inflight=self.inflight_groups * self.rl.group_size, inflight_budget=self.inflight_budget(),
+            served_version=self.served, buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **extra,
         )
 
     # ---- rollouts ----
@@ -200,7 +212,7 @@ class Orchestrator:
         inflight = self.inflight_groups * self.rl.group_size
         return (
             self.committed < (allowed_step + 1) * self.groups_per_batch
-            and inflight + self.rl.group_size <= self.rl.max_inflight_rollouts
+            and inflight + self.rl.group_size <= self.inflight_budget()
         )
 
     async def produce(self) -> None:
@@ -259,7 +271,7 @@ class Orchestrator:
     async def log_rollouts(self) -> None:
         while True:
             self.log.emit("rollouts", inflight=self.inflight_groups * self.rl.group_size, buffered=len(self.buffer),
-                          served_version=self.served)
+                          served_version=self.served, budget=self.inflight_budget())
             await asyncio.sleep(1.0)
 
 

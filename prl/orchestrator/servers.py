@@ -53,6 +53,7 @@ class ServerPool:
         self.startup_timeout_s = startup_timeout_s  # a down server not back after this is reported hung
         self.weights_lock = asyncio.Lock()  # a rejoin loads the served version; a relay may not change it meanwhile
         self.served = -1
+        self.on_metrics: Callable[[Server, object], None] = lambda server, metrics: None
 
     # ---- membership ----
     async def start(self, timeout: float) -> None:
@@ -183,6 +184,9 @@ class ServerPool:
             await self.mark_down(server, f"serves v{m.version}, not the served v{self.served} (restarted?)")
             return
         self.log.emit("server", name=server.name, **m.model_dump())
+        self.on_metrics(server, m)
+        async with self.changed:
+            self.changed.notify_all()  # the in-flight budget may have grown
 
     async def report_final(self) -> None:
         """Each server's counters once more when the run is done (a short run may end between two

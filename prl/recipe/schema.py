@@ -162,7 +162,8 @@ class RlCfg(Section):
     max_async_level: int = Field(1, ge=0)  # steps inference may run ahead of the trainer
     max_off_policy_steps: int = Field(2, ge=0)  # tokens older than this follow stale_policy, counted
     stale_policy: Literal["mask", "correct", "drop"] = "mask"  # prl.orchestrator.buffer
-    max_inflight_rollouts: int = Field(64, gt=0)
+    max_inflight_rollouts: int = Field(64, gt=0)  # the cap; below it, the servers' KV usage decides
+    kv_usage_target: float = Field(0.9, ge=0, le=1)  # prl.orchestrator.budget; 0: always the cap
     advantage: Literal["mean", "mean_std"] = "mean"
 
     @model_validator(mode="after")
@@ -297,6 +298,7 @@ class InferenceCfg(Section):
     fp8: bool = False  # the engine computes with the same block-scaled FP8 weights
     threads: int = Field(1, gt=0)
     prefix_cache_entries: int = Field(256, ge=0)
+    kv_capacity_tokens: int = Field(0, ge=0)  # embedded engine: KV token slots of the running batch (0: unbounded)
     startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
     vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
     kv_pool: KvPoolCfg = KvPoolCfg()

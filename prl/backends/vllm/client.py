@@ -249,6 +249,7 @@ class VllmBackend(InferenceBackend):
                                - m.get("vllm:external_prefix_cache_hits_total", 0)),  # computed here
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=self.weight_loads,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
+            kv_usage=prometheus_max(r.text, "vllm:kv_cache_usage_perc"),
             **mooncake_counts(r.text),
             tokens_per_s=self.rate(generated), busy_frac=busy_frac, busy_s=busy_s,
         )
@@ -338,16 +339,27 @@ def labelled(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     return out
 
 
+def prometheus_max(text: str, metric: str) -> float | None:
+    """The largest sample of one metric over its labels (vLLM's data-parallel engines each report
+    their own KV usage; the fullest one limits), None when absent."""
+    values = prometheus_samples(text).get(metric)
+    return max(values) if values else None
+
+
 def prometheus_values(text: str) -> dict[str, float]:
     """Sum of every sample of each metric (labels dropped) from Prometheus text format."""
-    out: dict[str, float] = {}
+    return {name: sum(values) for name, values in prometheus_samples(text).items()}
+
+
+def prometheus_samples(text: str) -> dict[str, list[float]]:
+    """Every sample of each metric (labels dropped) from Prometheus text format."""
+    out: dict[str, list[float]] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
         try:
-            out[name] = out.get(name, 0.0) + float(value)
+            out.setdefault(name_labels.split("{", 1)[0], []).append(float(value))
         except ValueError:
             continue
     return out
