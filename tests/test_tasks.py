@@ -12,12 +12,18 @@ from prl.tasks import make_task
 from prl.tasks.builtin import edit_similarity
 
 
-@pytest.mark.parametrize("name", ["reverse", "sort", "add"])
+@pytest.mark.parametrize("name", ["reverse", "reverse_long_tail", "sort", "add"])
 def test_builtin_tasks_are_deterministic_and_scored(name):
     task = make_task(TaskCfg(name=name), seed=3)
     ex = task.example(5)
     assert ex == task.example(5) and ex != task.example(6)
     assert task.reward(ex["answer"], ex) == 1.0 and 0.0 <= task.reward("zz", ex) < 1.0
+
+
+def test_long_tail_reversal_has_a_tail_of_ten_times_the_median():
+    task = make_task(TaskCfg(name="reverse_long_tail", min_len=3, max_len=60), seed=0)
+    lengths = sorted(len(task.example(i)["answer"]) for i in range(2000))
+    assert lengths[1000] == 3 and lengths[1980] >= 27 and lengths[-1] <= 60  # p99 about 10x p50
 
 
 def test_edit_similarity():

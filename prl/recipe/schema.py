@@ -78,7 +78,7 @@ class TaskCfg(Section):
     """Built-in task by name, a reasoning-gym task as `reasoning_gym:<name>` (the `envs` extra; the
     name and options are checked when `prl run` imports the task), or user functions as `module:function`."""
 
-    name: str = "reverse"  # reverse | sort | add | custom | reasoning_gym:<name>
+    name: str = "reverse"  # reverse | reverse_long_tail | sort | add | custom | reasoning_gym:<name>
     dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
     reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
     min_len: int = Field(3, gt=0)  # built-in tasks only
@@ -90,9 +90,10 @@ class TaskCfg(Section):
     def _known_name(cls, v: str) -> str:
         """Built-ins by name; `reasoning_gym:<name>` by shape only (importing reasoning-gym takes seconds)."""
         rg = v.partition(":")[2] if v.startswith("reasoning_gym:") else None
-        if v in ("reverse", "sort", "add", "custom") or (rg and rg.replace("_", "a").isalnum() and rg.isascii()):
+        if v in ("reverse", "reverse_long_tail", "sort", "add", "custom") or (rg and rg.replace("_", "a").isalnum() and rg.isascii()):
             return v
-        raise ValueError(f"task.name = {v!r}: one of reverse, sort, add, custom, or reasoning_gym:<name>")
+        raise ValueError(f"task.name = {v!r}: one of reverse, reverse_long_tail, sort, add, custom, or "
+                         f"reasoning_gym:<name>")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -3,6 +3,7 @@ so the data order is reproducible and a resumed run continues it."""
 
 from __future__ import annotations
 
+import math
 import random
 
 LETTERS = "abcdefgh"
@@ -18,6 +19,15 @@ def _word(rng: random.Random, min_len: int, max_len: int) -> str:
 
 def reverse_dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
     w = _word(_rng(seed, index), min_len, max_len)
+    return {"prompt": f"rev:{w}=", "answer": w[::-1]}
+
+
+def reverse_long_tail_dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
+    """Reversal with log-normal word lengths: median `min_len`, sigma 1 (p99 about 10x the median),
+    cut at `max_len`: most answers are short, a few long (the long tail of agentic rollouts, in small)."""
+    rng = _rng(seed, index)
+    n = max(1, min(max_len, round(min_len * math.exp(rng.gauss(0.0, 1.0)))))
+    w = "".join(rng.choice(LETTERS) for _ in range(n))
     return {"prompt": f"rev:{w}=", "answer": w[::-1]}
 
 
@@ -54,6 +64,7 @@ def exact_match(completion: str, example: dict) -> float:
 
 BUILTIN = {
     "reverse": (reverse_dataset, edit_similarity),
+    "reverse_long_tail": (reverse_long_tail_dataset, edit_similarity),
     "sort": (sort_dataset, edit_similarity),
     "add": (add_dataset, edit_similarity),
 }

@@ -1,0 +1,101 @@
+"""Long-tail rollouts: synchronous against asynchronous RL, and the staleness policies' length bias.
+
+The real `prl run` (inference server, orchestrator, torchrun trainer) of reverse-tiny on the
+`reverse_long_tail` task: word lengths log-normal (median 3 letters, p99 about 10x), so after the
+warm start completion lengths are long-tailed too. One after the other on the same cores:
+
+- `sync`: max_async_level 0 (every step waits for its slowest rollout);
+- `async_mask`: max_async_level 2, max_off_policy_steps 1, stale_policy "mask" (the default policy);
+- `async_drop`: the same with stale_policy "drop" (the old rule: stale groups are thrown away);
+- `async_capacity`: async_mask with the in-flight budget driven by the engine's KV capacity
+  (`inference.kv_capacity_tokens`) instead of a fixed count.
+
+For each: completion tokens trained per second (steady state, the first steps excluded), trainer
+idle share, inference idle share, p90 length of the trajectories trained against all generated
+(the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's). Partial
+rollouts (over-provisioning, issue 22 item 3) are not built: no figure.
+
+    .venv/bin/python bench/long_tail.py [--steps 30] [--skip 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from async_overlap import measure  # the same steady-state accounting as the async bench
+
+ROOT = Path(__file__).resolve().parents[1]
+ASYNC = ["rl.max_async_level=2", "rl.max_off_policy_steps=1"]
+VARIANTS = {
+    "sync": ["rl.max_async_level=0", "rl.max_off_policy_steps=0"],
+    "async_mask": [*ASYNC, "rl.stale_policy=mask"],
+    "async_drop": [*ASYNC, "rl.stale_policy=drop"],
+    "async_capacity": [*ASYNC, "rl.stale_policy=mask", "inference.kv_capacity_tokens=4096",
+                       "rl.max_inflight_rollouts=512", "rl.kv_usage_target=0.9"],
+}
+
+
+def run(name: str, args, out: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "prl", "run", str(ROOT / "recipes/reverse-tiny.toml"), "--no-tui", "--force",
+           "--set", f"run.output_dir={out}", "--set", f"run.name={name}", "--set", "task.name=reverse_long_tail",
+           "--set", "task.min_len=3", "--set", "task.max_len=40", "--set", "sampling.max_tokens=48",
+           "--set", f"rl.max_steps={args.steps}", "--set", "trainer.checkpoint_every=0"]
+    for item in VARIANTS[name]:
+        cmd += ["--set", item]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{name} failed:\n{p.stdout[-3000:]}")
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def figures(events: list[dict], skip: int) -> dict:
+    m = measure(events, skip)
+    orch = [e for e in events if e["kind"] == "orch_step"]
+    steady = [e for e in events if e["kind"] == "trainer_step" and e["stage"] == "rl"][skip - 1:]
+    trained = sum(e["completion_len"] * 128 for e in orch[skip:])  # rl.batch_size of reverse-tiny
+    last = orch[-1]
+    return {**m, "tokens_per_s": trained / (steady[-1]["t"] - steady[0]["t"]),
+            "len_accepted_p90": last["len_accepted_p90"], "len_generated_p90": last["len_generated_p90"],
+            "len_bias_p90": last["len_accepted_p90"] / max(1.0, last["len_generated_p90"]),
+            "stale_tokens": sum(e["stale_tokens"] for e in orch), "stale_dropped": last["stale_dropped_total"],
+            "rl_start": steady[0]["t"], "rewards": [(e["t"], e["reward"]) for e in orch]}
+
+
+def reward_at(r: dict, seconds: float) -> float:
+    """Mean reward of the last 5 steps shipped within `seconds` of the run's first RL step."""
+    seen = [x for t, x in r["rewards"] if t - r["rl_start"] <= seconds] or [r["rewards"][0][1]]
+    return sum(seen[-5:]) / len(seen[-5:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=3, help="first RL steps excluded (start-up)")
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="prl-long-tail-"))
+    res = {name: figures(run(name, args, out), args.skip) for name in VARIANTS}
+    horizon = min(r["rewards"][-1][0] - r["rl_start"] for r in res.values())
+    for name, r in res.items():
+        r["reward_at_horizon"] = reward_at(r, horizon)
+        print(f"{name:15s} {r['tokens_per_s']:7.0f} tok/s  trainer idle {r['trainer_idle']:4.0%}  inference idle "
+              f"{r['inference_idle']:4.0%}  p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
+              f"  stale tokens {r['stale_tokens']}  dropped {r['stale_dropped']}  reward at {horizon:.0f} s "
+              f"{r['reward_at_horizon']:.3f}", flush=True)
+    sync = res["sync"]
+    line = {"horizon_s": round(horizon, 1), "partial_over_sync": None}
+    for name, r in res.items():
+        line[f"{name}_tokens_per_s"] = round(r["tokens_per_s"], 1)
+        line[f"{name}_len_bias_p90"] = round(r["len_bias_p90"], 3)
+        line[f"{name}_reward_at_horizon"] = round(r["reward_at_horizon"], 3)
+        if name != "sync":
+            line[f"{name}_over_sync"] = round(r["tokens_per_s"] / sync["tokens_per_s"], 3)
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
