@@ -80,25 +80,34 @@ def test_prefix_cache_is_salted_by_version(tiny_model):
 
 
 def test_rejected_weights_leave_old_version_serving(tiny_model, tmp_path):
+    """An engine serving v1: a weight folder missing a tensor, and one whose bytes were damaged, are
+    refused before they touch the model; the engine still serves v1, with v1's weights and outputs."""
     import pytest
 
     from prl.inference.engine import WeightLoadError, prepare_weights
     from prl.model.weights import write_weights
 
-    good = write_weights(tmp_path / "v1", perturbed(tiny_model), {"version": 1})
-    policy = prepare_weights(tiny_model, good)
-    assert policy.version == 1 and policy.state.keys() == tiny_model.state_dict().keys()
-    broken = dict(perturbed(tiny_model))
+    v1 = perturbed(tiny_model)
+    policy = prepare_weights(tiny_model, write_weights(tmp_path / "v1", v1, {"version": 1}))
+    assert policy.version == 1 and all(torch.equal(policy.state[k], v) for k, v in v1.items())
+    core = EngineCore(tiny_model)
+    core.stage_weights(policy)
+    before = run_all(core, [Sequence([5, 6, 7], GREEDY)])[0]
+    assert core.version == 1 and before.versions == [1] * len(before.out_ids)
+    broken = perturbed(tiny_model, seed=2)
     broken.pop(next(iter(broken)))
     with pytest.raises(WeightLoadError, match="missing"):
         prepare_weights(tiny_model, write_weights(tmp_path / "v2", broken, {"version": 2}))
-    corrupt = write_weights(tmp_path / "v3", perturbed(tiny_model), {"version": 3})
+    corrupt = write_weights(tmp_path / "v3", perturbed(tiny_model, seed=3), {"version": 3})
     with open(corrupt / "model.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(WeightLoadError, match="sha256"):
         prepare_weights(tiny_model, corrupt)
-    assert EngineCore(tiny_model).version == -1
+    assert all(torch.equal(tiny_model.state_dict()[k], v) for k, v in v1.items()), "a refused folder touched the model"
+    after = run_all(core, [Sequence([5, 6, 7], GREEDY)])[0]
+    assert core.version == 1 and after.versions == before.versions
+    assert after.out_ids == before.out_ids and after.logprobs == before.logprobs
 
 
 def test_an_aborted_request_leaves_the_batch_and_the_others_continue(tiny_model):

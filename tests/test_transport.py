@@ -128,11 +128,13 @@ def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
     # v2 is written only once the endpoint polls for a version after 1: answering 2 means it waited
     assert asyncio.run(poll()) == (1, 2)
     fetch = HttpFetch(url(endpoint), SECRET, tmp_path / "server_host" / "weights", keep=1)
+    downloads, download = [], fetch._download
+    fetch._download = lambda version, final: downloads.append(version) or download(version, final)
     got = fetch.fetch(2)
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(got / "model.safetensors"))["w"], state["w"] + 1)
-    assert fetch.fetch(2) == got  # already on this host: no second download
+    assert fetch.fetch(2) == got and downloads == [2], "already on this host: no second download"
 
 
 def test_corrupt_transfer_is_retried_then_refused(endpoint, tmp_path):
