@@ -1,11 +1,16 @@
-"""Run under torchrun by tests/test_parallel.py: one training step's forward and backward of the
-tiny model under a given parallel layout; rank 0 saves the loss and every full gradient.
+"""Run under torchrun by tests/test_parallel.py: one training step of the tiny model under a given
+parallel layout: forward and backward, then the trainer's own optimizer step (finish the gradients,
+clip by the global norm, AdamW). Rank 0 saves the loss, every full gradient (before clipping), the
+gradient norm, every full weight after the step, and each loss token's logprob as the trainer
+computed it next to the sample's own (the engine's, with `--samples`), gathered from every rank.
 
     torchrun --nproc-per-node N tests/dist_step.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}, ...}' [--replay]
+        [--samples SAMPLES.pt] [--cp-adapter] [--count]
 """
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -69,6 +74,49 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def record_logprobs(seen: list) -> None:
+    """Each micro-batch's loss tokens as the trainer's loss receives them: [2, n] (the trainer's
+    logprob, the sample's), on this rank (with cp, its slice of the row)."""
+    from prl.trainer import step as step_module
+
+    loss = step_module.rl_loss
+
+    def recording(logp, mb, cfg):
+        seen.append(torch.stack([logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask]]).detach().float().cpu())
+        return loss(logp, mb, cfg)
+
+    step_module.rl_loss = recording
+
+
+class GradsWhenFinished:
+    """The layout's `Parallel` as the trainer calls it, keeping every full gradient once finished
+    (expert gradients reduced), before the norm clips them."""
+
+    def __init__(self, par: Parallel):
+        self.par, self.grads = par, None
+
+    def finish_grads(self) -> None:
+        self.par.finish_grads()
+        self.grads = {n: full(p.grad).detach().clone() for n, p in self.par.model.named_parameters() if p.grad is not None}
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.par.clip_grad_norm(max_norm)
+
+    def __getattr__(self, name: str):  # anything else the trainer asks of its Parallel
+        return getattr(self.par, name)
+
+
+def optimizer_step(par: Parallel, tcfg: TrainerCfg) -> tuple[dict, float]:
+    """One step of the trainer's own code (`Trainer.make_optimizer`, `Trainer.optimizer_step`): the
+    finished gradients and the global gradient norm."""
+    from prl.trainer.trainer import Trainer
+
+    trainer = SimpleNamespace(par=GradsWhenFinished(par), model=par.model, tcfg=tcfg)
+    opt, sched = Trainer.make_optimizer(trainer, tcfg.lr, 1)
+    norm = Trainer.optimizer_step(trainer, opt, sched)
+    return trainer.par.grads, norm
+
+
 def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noqa: C901
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -84,18 +132,27 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu")
     par = Parallel(model, dims, tcfg)
     experts = routed_experts(cfg.to_dict())
-    mbs = pack(samples(layers, experts, cfg.num_experts_per_tok), dims.dp_size, 64)[dims.dp_rank(dist.get_rank())]
+    data = (torch.load(sys.argv[sys.argv.index("--samples") + 1], weights_only=False) if "--samples" in sys.argv
+            else samples(layers, experts, cfg.num_experts_per_tok))  # --samples: the engine's (test_parallel)
+    mbs = pack(data, dims.dp_size, 64)[dims.dp_rank(dist.get_rank())]
     seq = par.seq
     if seq is None and "--cp-adapter" in sys.argv:  # prl's DSA attention on one rank (no exchange)
         seq = context_parallel.install(par.model, None, 1, 0)
     counts = count_collectives(par.model) if "--count" in sys.argv else None
+    seen: list[torch.Tensor] = []
+    record_logprobs(seen)
+    before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq)
     if counts is not None:
         stats["collectives_per_attention_forward"] = counts
-    par.finish_grads()
-    grads = {n: full(p.grad).detach().clone() for n, p in par.model.named_parameters() if p.grad is not None}
+    grads, grad_norm = optimizer_step(par, tcfg)
+    params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, torch.cat(seen, dim=1) if seen else torch.zeros(2, 0))
     if dist.get_rank() == 0:
-        torch.save({"stats": stats, "grads": grads}, out)
+        torch.save({"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params,
+                    "moved": sorted(n for n in params if not torch.equal(params[n], before[n])),
+                    "logprobs": torch.cat(every, dim=1)}, out)
     dist.barrier()
     dist.destroy_process_group()
 
