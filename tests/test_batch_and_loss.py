@@ -6,7 +6,7 @@ from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.orchestrator import group_advantages
 from prl.recipe.schema import LossCfg
 from prl.trainer.loss import mismatch_stats, rl_loss, token_logprobs
-from prl.transport.batch import Sample, pack
+from prl.transport.batch import Sample, pack, rows_by_sample
 
 
 def make_samples(n=7):
@@ -51,6 +51,29 @@ def test_packed_forward_equals_separate(tiny_model):
         for a, b in zip(starts, starts[1:]):
             alone = tiny_model(input_ids=mb.input_ids[None, a:b], use_cache=False).logits[0]
             assert torch.allclose(packed[a:b], alone, atol=1e-5)
+
+
+def test_rows_by_sample_gives_every_token_the_packed_rows_logprob(tiny_model):
+    """The trainer runs a row of short samples as [rows, longest sample]: the same loss tokens with the
+    same logprobs as the packed row, padding without loss."""
+    samples = make_samples(7)
+    [[mb]] = pack(samples, 1, 4096)
+    flat, width = rows_by_sample(mb)
+    longest = max(s.num_tokens for s in samples)
+    assert width == longest and flat.input_ids.numel() % width == 0 and flat.input_ids.numel() <= 7 * longest
+    assert flat.loss_tokens == mb.loss_tokens
+    with torch.no_grad():
+        packed = token_logprobs(tiny_model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
+                                           use_cache=False).logits[0], mb.target_ids)
+        rows = token_logprobs(tiny_model(input_ids=flat.input_ids.view(-1, width),
+                                         position_ids=flat.position_ids.view(-1, width),
+                                         use_cache=False).logits.flatten(0, 1), flat.target_ids)
+    for name in ("target_ids", "advantages", "infer_logprobs", "versions"):  # the same loss tokens, reordered
+        assert sorted(getattr(flat, name)[flat.loss_mask].tolist()) == sorted(getattr(mb, name)[mb.loss_mask].tolist())
+    assert torch.allclose(rows[flat.loss_mask].sort().values, packed[mb.loss_mask].sort().values, atol=1e-5)
+    assert torch.allclose(rl_loss(rows, flat, LossCfg())[0], rl_loss(packed, mb, LossCfg())[0], atol=1e-4)
+    single, n = rows_by_sample(pack(samples[:1], 1, 4096)[0][0])  # one sample: the row as it is
+    assert n == single.input_ids.numel()
 
 
 def _mb(logp_infer, adv):

@@ -5,7 +5,9 @@ layout and compare losses and gradients. Rules: the loss is normalised by the lo
 whole step across all ranks (FSDP then averages gradients over ranks, hence the factor
 `ParallelDims.grad_divisor`);
 logprobs come from the chunked head (`prl.trainer.head`), never from full logits; with R3 the
-micro-batch's routing is replayed.
+micro-batch's routing is replayed; without context parallelism a packed row of short samples runs
+as a `[rows, longest sample]` batch (`prl.transport.batch.rows_by_sample`), so attention and the
+DSA indexer cost each sample's square, not the whole row's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from prl.trainer import context_parallel as cp
 from prl.trainer import head
 from prl.trainer.context_parallel import local_slice
 from prl.trainer.loss import rl_loss, sft_loss
-from prl.transport.batch import MicroBatch
+from prl.transport.batch import MicroBatch, rows_by_sample
 
 
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
@@ -34,14 +36,18 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     scale = tcfg.parallel.dims(dist.get_world_size()).grad_divisor / max(float(local_tokens), 1.0)
     totals: dict[str, torch.Tensor] = {}
     for mb, segments, offset in rows:
+        tokens = mb.input_ids.numel()
+        # without CP, a row of short samples runs as [rows, longest sample]: attention per sample
+        mb, width = rows_by_sample(mb) if seq is None else (mb, mb.input_ids.numel())
         mb = MicroBatch(**{k: None if v is None else v.to(device) for k, v in vars(mb).items()})
         # the replayed ids and the CP row stay set through backward: activation checkpointing reruns
         # the routers and the attention there
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
               cp.sequence(seq, segments.to(device), offset) if seq is not None else contextlib.nullcontext()):
             with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens):
-                out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
-            logp = out.logits[0, :, 0]
+                out = model(input_ids=mb.input_ids.view(-1, width), position_ids=mb.position_ids.view(-1, width),
+                            use_cache=False)
+            logp = out.logits.reshape(-1)  # the head's [1, L, 1] logprobs, in the order of mb's tokens
             loss_sum, stats = rl_loss(logp, mb, tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
             if replay:
                 stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, replay.agreement())
@@ -49,7 +55,7 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
             if replay:
                 replay.agreement()  # what the recomputation counted again
         stats["loss_sum"] = loss_sum.detach()
-        stats["tokens"] = torch.tensor(float(mb.input_ids.numel()))
+        stats["tokens"] = torch.tensor(float(tokens))  # the packed row's, without the padding
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.detach().float().to(device)
     keys = sorted(totals)
