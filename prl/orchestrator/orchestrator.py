@@ -45,14 +45,41 @@ def group_advantages(rewards: list[float], mode: str) -> list[float]:
 
 class GroupSampler:
     """The environment's handle to the inference pool, bound to one group: P/D prefill first (best
-    effort), then the request on the group's server, re-issued elsewhere if that server goes down."""
+    effort), then the request on the group's server, re-issued elsewhere if that server goes down.
+    It counts the sequences its requests have out (`Rollouts`), which the in-flight budget limits."""
 
-    def __init__(self, pool: ServerPool, index: int):
-        self.pool, self.index = pool, index
+    def __init__(self, pool: ServerPool, index: int, rollouts: "Rollouts"):
+        self.pool, self.index, self.rollouts = pool, index, rollouts
+        self.started = False
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool
-        return await self.pool.call(self.index, lambda backend: backend.generate(req))
+        if not self.started:
+            self.started = True
+            self.rollouts.pending -= 1
+        self.rollouts.active += req.n
+        try:
+            await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool
+            return await self.pool.call(self.index, lambda backend: backend.generate(req))
+        finally:
+            self.rollouts.active -= req.n
+            await self.rollouts.notify()
+
+
+class Rollouts:
+    """What is in flight: sequences the servers are generating (`active`), and groups started that
+    have sent no request yet (`pending`, each counted as a whole group). A group waiting on its last
+    member, or on a tool between turns, holds only what it has out."""
+
+    def __init__(self, changed: asyncio.Condition, group_size: int):
+        self.changed, self.group_size = changed, group_size
+        self.active = self.pending = 0
+
+    def count(self) -> int:
+        return self.active + self.pending * self.group_size
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
 
 
 class Orchestrator:
@@ -78,6 +105,7 @@ class Orchestrator:
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0
+        self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = self.position = 0  # set from the trainer in start()
         self.tasks: list[asyncio.Task] = []
@@ -98,7 +126,7 @@ class Orchestrator:
 
     def observe_kv(self, server, metrics) -> None:
         if not server.prefill:
-            self.budget.observe(server.index, metrics.kv_usage, self.inflight_groups * self.rl.group_size)
+            self.budget.observe(server.index, metrics.kv_usage, self.rollouts.count())
 
     def inflight_budget(self) -> int:
         return self.budget.total([s.up for s in self.pool.servers])
@@ -202,14 +230,14 @@ class Orchestrator:
             reward_std=statistics.pstdev(rewards), completion_len=sum(len(s.completion_ids) for s in samples) / len(samples),
             stale_dropped_total=self.buffer.dropped_samples, stale_policy=self.buffer.policy,
             off_policy_mean=sum(lags) / len(lags), off_policy_max=max(lags),
-            inflight=self.inflight_groups * self.rl.group_size, inflight_budget=self.inflight_budget(),
+            inflight=self.rollouts.count(), inflight_groups=self.inflight_groups, inflight_budget=self.inflight_budget(),
             served_version=self.served, buffered=len(self.buffer), wait_s=round(wait_s, 4), data_position=data_position, **extra,
         )
 
     # ---- rollouts ----
     def _budget_open(self) -> bool:
         allowed_step = min(self.served + self.rl.max_async_level, self.rl.max_steps - 1)
-        inflight = self.inflight_groups * self.rl.group_size
+        inflight = self.rollouts.count()
         return (
             self.committed < (allowed_step + 1) * self.groups_per_batch
             and inflight + self.rl.group_size <= self.inflight_budget()
@@ -222,25 +250,30 @@ class Orchestrator:
                 index, self.next_prompt = self.next_prompt, self.next_prompt + 1
                 self.committed += 1
                 self.inflight_groups += 1
+                self.rollouts.pending += 1
             task = asyncio.create_task(self.run_group(index))
             self.groups.add(task)
             task.add_done_callback(self.groups.discard)
 
     async def run_group(self, index: int) -> None:
+        sampler = GroupSampler(self.pool, index, self.rollouts)
         try:
-            group = await self.rollout_group(index)
+            group = await self.rollout_group(index, sampler)
         except Exception as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation (stop) is not an error
             self.error = self.error or e
             group = None
+        finally:
+            if not sampler.started:  # ended before its first request
+                self.rollouts.pending -= 1
         async with self.changed:
             self.inflight_groups -= 1
             if group:
                 self.buffer.add(group)
             self.changed.notify_all()
 
-    async def rollout_group(self, index: int) -> Group:
+    async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""
-        trajs = await self.env.rollout(self.env.example(index), GroupSampler(self.pool, index))
+        trajs = await self.env.rollout(self.env.example(index), sampler)
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
                                     routing=t.routing, mask=t.mask) for t, a in zip(trajs, advantages)],
@@ -270,7 +303,7 @@ class Orchestrator:
 
     async def log_rollouts(self) -> None:
         while True:
-            self.log.emit("rollouts", inflight=self.inflight_groups * self.rl.group_size, buffered=len(self.buffer),
+            self.log.emit("rollouts", inflight=self.rollouts.count(), groups=self.inflight_groups, buffered=len(self.buffer),
                           served_version=self.served, budget=self.inflight_budget())
             await asyncio.sleep(1.0)
 
