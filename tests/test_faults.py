@@ -1,7 +1,9 @@
 """Fault injection in real runs: SIGKILL and SIGSTOP of each role at a random moment (seeds printed,
 `PRL_FAULT_SEED` repeats one). Each run must finish all its steps with the reward improving, train
-every prompt index at most once (the trainer's ledger), restart what was hit (restart events), and
-leave nothing running."""
+every prompt index at most once (the trainer's ledger), each step on the batch the orchestrator
+shipped for it, restart what was hit (restart events), and leave nothing running. A restarted
+trainer must replay what it trained past its checkpoint to the same losses (the run's lineage is an
+unfaulted run's); a restarted KV-pool master must serve pool hits again."""
 
 import json
 import os
@@ -52,6 +54,16 @@ def rl_step_reached(step: int):
     return lambda evs: any(e["kind"] == "trainer_step" and e.get("stage") == "rl" and e["step"] >= step for e in evs)
 
 
+def three_steps_past_a_checkpoint(step: int):
+    """The newest RL step trained is `step` or later and the third after a checkpoint
+    (trainer.checkpoint_every = 4): a trainer stopped now has three steps to replay after its restart,
+    the second trained with the optimizer state and the third with the learning rate it restored."""
+    def reached(evs) -> bool:
+        steps = [e["step"] for e in evs if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
+        return bool(steps) and steps[-1] >= step and steps[-1] % 4 == 2
+    return reached
+
+
 def restarted(unit: str, count: int = 1):
     return lambda evs: sum(e["kind"] == "restart" and e["name"] == unit for e in evs) >= count
 
@@ -74,11 +86,13 @@ def finish(proc: subprocess.Popen, run_dir: Path) -> str:
 
 
 def check_run(run_dir: Path) -> None:
-    """All steps trained once each, no prompt index in two steps, the reward improved, nothing left."""
+    """All steps trained once each, no prompt index in two steps, each step's prompts those of the
+    batch the orchestrator shipped for it, the reward improved, nothing left."""
     ledger = [json.loads(ln) for ln in (run_dir / "trained.jsonl").read_text().splitlines()]
     assert sorted(e["step"] for e in ledger) == list(range(STEPS)), "every step in the ledger exactly once"
     prompts = [i for e in ledger for i in e["prompts"]]
     assert len(prompts) == len(set(prompts)), "a prompt index was trained twice"
+    check_data_order(run_dir, {e["step"]: e["prompts"] for e in ledger})
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "done" and summary["rl_steps"] == STEPS
     rewards = [e["reward"] for e in sorted(events(run_dir, "orch_step"), key=lambda e: e["step"])]
@@ -88,22 +102,63 @@ def check_run(run_dir: Path) -> None:
     assert_nothing_left(run_dir)
 
 
+def check_data_order(run_dir: Path, ledger: dict[int, list[int]]) -> None:
+    """The data order of an unfaulted run: the orchestrator ships step s with data position
+    max(position of step s-1, highest prompt index of its groups + 1), so the prompts the ledger holds
+    for each step (what the trainer trained) give the position the orchestrator logged for that step.
+    A trainer that trained another step's batch (or one not shipped) breaks it."""
+    positions = {e["step"]: e["data_position"] for e in events(run_dir, "orch_step")}
+    assert len(positions) >= STEPS - 2, f"orch_step events for only {sorted(positions)}"
+    for s, pos in sorted(positions.items()):
+        if s == 0 or s - 1 in positions:  # a restarted orchestrator may not have logged the step before
+            want = max(positions.get(s - 1, 0), max(ledger[s]) + 1)
+            assert pos == want, f"step {s}: trained prompts {ledger[s]}, the orchestrator shipped up to {pos}"
+
+
+def check_trainer_restart(run_dir: Path) -> None:
+    """After the trainer's restart the model's lineage is an unfaulted run's: it resumed from its
+    newest checkpoint and went on from there, every step once and in order; the steps it had trained
+    past that checkpoint before the fault were replayed (not trained anew, so not in the ledger twice),
+    each with the loss and gradient norm of the first time (the same batch from the same weights,
+    optimizer state and learning rate)."""
+    evs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cut = max(i for i, e in enumerate(evs) if e["kind"] == "restart" and e["name"] == "trainer")
+    rl = [(i, e) for i, e in enumerate(evs) if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
+    first = {e["step"]: e for i, e in rl if i < cut}
+    again = [e for i, e in rl if i > cut]
+    [resumed] = [e["step"] for e in evs[cut:] if e["kind"] == "resumed"]
+    saved = max(e["step"] for e in evs[:cut] if e["kind"] == "checkpoint")
+    assert saved <= resumed <= max(first) + 1, f"resumed at {resumed}: checkpoint {saved}, trained {sorted(first)}"
+    assert [e["step"] for e in again] == list(range(resumed, STEPS)), "from its checkpoint, every step once, in order"
+    replayed = [e["step"] for e in again if e["replayed"]]
+    trained_past = list(range(resumed, max(first) + 1))  # the ledger may also hold the step the fault cut short
+    assert replayed in (trained_past, trained_past + [max(first) + 1]), f"replayed {replayed}, trained {sorted(first)}"
+    print(f"trainer resumed at step {resumed}, replayed {replayed}")
+    for s in replayed:
+        if s in first:
+            for key in ("loss", "grad_norm"):
+                assert again[s - resumed][key] == pytest.approx(first[s][key], rel=1e-5, abs=2e-6), \
+                    f"replayed step {s}: {key} {again[s - resumed][key]}, the first time {first[s][key]}"
+
+
 def process(name: str):
     """The pid of the named process (its latest start), looked up when the fault strikes."""
     return lambda run_dir: pid_of(run_dir, name)
 
 
-def two_faults(tmp_path: Path, name: str, first, second, recovered, *args: str) -> Path:
+def two_faults(tmp_path: Path, name: str, first, second, recovered, *args: str, second_when=rl_step_reached) -> Path:
     """A run with fault `first` after a random RL step and, once `recovered(events)`, fault `second`
-    after a later one; then the checks of every fault test. A fault: (what, pid of it, signal)."""
+    after a later one (`second_when(step)`: the moment, from that step on); then the checks of every
+    fault test. A fault: (what, pid of it, signal)."""
     rng = fault_rng(name)
     steps = rng.randrange(2, 12), rng.randrange(14, 30)
     for (what, _, sig), at in zip((first, second), steps):
         print(f"{sig.name} {what} after RL step {at}")
     proc = start(tmp_path, *args)
     run_dir = tmp_path / "reverse-tiny"
-    for (_, target, sig), at, wait in zip((first, second), steps, (recovered, None)):
-        wait_for(run_dir, proc, rl_step_reached(at))
+    moments = (rl_step_reached, second_when)
+    for (_, target, sig), at, wait, when in zip((first, second), steps, (recovered, None), moments):
+        wait_for(run_dir, proc, when(at))
         os.kill(target(run_dir), sig)
         if wait:
             wait_for(run_dir, proc, wait)
@@ -118,20 +173,21 @@ def test_server_and_trainer_killed_in_one_run(tmp_path):
     rejoined = lambda evs: restarted("inference-1")(evs) and any(  # noqa: E731
         e["kind"] == "server_state" and e["name"] == "inference-1" and e["state"] == "up" for e in evs)
     run_dir = two_faults(tmp_path, "server+trainer kill", ("inference-1", process("inference-1"), signal.SIGKILL),
-                         ("the trainer's rank", trainer_rank, signal.SIGKILL), rejoined, "--set", "inference.num_servers=2")
+                         ("the trainer's rank", trainer_rank, signal.SIGKILL), rejoined,
+                         "--set", "inference.num_servers=2", second_when=three_steps_past_a_checkpoint)
     assert [e["name"] for e in events(run_dir, "restart")] == ["inference-1", "trainer"]
-    assert events(run_dir, "resumed"), "the restarted trainer resumed from a checkpoint"
-    replayed = [e["step"] for e in events(run_dir, "trainer_step") if e.get("replayed")]
-    print(f"replayed steps: {replayed}")
+    check_trainer_restart(run_dir)
 
 
 def test_hung_server_and_hung_trainer_are_restarted(tmp_path):
     """SIGSTOP: the processes stay alive but answer nothing; the orchestrator reports them after
     run.hang_timeout_s and the driver kills and restarts them. One server: the run waits for it."""
     run_dir = two_faults(tmp_path, "server+trainer stop", ("inference-0", process("inference-0"), signal.SIGSTOP),
-                         ("the trainer's rank", trainer_rank, signal.SIGSTOP), restarted("inference-0"))
+                         ("the trainer's rank", trainer_rank, signal.SIGSTOP), restarted("inference-0"),
+                         second_when=three_steps_past_a_checkpoint)
     causes = {e["name"]: e["cause"] for e in events(run_dir, "restart")}
     assert set(causes) == {"inference-0", "trainer"} and all("hung" in c for c in causes.values()), causes
+    check_trainer_restart(run_dir)
 
 
 def test_orchestrator_killed_then_hung(tmp_path):
@@ -180,13 +236,18 @@ def test_kv_master_killed_mid_run_costs_only_recomputation(tmp_path):
     finish(proc, run_dir)
     evs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     restart = next(i for i, e in enumerate(evs) if e["kind"] == "restart" and e["name"] == "kv-master")
-    before, last = {}, {}
+    before, since, last = {}, {}, {}  # per server: its last report before the kill, first after the restart, last
     for i, e in enumerate(evs):
         if e["kind"] == "server" and (i < killed_at or i > restart):
             (before if i < killed_at else last)[e["name"]] = e
+            if i > restart:
+                since.setdefault(e["name"], e)
     print({n: {k: v for k, v in m.items() if k.startswith("pool_")} for n, m in last.items()})
     hits = lambda ms: sum(m["pool_hit_tokens"] for m in ms.values())  # noqa: E731
-    assert hits(last) > hits(before), "the pool served prompts again after the master's restart"
+    assert hits(before) > 0, "the pool served prompts before the kill"
+    # counted from a report made after the restart (it holds every hit before the kill, however late
+    # the servers reported those): the hits that grow from there came from the restarted master
+    assert hits(last) > hits(since), f"no pool hit after the master's restart: {hits(since)} then {hits(last)}"
 
 
 def test_a_hang_stops_the_run_when_no_restarts_are_allowed(tmp_path):
