@@ -97,7 +97,8 @@ class GradsWhenFinished:
 
     def finish_grads(self) -> None:
         self.par.finish_grads()
-        self.grads = {n: full(p.grad).detach().clone() for n, p in self.par.model.named_parameters() if p.grad is not None}
+        self.grads = {n: full(p.grad).detach().clone() for n, p in self.par.model.named_parameters()
+                      if p.grad is not None}
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.par.clip_grad_norm(max_norm)

@@ -263,7 +263,10 @@ def test_chat_format_parses_qwen_tool_calls_and_renders_results_as_the_template_
     assert bad.error and "unreadable tool call" in bad.error
     reply = tok.decode(fmt.reply_ids("tool", "c0de"))
     assert reply == "\n<|im_start|>user\n<tool_response>\nc0de\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert fmt.call_text("get", {"key": "ab"}) in text.replace("\n", "\n")
+    call = fmt.call_text("get", {"key": "ab"})
+    assert call in text  # renders a call as the model writes one: parsing it gives the call back
+    [again] = fmt.parse_calls(call, {"get": tool})
+    assert (again.name, again.args, again.error) == ("get", {"key": "ab"}, None)
     schema = tool_schema("floods", floods)
     assert schema["parameters"] == {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 

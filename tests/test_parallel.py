@@ -33,8 +33,8 @@ def step(model_dir: Path, tmp: Path, nproc: int, tcfg: dict, replay: bool, *flag
     out = tmp / f"{name}.pt".replace("/", "_")
     given = ["--samples", str(samples)] if samples else []
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                        str(SCRIPT), str(model_dir), str(out), json.dumps(tcfg), *(["--replay"] if replay else []), *flags,
-                        *given], capture_output=True, text=True, timeout=600)
+                        str(SCRIPT), str(model_dir), str(out), json.dumps(tcfg), *(["--replay"] if replay else []),
+                        *flags, *given], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return torch.load(out)
 
@@ -46,7 +46,8 @@ def assert_same_step(a: dict, b: dict, what: str, skip: tuple[str, ...] = ()) ->
     assert a["grads"].keys() == b["grads"].keys(), what
     for name, g in a["grads"].items():
         if name not in skip:
-            torch.testing.assert_close(b["grads"][name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {name}: {m}")
+            torch.testing.assert_close(b["grads"][name], g, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"{what}: {name}: {m}")
     if not skip:
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), f"{what}: the global gradient norm"
     assert a["params"].keys() == b["params"].keys(), what
@@ -57,7 +58,7 @@ def assert_same_step(a: dict, b: dict, what: str, skip: tuple[str, ...] = ()) ->
             # AdamW's first step moves each weight by about lr (1e-3) whatever its gradient's size, except
             # where the gradient is near Adam's eps (1e-8): there rounding in the gradient moves the step a little
             torch.testing.assert_close(b["params"][name], w, rtol=0, atol=5e-5,
-                                       msg=lambda m: f"{what}: {name} after the optimizer step: {m}")
+                                       msg=lambda m, name=name: f"{what}: {name} after the optimizer step: {m}")
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["router", "r3-replay"])
