@@ -164,7 +164,7 @@ def test_malformed_weight_folders_answer_409_and_keep_serving(server, tiny_model
 
     manifest["files"]["model.safetensors"] = {"size": 64, "sha256": sha256(garbage / "model.safetensors")}
     (garbage / MANIFEST).write_text(json.dumps(manifest))
-    no_version = write_weights(run_dir / "weights" / "v22", tiny_model.state_dict(), {"other": 1})
+    write_weights(run_dir / "weights" / "v22", tiny_model.state_dict(), {"other": 1})  # no version in it
     escape = write_weights(run_dir / "weights" / "v23", tiny_model.state_dict(), {"version": 23})
     m = json.loads((escape / MANIFEST).read_text())
     m["files"]["../../secret"] = {"size": 1, "sha256": "0"}
