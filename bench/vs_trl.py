@@ -21,7 +21,9 @@ Per side: samples trained per second over the window, the mean reward of the las
 before the deadline (`reward_at_wall`; the curve is noisy, so compare it over repeated runs) and of
 the first step (`reward_start`), start-up seconds (not in the window). TRL runs with `--trl-threads`
 torch threads (default 2: the cores prl's server and trainer use, one thread each; TRL is faster with
-2 than with 1 here). Each side's reward curve is written to `curves.json` in the bench's folder.
+2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
+it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
+curve is written to `curves.json` in the bench's folder.
 The last line is one JSON object; ratios are named `<a>_over_<b>`.
 
 TRL is not a dependency of prl and is not installed into `.venv` (it would add accelerate,
@@ -223,7 +225,7 @@ def main() -> None:
     for name, r in (("prl", prl), ("trl", trl)):
         print(f"{name}: {r['steps']} steps in {args.wall:.0f} s, {r['samples_per_s']:.1f} samples/s, reward "
               f"{r['reward_start']:.3f} -> {r['reward_at_wall']:.3f} (start-up {r['startup_s']:.0f} s)")
-    report = {"wall_s": args.wall, "trl_threads": args.trl_threads,
+    report = {"wall_s": args.wall, "trl_threads": args.trl_threads, "load_avg_1m": round(os.getloadavg()[0], 2),
               **{f"{n}_{k}": round(v, 4) for n, r in (("prl", prl), ("trl", trl)) for k, v in r.items()},
               "samples_per_s_prl_over_trl": round(prl["samples_per_s"] / trl["samples_per_s"], 3),
               "reward_at_wall_prl_over_trl": round(prl["reward_at_wall"] / trl["reward_at_wall"], 3),
