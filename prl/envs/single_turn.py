@@ -1,13 +1,12 @@
 """The single-turn environment: today's tasks (`prl.tasks`: a dataset and a reward on the text).
 
-One request per member of the group, all sent at once to the group's server (its prefix cache
-computes the prompt once): a member that finishes frees its place in the in-flight budget while a
-long one runs on, so the server is not left idle waiting for the group's straggler. Each completion
-is decoded and scored by the task's reward."""
+One request per group (`n` = the group size, so the server computes the prompt once), each
+completion decoded and scored by the task's reward. (One request per member, which would free each
+member's place in the in-flight budget as it finishes, made the embedded server's generation 4x
+slower on reverse-tiny, `bench/vs_trl.py`: 8x the HTTP requests and engine admissions. A response
+streaming each member as it finishes is the way to that, not built.)"""
 
 from __future__ import annotations
-
-import asyncio
 
 from prl.envs.base import Environment, Sampler, Trajectory
 from prl.inference.protocol import GenerateRequest, decode_routing
@@ -32,25 +31,15 @@ class SingleTurnEnv(Environment):
         prompt_ids = self.tokenizer(example["prompt"]).input_ids
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p, n=1, return_routing=self.router_replay,
+            top_p=self.sampling.top_p, n=self.group_size, return_routing=self.router_replay,
         )
+        resp = await sampler.generate(req)
         out = []
-        for resp in await all_or_none([sampler.generate(req) for _ in range(self.group_size)]):
-            c = resp.completions[0]
+        for c in resp.completions:
             text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             out.append(Trajectory(prompt_ids, c.token_ids, c.logprobs, c.versions, self.task.reward(text, example),
                                   routing=sample_routing(resp, c)))
         return out
-
-
-async def all_or_none(coros: list) -> list:
-    """Every result in order; when one fails, the others are cancelled and its error raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 def sample_routing(resp, completion):
