@@ -64,3 +64,34 @@ def rig(tmp_path_factory):
     known.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
     yield {"key": str(client_key), "known": str(known), "hosts": hosts, "root": root, "netns": net is not None}
     stop_hosts(hosts, net)
+
+
+def start_server(run_dir: Path, recipe, timeout: float = 60):
+    """A real embedded inference server (`python -m prl.inference`, its own process group) for
+    `recipe`'s first server, in `run_dir`, once it answers /health: (process, its config, an
+    authenticated client). A server that dies while starting fails at once, with its log."""
+    import subprocess
+    import time
+
+    import httpx
+
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.resolve import resolve, write_configs, write_secret
+
+    write_model_dir(recipe.model, run_dir / "model")
+    configs = resolve(recipe, run_dir, write_secret(run_dir))
+    cfg = configs[0]
+    path = write_configs(configs, run_dir)[cfg.name]
+    log = open(run_dir / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(path)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = httpx.Client(base_url=f"http://{cfg.host}:{cfg.port}", headers={"Authorization": f"Bearer {cfg.secret()}"},
+                          timeout=timeout)
+    while True:
+        try:
+            if client.get("/health").status_code == 200:
+                return proc, cfg, client
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, (run_dir / "server.log").read_text()
+        time.sleep(0.2)

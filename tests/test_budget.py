@@ -3,17 +3,13 @@ capacity fills holds requests back and the budget halves; once it empties the bu
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
-import httpx
 import pytest
 
-from prl.model.tiny import write_model_dir
+from conftest import start_server
 from prl.orchestrator.budget import InflightBudget
-from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 
 CAPACITY = 4 * (4 + 200)  # token slots: four requests of a 4-token prompt and 200 new tokens
@@ -21,25 +17,8 @@ CAPACITY = 4 * (4 + 200)  # token slots: four requests of a 4-token prompt and 2
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
     recipe = Recipe.model_validate({"inference": {"kv_capacity_tokens": CAPACITY}})
-    write_model_dir(recipe.model, run_dir / "model")
-    configs = resolve(recipe, run_dir, write_secret(run_dir))
-    cfg = configs[0]
-    path = write_configs(configs, run_dir)[cfg.name]
-    log = open(run_dir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://{cfg.host}:{cfg.port}", headers={"Authorization": f"Bearer {cfg.secret()}"},
-                          timeout=120)
-    while True:  # until it answers (a dead server fails at once)
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, (run_dir / "server.log").read_text()
-        time.sleep(0.2)
+    proc, _, client = start_server(tmp_path_factory.mktemp("run"), recipe, timeout=120)
     yield client
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(30)

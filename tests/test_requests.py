@@ -5,18 +5,15 @@ request is cancelled and the server stops generating for it)."""
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from conftest import start_server
 from prl.backends.base import BackendError, Pace
 from prl.backends.embedded import EmbeddedBackend
 from prl.inference.protocol import GenerateRequest
-from prl.model.tiny import write_model_dir
-from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.recipe.schema import Recipe
 
 LONG = 1500  # tokens per completion of the long generation (the model's context is set above it)
@@ -24,25 +21,9 @@ LONG = 1500  # tokens per completion of the long generation (the model's context
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
     recipe = Recipe.model_validate({"model": {"max_position_embeddings": LONG + 64}})
-    write_model_dir(recipe.model, run_dir / "model")
-    configs = resolve(recipe, run_dir, write_secret(run_dir))
-    cfg = configs[0]
-    paths = write_configs(configs, run_dir)
-    log = open(run_dir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(paths[cfg.name])],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, cfg, probe = start_server(tmp_path_factory.mktemp("run"), recipe)
     url, secret = f"http://{cfg.host}:{cfg.port}", cfg.secret()
-    probe = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {secret}"}, timeout=60)
-    while True:
-        try:
-            if probe.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, (run_dir / "server.log").read_text()
-        time.sleep(0.2)
     yield proc, url, secret, probe
     os.killpg(proc.pid, signal.SIGCONT)
     os.killpg(proc.pid, signal.SIGTERM)

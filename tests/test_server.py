@@ -2,15 +2,12 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from prl.model.tiny import write_model_dir
-from prl.recipe.resolve import resolve, write_configs, write_secret
+from conftest import start_server
 from prl.recipe.schema import Recipe
 
 
@@ -18,25 +15,9 @@ from prl.recipe.schema import Recipe
 def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     recipe = Recipe.model_validate({"trainer": {"router_replay": True}})  # the server captures routing
-    write_model_dir(recipe.model, run_dir / "model")
-    configs = resolve(recipe, run_dir, write_secret(run_dir))
-    paths = write_configs(configs, run_dir)
-    cfg = configs[0]
-    log = open(run_dir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(paths[cfg.name])],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, cfg, client = start_server(run_dir, recipe)
     url = f"http://{cfg.host}:{cfg.port}"
-    headers = {"Authorization": f"Bearer {cfg.secret()}"}
-    deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", headers=headers).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, (run_dir / "server.log").read_text()
-        time.sleep(0.2)
-    yield httpx.Client(base_url=url, headers=headers, timeout=60), run_dir, url
+    yield client, run_dir, url
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(10)
 
