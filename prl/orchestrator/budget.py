@@ -12,15 +12,14 @@ from __future__ import annotations
 
 
 class InflightBudget:
-    def __init__(self, cap: int, group_size: int, servers: int, target: float):
+    def __init__(self, cap: int, group_size: int, servers: int, target: float, prefill: list[int] = ()):
         self.cap, self.group, self.target = cap, group_size, target
-        self.limits = [max(group_size, cap // max(1, servers))] * servers  # the cap, shared, until a server fills
-        self.usage: list[float | None] = [None] * servers
+        share = max(group_size, cap // max(1, servers - len(prefill)))  # the cap, shared, until a server fills
+        self.limits = [0 if i in prefill else share for i in range(servers)]  # P/D: prefill servers generate nothing
 
     def observe(self, server: int, usage: float | None, inflight: int) -> None:
         """One reading of `server`'s KV usage while `inflight` rollouts are out (over all servers)."""
-        self.usage[server] = usage
-        if usage is None or not self.target:
+        if usage is None or not self.target or not self.limits[server]:
             return
         if usage > self.target:
             self.limits[server] = max(self.group, self.limits[server] // 2)

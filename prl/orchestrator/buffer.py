@@ -39,18 +39,17 @@ class Group:
         return max((v for s in self.samples for v in s.model_versions()), default=-1)
 
 
-def stale_masked(sample: Sample, oldest: int) -> tuple[Sample, int]:
-    """`sample` with its model tokens older than version `oldest` masked out, and how many."""
+def stale_masked(sample: Sample, oldest: int) -> Sample:
+    """`sample` with its model tokens older than version `oldest` masked out."""
     mask = sample.mask if sample.mask is not None else [1] * len(sample.completion_ids)
     new = [m if not m or v >= oldest else 0 for m, v in zip(mask, sample.versions)]
-    masked = sum(mask) - sum(new)
-    return (dataclasses.replace(sample, mask=new) if masked else sample), masked
+    return dataclasses.replace(sample, mask=new) if new != mask else sample
 
 
-def percentile(values: list[int], q: float) -> float:
-    if not values:
+def percentile(ordered: list[int], q: float) -> float:
+    """The `q` quantile of values already sorted."""
+    if not ordered:
         return 0.0
-    ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
@@ -72,22 +71,25 @@ class LengthLedger:
     def lost(self, groups: list[Group]) -> None:
         self.dropped += [len(s.completion_ids) for g in groups for s in g.samples]
 
-    def dropped_by_decile(self) -> list[float]:
-        """Share of the generated trajectories in each length decile (of all generated) that were dropped."""
+    def dropped_by_decile(self, generated: list[int]) -> list[float]:
+        """Share of the generated trajectories (`generated`: their lengths, sorted) in each length decile
+        that were dropped."""
         if not self.dropped:
             return [0.0] * 10
-        edges = [percentile(self.generated, q / 10) for q in range(1, 10)]
+        edges = [percentile(generated, q / 10) for q in range(1, 10)]
         made, lost = Counter(decile(n, edges) for n in self.generated), Counter(decile(n, edges) for n in self.dropped)
         return [round(lost[d] / made[d], 4) if made[d] else 0.0 for d in range(10)]
 
     def fields(self, batch: list[Sample]) -> dict:
-        now = [len(s.completion_ids) for s in batch]
+        now = sorted(len(s.completion_ids) for s in batch)
+        self.accepted.sort()  # sorted in place: the next sort of the same list is nearly free
+        self.generated.sort()
         out = {}
         for name, values in (("len_batch", now), ("len_accepted", self.accepted), ("len_generated", self.generated)):
             out[f"{name}_mean"] = round(sum(values) / max(1, len(values)), 2)
             out[f"{name}_p90"] = percentile(values, 0.9)
-            out[f"{name}_max"] = max(values, default=0)
-        out["dropped_by_len_decile"] = self.dropped_by_decile()
+            out[f"{name}_max"] = values[-1] if values else 0
+        out["dropped_by_len_decile"] = self.dropped_by_decile(self.generated)
         return out
 
 
@@ -133,6 +135,6 @@ class GroupBuffer:
         oldest = step - self.max_off_policy_steps
         if self.policy == "mask":
             for g in taken:
-                g.samples = [stale_masked(s, oldest)[0] for s in g.samples]
+                g.samples = [stale_masked(s, oldest) for s in g.samples]
         stale = sum(k for age, k in ages.items() if age > self.max_off_policy_steps)
         return taken, {"off_policy_hist": {str(a): ages[a] for a in sorted(ages)}, "stale_tokens": stale}

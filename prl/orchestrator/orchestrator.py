@@ -98,9 +98,8 @@ class Orchestrator:
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
                                      on_hang=self.trainer_hung, locate=self.locator("trainer", cfg.trainer_url))
         self.buffer = GroupBuffer(r.rl.max_off_policy_steps, r.rl.stale_policy)
-        self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target)
-        for i in cfg.prefill_servers:  # P/D: prefill servers generate nothing
-            self.budget.limits[i] = 0
+        self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
+                                     prefill=cfg.prefill_servers)
         self.pool.on_metrics = self.observe_kv
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
@@ -125,8 +124,7 @@ class Orchestrator:
         return lambda: ports.url_of(self.cfg.run_dir, name, url)
 
     def observe_kv(self, server, metrics) -> None:
-        if not server.prefill:
-            self.budget.observe(server.index, metrics.kv_usage, self.rollouts.count())
+        self.budget.observe(server.index, metrics.kv_usage, self.rollouts.count())
 
     def inflight_budget(self) -> int:
         return self.budget.total([s.up for s in self.pool.servers])
