@@ -35,7 +35,7 @@ def one(recipe: str, overrides: list[str], out: Path) -> dict:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{recipe}: prl run exited {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    run_dir = max(out.glob(f"{name}*"), key=lambda p: p.stat().st_mtime)
+    run_dir = out / name  # run.name above
     summary = json.loads((run_dir / "summary.json").read_text())
     per_step = rewards_per_step(run_dir)
     tens = [round(sum(per_step[i:i + 10]) / len(per_step[i:i + 10]), 3) for i in range(0, len(per_step), 10)]
