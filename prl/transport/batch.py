@@ -232,18 +232,12 @@ def shard_sequence(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
 
 
 def pack(samples: list[Sample], num_ranks: int, max_tokens: int) -> list[list[MicroBatch]]:
-    bins: list[list[Sample]] = []
-    loads: list[int] = []
-    for s in sorted(samples, key=lambda s: -s.num_tokens):
-        if s.num_tokens > max_tokens:
-            raise ValueError(f"a sample of {s.num_tokens} tokens exceeds trainer.micro_batch_tokens ({max_tokens})")
-        i = next((i for i, load in enumerate(loads) if load + s.num_tokens <= max_tokens), None)
-        if i is None:
-            bins.append([])
-            loads.append(0)
-            i = len(bins) - 1
-        bins[i].append(s)
-        loads[i] += s.num_tokens
+    lengths = [s.num_tokens for s in samples]
+    if max(lengths, default=0) > max_tokens:
+        raise ValueError(f"a sample of {max(lengths)} tokens exceeds trainer.micro_batch_tokens ({max_tokens})")
+    placed = first_fit(lengths, max_tokens)
+    bins = [[samples[i] for i in b] for b in placed]
+    loads = [sum(lengths[i] for i in b) for b in placed]
     per_rank: list[list[list[Sample]]] = [[] for _ in range(num_ranks)]
     rank_load = [0] * num_ranks
     for b, load in sorted(zip(bins, loads), key=lambda x: -x[1]):
