@@ -129,7 +129,9 @@ def test_wandb_offline_run_holds_the_metrics_and_recipe(finished_run):
     losses = {e["step"]: e["loss"] for e in events(run_dir, "trainer_step") if e["stage"] == "rl"}
     assert [r["orchestrator/reward"] for r in rl] == [rewards[s] for s in range(4)]
     assert [r["trainer/loss"] for r in rl] == [losses[s] for s in range(4)]
-    assert all(r["inference/tokens_per_s"] > 0 for r in rl if "inference/tokens_per_s" in r)
+    # A server idle over its 10 s window (its first poll, a weight load) honestly reports 0 tokens/s.
+    tps = [r["inference/tokens_per_s"] for r in rl if "inference/tokens_per_s" in r]
+    assert tps and all(v >= 0 for v in tps) and max(tps) > 0
     assert [r["sft/step"] for r in rows if "sft/step" in r] == list(range(10))
     cfg = config(f)
     assert cfg["rl"]["max_steps"] == 4 and cfg["run"]["name"] == "reverse-tiny"

@@ -26,7 +26,8 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        # starts with the engine's own start, so the first poll is a measured rate, not 0 by construction
+        self._rate: deque[tuple[float, int]] = deque([(time.monotonic(), core.stats.generated_tokens)], maxlen=64)
 
     def start(self) -> None:
         self._thread.start()
