@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_parallel.py: load a pretrained folder into the trainer's model
-(sharded: meta build, each rank reads its rows; or whole: `from_pretrained` on every rank), then
+(sharded: the trainer's own `setup_model`, meta build and each rank reads its rows; or whole:
+`from_pretrained` on every rank; FP8 layers with `"fp8": true`), then
 the logprobs of a fixed sequence; rank 0 saves them with each rank's peak resident memory growth.
 
     torchrun --nproc-per-node N tests/dist_load.py FOLDER OUT.pt sharded|whole '{"parallel": {...}}'
@@ -19,10 +20,11 @@ def peak_mb() -> float:
 
 def main(folder: str, out: str, mode: str, tcfg_json: str) -> None:
     from prl.model.build import build_model
+    from prl.model.fp8 import apply_fp8
     from prl.recipe.schema import TrainerCfg
     from prl.trainer import head
+    from prl.trainer.model_setup import setup_model
     from prl.trainer.parallelize import Parallel
-    from prl.trainer.sharded_load import load_sharded, meta_model
 
     import transformers.models.auto.modeling_auto  # noqa: F401  (imports before the baseline)
 
@@ -30,11 +32,14 @@ def main(folder: str, out: str, mode: str, tcfg_json: str) -> None:
     torch.set_num_threads(1)
     tcfg = TrainerCfg.model_validate(json.loads(tcfg_json))
     base = peak_mb()
-    model = meta_model(folder) if mode == "sharded" else build_model(folder)
-    par = Parallel(model, tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu"), tcfg)
+    dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu")
     if mode == "sharded":
-        par.model.to_empty(device="cpu")
-        load_sharded(par.model, folder)
+        par = setup_model(folder, tcfg, dims, torch.device("cpu")).par
+    else:
+        model = build_model(folder)
+        if tcfg.fp8:
+            apply_fp8(model)
+        par = Parallel(model, dims, tcfg)
     loaded = peak_mb() - base
     ids = torch.arange(3, 40)
     with torch.no_grad(), head.targets(par.model, ids[1:], 1.0, 0):

@@ -231,11 +231,13 @@ def load_run(folder: Path, tmp: Path, nproc: int, mode: str, tcfg: dict) -> dict
     return torch.load(out)
 
 
-def test_sharded_loading_holds_a_fraction_and_matches_from_pretrained(big_pretrained, tmp_path):
-    """2 ranks (ep = 2, FSDP): each reads only its rows; the logprobs equal `from_pretrained`'s."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sharded_loading_holds_a_fraction_and_matches_from_pretrained(big_pretrained, tmp_path, fp8):
+    """2 ranks (ep = 2, FSDP): each reads only its rows; the logprobs equal `from_pretrained`'s.
+    With FP8 layers too (the trainer once built the whole model on every rank when `trainer.fp8`)."""
     folder, model_bytes = big_pretrained
-    whole = load_run(folder, tmp_path, 1, "whole", {})
-    sharded = load_run(folder, tmp_path, 2, "sharded", {"parallel": {"ep": 2}})
+    whole = load_run(folder, tmp_path, 1, "whole", {"fp8": fp8})
+    sharded = load_run(folder, tmp_path, 2, "sharded", {"parallel": {"ep": 2}, "fp8": fp8})
     torch.testing.assert_close(sharded["logp"], whole["logp"], rtol=1e-6, atol=1e-6)
     mb = model_bytes / 2**20
     print(f"model {mb:.0f} MB; peak growth while loading: whole {whole['load_peak_mb']}, sharded {sharded['load_peak_mb']}")

@@ -19,20 +19,16 @@ import torch
 import torch.distributed as dist
 
 from prl.metrics import EventLog, reporting_errors
-from prl.model.fp8 import apply_fp8
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
-from prl.model.routing import Replay, routers
 from prl.recipe.roles import TrainerConfig
 from prl.envs import make_env
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
 from prl.trainer.ledger import read_ledger, record
-from prl.trainer.sharded_load import load_sharded, meta_model
-from prl.model.pretrained import has_weights
+from prl.trainer.model_setup import setup_model
 from prl.trainer.step import forward_backward
-from prl.trainer.parallelize import Parallel
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
 from prl.transport.sinks import weight_sink
@@ -93,26 +89,20 @@ class Trainer:
                                             name="trainer").start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
-        from prl.model.build import build_model, load_tokenizer
+        from prl.model.build import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
-        # a pretrained folder is read shard by shard into a meta-built model (no rank holds it whole);
-        # FP8 quantises full weights at install, so it keeps the whole-model path for now
-        sharded = has_weights(self.cfg.model_dir) and not self.tcfg.fp8
-        model = meta_model(self.cfg.model_dir) if sharded else build_model(self.cfg.model_dir, seed=self.cfg.run.seed).to(self.device)
-        self.replay = Replay(model, replay=self.tcfg.router_replay) if routers(model) else None
+        built = setup_model(self.cfg.model_dir, self.tcfg, self.dims.build_meshes(self.device.type), self.device,
+                            seed=self.cfg.run.seed)
+        self.par, self.model, self.replay = built.par, built.par.model, built.replay
         self.fp8_names = None
         if self.tcfg.fp8:
-            report = apply_fp8(model)
-            self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(report["fp8"]), kept=report["kept"])
+            self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(built.fp8["fp8"]), kept=built.fp8["kept"])
             if self.cfg.publish_fp8:  # the engine takes FP8 weights as published: half the bytes
-                self.fp8_names = tensor_names(report["fp8"])
-        self.par = Parallel(model, self.dims.build_meshes(self.device.type), self.tcfg)
-        self.model = self.par.model
-        if sharded:
-            self.model.to_empty(device=self.device)
-            read = load_sharded(self.model, self.cfg.model_dir)
-            print(f"trainer: rank {self.rank} read {read / 2**20:.1f} MiB of its shards of {self.cfg.model_dir}", flush=True)
+                self.fp8_names = tensor_names(built.fp8["fp8"])
+        if built.bytes_read is not None:
+            print(f"trainer: rank {self.rank} read {built.bytes_read / 2**20:.1f} MiB of its shards of "
+                  f"{self.cfg.model_dir}", flush=True)
         self.model.train()
 
     def make_optimizer(self, lr: float, total_steps: int):
