@@ -2,7 +2,8 @@
 parallel layout: forward and backward, then the trainer's own optimizer step (finish the gradients,
 clip by the global norm, AdamW). Rank 0 saves the loss, every full gradient (before clipping), the
 gradient norm, every full weight after the step, and each loss token's logprob as the trainer
-computed it next to the sample's own (the engine's, with `--samples`), gathered from every rank.
+computed it next to the sample's own (the engine's, with `--samples`), gathered from every rank, and
+each rank's logprob of every token it holds, per micro-batch (`rows`: [rank][micro-batch]).
 
     torchrun --nproc-per-node N tests/dist_step.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}, ...}' [--replay]
         [--samples SAMPLES.pt] [--cp-adapter] [--count]
@@ -74,15 +75,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def record_logprobs(seen: list) -> None:
+def record_logprobs(seen: list, rows: list) -> None:
     """Each micro-batch's loss tokens as the trainer's loss receives them: [2, n] (the trainer's
-    logprob, the sample's), on this rank (with cp, its slice of the row)."""
+    logprob, the sample's), on this rank (with cp, its part of the row); and in `rows` the logprob of
+    every token this rank holds, in the order it holds them."""
     from prl.trainer import step as step_module
 
     loss = step_module.rl_loss
 
     def recording(logp, mb, cfg):
         seen.append(torch.stack([logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask]]).detach().float().cpu())
+        rows.append(logp.detach().float().cpu())
         return loss(logp, mb, cfg)
 
     step_module.rl_loss = recording
@@ -141,7 +144,8 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
         seq = context_parallel.install(par.model, None, 1, 0)
     counts = count_collectives(par.model) if "--count" in sys.argv else None
     seen: list[torch.Tensor] = []
-    record_logprobs(seen)
+    rows: list[torch.Tensor] = []
+    record_logprobs(seen, rows)
     before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq)
     if counts is not None:
@@ -150,10 +154,12 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, torch.cat(seen, dim=1) if seen else torch.zeros(2, 0))
+    every_rows = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rows, rows)
     if dist.get_rank() == 0:
         torch.save({"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params,
                     "moved": sorted(n for n in params if not torch.equal(params[n], before[n])),
-                    "logprobs": torch.cat(every, dim=1)}, out)
+                    "logprobs": torch.cat(every, dim=1), "rows": every_rows}, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -209,12 +209,19 @@ class ParallelCfg(Section):
 
     dp_shard: int = Field(-1, ge=-1)  # -1: world / cp
     cp: int = Field(1, ge=1)
+    # with cp > 1, which tokens each rank holds: "zigzag" (chunk c and its mirror 2cp-1-c of 2cp chunks:
+    # causal attention costs every rank the same) or "contiguous" (slice c: the last rank costs ~2cp/(cp+1)x the mean)
+    cp_layout: str = "zigzag"
     ep: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _positive(self):
         if self.dp_shard == 0:
             raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
+        if self.cp_layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"trainer.parallel.cp_layout = {self.cp_layout!r}: expected \"zigzag\" (each rank holds a "
+                             f"chunk from the start of the row and its mirror from the end; the default) or "
+                             f"\"contiguous\" (rank c holds slice c)")
         return self
 
     def dims(self, world: int) -> ParallelDims:

@@ -1,7 +1,11 @@
 """Context parallelism for GLM-5's DSA attention: one all-gather per attention layer.
 
-Each of the `cp` ranks of a group holds a contiguous slice of the packed micro-batch (tokens
-c*S .. (c+1)*S). Everything per token (embeddings, norms, projections, experts, the loss) stays
+Each of the `cp` ranks of a group holds part of the packed micro-batch
+(`prl.transport.batch.shard_positions`). The default layout, `trainer.parallel.cp_layout = "zigzag"`,
+cuts the row into 2 x cp chunks and rank c holds chunk c and its mirror 2cp-1-c: under causal
+attention every rank then has the same number of (query, key) pairs to score, where contiguous
+slices (rank c: tokens c*S .. (c+1)*S) leave the last rank about 2cp/(cp+1) of the mean
+(`bench/cp_scaling.py`). Everything per token (embeddings, norms, projections, experts, the loss) stays
 local. Attention needs, for its local queries, the keys of every earlier token of the same sample,
 wherever it lives: each rank computes its tokens' compressed KV latent (normed), rope key (rotated
 at the token's own position) and DSA indexer key, concatenates them, and one differentiable
@@ -9,7 +13,10 @@ all-gather gives every rank all of them (its backward sums the key gradients bac
 own the tokens; the indexer keys carry no gradient, as the indexer is not trained by the loss).
 Queries, the indexer's queries and weights, the top-k selection and the attention itself stay
 local, with global positions: a key is allowed for a query when both are in the same packed sample
-and the key is not later (`Sequence.allowed`).
+and the key is not later (`Sequence.allowed`). The gathered keys arrive in rank order and are put
+back in row order, then cut after the rank's last query (no later key is ever allowed); each block
+of local queries (never straddling the zigzag's two chunks) scores only the keys up to its own last
+query, so a rank's work follows the causal mask and the layout decides its balance.
 
 The top-k selection breaks ties by position (`prl.model.dsa`, as the engine and the unsplit trainer
 do), so it picks the same keys however the sequence is split. This adapter replaces the forward of
@@ -28,29 +35,32 @@ import torch.nn.functional as F
 
 from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
-from prl.transport.batch import MicroBatch, pad_row, sample_ids, shard_sequence
+from prl.transport.batch import MicroBatch, cp_multiple, pad_row, sample_ids, shard_positions, shard_sequence
 
 
 @dataclass
 class Sequence:
-    """The packed row this rank holds a slice of: sample id of every global token, and where the
-    local slice starts."""
+    """The packed row this rank holds part of: sample id of every row token, the row index of each
+    local token, and what follows from them (`sequence`)."""
 
     group: object
     size: int
     rank: int
-    segments: torch.Tensor | None = None  # [T] sample id per global token
-    offset: int = 0
+    layout: str = "zigzag"
+    segments: torch.Tensor | None = None  # [T] sample id per row token
+    positions: torch.Tensor | None = None  # [S] row index of each local token
+    order: torch.Tensor | None = None  # [T] gathered index of each row token (None: gathered in row order)
+    keys: int = 0  # keys any local query may see: up to the last local token
+    blocks: list[tuple[int, int, int]] | None = None  # (start, end, keys it may see) per block of local queries
 
-    def allowed(self, local: int) -> torch.Tensor:
-        """[S, T] bool: query i (global offset + i) may see key j."""
-        seg = self.segments
-        q = torch.arange(self.offset, self.offset + local, device=seg.device)
-        k = torch.arange(seg.shape[0], device=seg.device)
-        return (seg[q][:, None] == seg[None, :]) & (k[None, :] <= q[:, None])
+    def allowed(self) -> torch.Tensor:
+        """[S, keys] bool: local query i (row index positions[i]) may see key j."""
+        seg, q = self.segments, self.positions
+        k = torch.arange(self.keys, device=seg.device)
+        return (seg[q][:, None] == seg[None, : self.keys]) & (k[None, :] <= q[:, None])
 
 
-def install(model, group, size: int, rank: int) -> Sequence:
+def install(model, group, size: int, rank: int, layout: str = "zigzag") -> Sequence:
     """Swap the model's attention (its family spec's `attention_class`) for the adapter over `group`."""
     fam = families.spec(model.config.model_type, "trainer.parallel.cp > 1")
     attns = families.modules_of(model, fam.attention_class)
@@ -58,7 +68,7 @@ def install(model, group, size: int, rank: int) -> Sequence:
         raise NotImplementedError(f"trainer.parallel.cp > 1: {type(model).__name__} has no "
                                   f"{fam.attention_class or 'attention prl can split'}; context parallelism is built "
                                   f"for {families.with_feature('cp')} (GLM-5's DSA attention) only")
-    seq = Sequence(group, size, rank)
+    seq = Sequence(group, size, rank, layout)
     for a in attns:
         if not isinstance(a, ContextParallelAttention):
             a.__class__ = type(f"CP{type(a).__name__}", (ContextParallelAttention, type(a)), {})
@@ -67,12 +77,28 @@ def install(model, group, size: int, rank: int) -> Sequence:
 
 
 @contextlib.contextmanager
-def sequence(seq: Sequence, segments: torch.Tensor, offset: int):
-    seq.segments, seq.offset = segments, offset
+def sequence(seq: Sequence, segments: torch.Tensor, positions: torch.Tensor, block: int = 1024):
+    """Set the row for the attention layers of one forward (and its backward): the sample ids of the
+    row, the row index of each local token (`local_slice`)."""
+    n = segments.shape[0]
+    gathered = torch.cat([shard_positions(n, r, seq.size, seq.layout) for r in range(seq.size)])
+    seq.order = None if torch.equal(gathered, torch.arange(n)) else torch.argsort(gathered).to(segments.device)
+    seq.segments, seq.positions = segments, positions
+    seq.keys = int(positions.max()) + 1
+    seq.blocks = query_blocks(positions.tolist(), block, cp_multiple(seq.size, seq.layout) // seq.size)
     try:
         yield
     finally:
-        seq.segments = None
+        seq.segments = seq.positions = seq.order = seq.blocks = None
+
+
+def query_blocks(positions: list[int], block: int, chunks: int = 1) -> list[tuple[int, int, int]]:
+    """(start, end, keys) for blocks of at most `block` local queries, each inside one of the `chunks`
+    equal chunks the rank holds (the zigzag's two: a block never spans both), `keys` the row index
+    of its last query + 1 (the local positions of a chunk are consecutive)."""
+    per = len(positions) // chunks
+    return [(a, min(a + block, c + per), positions[min(a + block, c + per) - 1] + 1)
+            for c in range(0, len(positions), per) for a in range(c, c + per, block)]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -101,23 +127,41 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather(local_BSF: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The one collective of a layer: every rank's [1, S, F] slice -> [1, T, F], differentiable."""
-    if seq.size == 1:
-        return local_BSF
-    return _GatherRows.apply(local_BSF[0], seq.group, seq.size, seq.rank)[None]
+    """The one collective of a layer: every rank's [1, S, F] part -> [1, T, F] in row order, cut
+    after the last key a local query may see; differentiable."""
+    every = local_BSF if seq.size == 1 else _GatherRows.apply(local_BSF[0], seq.group, seq.size, seq.rank)[None]
+    if seq.order is not None:
+        every = every[:, seq.order]
+    return every[:, : seq.keys]
 
 
-def select(ix, q, k_all, w, allowed: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def select(ix, q, k_all, w, allowed: torch.Tensor, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
     """Top-k keys per local query, ties broken by position (`prl.model.dsa.stable_topk`, as the engine
-    and the unsplit trainer select): [1, S, topk] int32. Scores are computed for `block` queries at a
-    time against every key (never [S, heads, T] at once)."""
+    and the unsplit trainer select): [1, S, topk] int32. Scores are computed per block of queries
+    (`query_blocks`) against the keys up to its last query, never fewer than top-k of them: the keys
+    cut off are masked for the whole block, so the picks are those of the whole row."""
     topk = min(ix.index_topk, k_all.shape[1])
     picked = []
-    for a in range(0, q.shape[1], block):
-        scores = index_scores(ix, q[:, a:a + block], k_all, w[:, a:a + block])
-        scores = scores.masked_fill(~allowed[None, a:a + block], float("-inf"))
+    for a, b, keys in blocks:
+        keys = max(keys, topk)
+        scores = index_scores(ix, q[:, a:b], k_all[:, :keys], w[:, a:b])
+        scores = scores.masked_fill(~allowed[None, a:b, :keys], float("-inf"))
         picked.append(stable_topk(scores, topk))
     return torch.cat(picked, dim=1).to(torch.int32)
+
+
+def attend(query, key_states, value_states, keep: torch.Tensor, blocks: list[tuple[int, int, int]],
+           scaling: float) -> torch.Tensor:
+    """Softmax attention of each block of local queries over the keys up to its last query (the keys
+    after it have zero weight for all of them): [B, heads, S, v_head_dim]."""
+    outs = []
+    for a, b, keys in blocks:
+        k = keep[a:b, :keys]
+        mask = torch.zeros(k.shape, dtype=query.dtype, device=query.device).masked_fill(~k, torch.finfo(query.dtype).min)
+        scores = torch.matmul(query[:, :, a:b], key_states[:, :, :keys].transpose(2, 3)) * scaling + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        outs.append(torch.matmul(probs, value_states[:, :, :keys]))
+    return torch.cat(outs, dim=2)
 
 
 class ContextParallelAttention:
@@ -142,29 +186,27 @@ class ContextParallelAttention:
         if self.indexer is not None:
             iq, ik, iw = indexer_parts(self.indexer, hidden_states, q_resid, cos, sin)
             parts.append(ik.to(k_rot.dtype))
-        every = gather(torch.cat(parts, dim=-1), seq)  # [1, T, kv_lora + rope (+ indexer key)]
+        every = gather(torch.cat(parts, dim=-1), seq)  # [1, keys, kv_lora + rope (+ indexer key)]
         T = every.shape[1]
         k_pass_all = every[..., : self.kv_lora_rank].reshape(B, 1, T, self.kv_lora_rank)
         k_rot_all = every[..., self.kv_lora_rank: self.kv_lora_rank + self.qk_rope_head_dim].reshape(B, 1, T, -1)
         key_states, value_states = self.expand_kv(k_pass_all, k_rot_all)
-        allowed = seq.allowed(S)
+        allowed = seq.allowed()
         if self.indexer is not None:
-            topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed)
+            topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, seq.blocks)
         elif prev_topk_indices is not None:
             topk = prev_topk_indices
         else:
             raise ValueError("shared DSA layers need the top-k indices of a previous full indexer layer")
         keep = torch.zeros_like(allowed).scatter(-1, topk[0].long(), True) & allowed
-        mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(~keep, torch.finfo(query.dtype).min)
-        scores = torch.matmul(query, key_states.transpose(2, 3)) * self.scaling + mask[None, None]
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(probs, value_states).transpose(1, 2).reshape(B, S, -1)
+        out = attend(query, key_states, value_states, keep, seq.blocks, self.scaling).transpose(1, 2).reshape(B, S, -1)
         return self.o_proj(out), None, topk
 
 
-def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, int]:
-    """This rank's contiguous slice of a packed micro-batch, the row's sample ids and the slice's
-    offset. The row is first padded to a multiple of `cp` with loss-free one-token samples."""
-    row = pad_row(mb, seq.size)
-    per = row.input_ids.numel() // seq.size
-    return shard_sequence(row, seq.rank, seq.size), sample_ids(row.position_ids), seq.rank * per
+def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
+    """This rank's part of a packed micro-batch (`seq.layout`), the row's sample ids and the row index
+    of each local token. The row is first padded to a multiple of `cp_multiple` (cp, or 2 x cp for
+    zigzag) with loss-free one-token samples."""
+    row = pad_row(mb, cp_multiple(seq.size, seq.layout))
+    positions = shard_positions(row.input_ids.numel(), seq.rank, seq.size, seq.layout)
+    return shard_sequence(row, seq.rank, seq.size, seq.layout), sample_ids(row.position_ids), positions

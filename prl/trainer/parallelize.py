@@ -45,7 +45,8 @@ class Parallel:
         self.seq = None  # the context-parallel row state, with cp > 1
         if dims.cp_enabled:
             cp_dim = dims.mesh("cp")["cp"]
-            self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank())
+            self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank(),
+                                                tcfg.parallel.cp_layout)
         head.install(model)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)

@@ -28,14 +28,14 @@ from prl.transport.batch import MicroBatch, rows_by_sample
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
                      device: torch.device, seq=None) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
-    With context parallelism (`seq`), this rank computes its slice of each micro-batch."""
-    rows = [local_slice(mb, seq) if seq is not None else (mb, None, 0) for mb in mbs]
+    With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`)."""
+    rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
     local_tokens = torch.tensor(float(sum(mb.loss_tokens for mb, _, _ in rows)), device=device)
     dist.all_reduce(local_tokens)
     # FSDP averages gradients over `grad_divisor` ranks: undo it, so the step's loss is one sum / tokens
     scale = tcfg.parallel.dims(dist.get_world_size()).grad_divisor / max(float(local_tokens), 1.0)
     totals: dict[str, torch.Tensor] = {}
-    for mb, segments, offset in rows:
+    for mb, segments, positions in rows:
         tokens = mb.input_ids.numel()
         # without CP, a row of short samples runs as [rows, longest sample]: attention per sample
         mb, width = rows_by_sample(mb) if seq is None else (mb, mb.input_ids.numel())
@@ -43,7 +43,7 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
         # the replayed ids and the CP row stay set through backward: activation checkpointing reruns
         # the routers and the attention there
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
-              cp.sequence(seq, segments.to(device), offset) if seq is not None else contextlib.nullcontext()):
+              cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
             with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens):
                 out = model(input_ids=mb.input_ids.view(-1, width), position_ids=mb.position_ids.view(-1, width),
                             use_cache=False)

@@ -221,14 +221,46 @@ def rows_by_sample(mb: MicroBatch) -> tuple[MicroBatch, int]:
     return MicroBatch(**{k: take(v) for k, v in vars(mb).items()}), width
 
 
-def shard_sequence(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
-    """The `rank`-th of `size` contiguous chunks of a packed row, every per-token tensor (routing
-    included) cut at the same places: the split a context-parallel trainer applies (to a row
-    `pad_row` made a multiple of `size`, so the chunks are equal)."""
-    n = mb.input_ids.numel()
-    bounds = [n * i // size for i in range(size + 1)]
-    lo, hi = bounds[rank], bounds[rank + 1]
-    return MicroBatch(**{k: None if v is None else v[lo:hi] for k, v in vars(mb).items()})
+CP_LAYOUTS = ("zigzag", "contiguous")
+
+
+def cp_multiple(size: int, layout: str) -> int:
+    """What a context-parallel row is padded to: `size` slices, or for zigzag 2 x `size` chunks."""
+    return 2 * size if layout == "zigzag" and size > 1 else size
+
+
+def shard_positions(n: int, rank: int, size: int, layout: str = "contiguous") -> torch.Tensor:
+    """The row indices of the tokens `rank` of `size` holds of an n-token row, in the order it holds
+    them. contiguous: the rank-th of `size` slices. zigzag: the row cut into 2 x `size` chunks, and
+    the rank holds chunk `rank` and its mirror 2 x size - 1 - rank, as many early tokens as late ones,
+    so under causal attention every rank has about as many keys to score (n a multiple of 2 x size)."""
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"context-parallel layout {layout!r}: expected one of {', '.join(CP_LAYOUTS)}")
+    if layout == "contiguous" or size == 1:
+        return torch.arange(n * rank // size, n * (rank + 1) // size)
+    if n % (2 * size):
+        raise ValueError(f"a zigzag split over {size} ranks needs a row of a multiple of {2 * size} tokens, got {n}")
+    h = n // (2 * size)
+    mirror = 2 * size - 1 - rank
+    return torch.cat([torch.arange(rank * h, (rank + 1) * h), torch.arange(mirror * h, (mirror + 1) * h)])
+
+
+def shard_sequence(mb: MicroBatch, rank: int, size: int, layout: str = "contiguous") -> MicroBatch:
+    """The tokens of a packed row that `rank` of `size` context-parallel ranks holds
+    (`shard_positions`), every per-token tensor (routing included) taken at the same indices: the
+    split a context-parallel trainer applies (to a row `pad_row` made a multiple of `cp_multiple`)."""
+    idx = shard_positions(mb.input_ids.numel(), rank, size, layout)
+    return MicroBatch(**{k: None if v is None else v[idx] for k, v in vars(mb).items()})
+
+
+def unshard(parts: list[torch.Tensor], layout: str = "contiguous") -> torch.Tensor:
+    """Per-token tensors of every rank's shard (in rank order) put back in row order: the inverse of
+    `shard_sequence` (a loss or logprob per token, reassembled)."""
+    n = sum(p.shape[0] for p in parts)
+    order = torch.cat([shard_positions(n, r, len(parts), layout) for r in range(len(parts))])
+    out = parts[0].new_empty(n, *parts[0].shape[1:])
+    out[order] = torch.cat(parts)
+    return out
 
 
 def pack(samples: list[Sample], num_ranks: int, max_tokens: int) -> list[list[MicroBatch]]:
