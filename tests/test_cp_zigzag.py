@@ -1,12 +1,14 @@
 """Zigzag context parallelism (`trainer.parallel.cp_layout`): which row tokens each rank holds and
 their reassembly, the (query, key) pairs each rank scores under the real causal mask (balanced for
-zigzag, ~2cp/(cp+1) of the mean on the last rank for contiguous slices), and zigzag over 2 and 4
-real torchrun ranks against one rank (loss, gradients, weights after the step, every token's logprob)."""
+zigzag, ~2cp/(cp+1) of the mean on the last rank for contiguous slices), and zigzag over 4 and
+contiguous over 2 real torchrun ranks against one rank (loss, gradients, weights after the step, every
+token's logprob in its place) and the engine."""
 
 import pytest
 import torch
 
-from test_parallel import assert_same_step, engine_samples, sparse_model_dir, step  # noqa: F401 (fixtures)
+from test_parallel import (assert_engine_logprobs, assert_same_step, engine_samples,  # noqa: F401 (fixtures)
+                           sparse_model_dir, step)
 
 from prl.recipe.schema import ParallelCfg
 from prl.trainer.context_parallel import Sequence, query_blocks, sequence
@@ -87,15 +89,17 @@ def test_the_layout_knob_is_checked():
 
 
 @pytest.mark.slow
-def test_zigzag_over_2_and_4_ranks_matches_one_rank(sparse_model_dir, engine_samples, tmp_path):  # noqa: F811
-    """The engine's samples (sparse DSA: 4 keys kept of 10-20), zigzag over cp = 2 and 4 and contiguous
-    over 2: the same step as one rank, and each token's logprob, reassembled from the ranks' parts
-    (`unshard`), lands on the token one rank computed it for."""
-    path, _ = engine_samples
+def test_zigzag_over_4_ranks_and_contiguous_over_2_match_one_rank(sparse_model_dir, engine_samples, tmp_path):  # noqa: F811
+    """The engine's samples (sparse DSA: 4 keys kept of 10-20), zigzag over cp = 4 and contiguous over
+    cp = 2 (zigzag over 2, the default, is test_parallel's CP test): the same step as one rank, and
+    each token's logprob, reassembled from the ranks' parts (`unshard`), lands on the token one rank
+    computed it for."""
+    path, tokens = engine_samples
     one = step(sparse_model_dir, tmp_path, 1, {}, False, "--cp-adapter", samples=path)
-    for cp, layout in [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")]:
+    for cp, layout in [(4, "zigzag"), (2, "contiguous")]:
         run = step(sparse_model_dir, tmp_path, cp, {"parallel": {"cp": cp, "cp_layout": layout}}, False, samples=path)
         assert_same_step(one, run, f"cp={cp} {layout} against one rank")
+        assert_engine_logprobs(run, tokens, f"cp={cp} {layout}")
         for i, whole in enumerate(one["rows"][0]):
             got = unshard([run["rows"][r][i] for r in range(cp)], layout)
             torch.testing.assert_close(got[: whole.numel()], whole, rtol=0, atol=1e-5,
