@@ -37,6 +37,8 @@ class BackendSpec:
     publish_format: str = "memory"  # "memory" | "hf"
     owned_args: dict[str, str] = field(default_factory=dict)  # argument -> the recipe key that sets it
     host_packages: tuple[tuple[str, str], ...] = ()  # (import name, cluster.extras name) on its hosts
+    # trainer.weight_transfer values its servers take ("collective": `prl.transport.collective`)
+    weight_paths: tuple[str, ...] = ("folder", "collective")
     # its passthrough table [inference.NAME] (any other argument of the engine) is the field of
     # InferenceCfg named like the backend, when it has one
 
@@ -45,6 +47,10 @@ class BackendSpec:
 
     def not_built(self, recipe) -> list[str]:
         """Valid settings whose implementation for this backend does not exist yet."""
+        path = recipe.trainer.weight_transfer
+        if path not in self.weight_paths:
+            return [f"trainer.weight_transfer = {path!r} with inference.backend = {self.name!r}: its servers' end of "
+                    f"that path is not built yet (built: {', '.join(self.weight_paths)})"]
         return []
 
     def preflight(self, recipe, folder) -> str | None:

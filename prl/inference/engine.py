@@ -451,7 +451,6 @@ def prepare_weights(model, path) -> Policy:
     Runs off the engine thread, so decoding continues while a new policy is read."""
     from pathlib import Path
 
-    from prl.model.fp8_checkpoint import SCALE_SUFFIX
     from prl.model.weights import CorruptWeightsError, read_weights
 
     try:
@@ -461,6 +460,14 @@ def prepare_weights(model, path) -> Policy:
         raise WeightLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a bad header, a manifest without version: refused, not a 500
         raise WeightLoadError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
+    return make_policy(model, raw, version, str(path))
+
+
+def make_policy(model, raw: dict[str, torch.Tensor], version: int, where: str) -> Policy:
+    """A version's tensors as received (a folder's, or a collective's), checked against the model:
+    every name, every shape, FP8 only with its scales, finite values."""
+    from prl.model.fp8_checkpoint import SCALE_SUFFIX
+
     scales = {k.removesuffix(SCALE_SUFFIX): v for k, v in raw.items() if k.endswith(SCALE_SUFFIX)}
     state = {k: v for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}
     expected = model.state_dict()
@@ -469,10 +476,10 @@ def prepare_weights(model, path) -> Policy:
     bad = [k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape]
     unscaled = [k for k, v in state.items() if v.dtype == torch.float8_e4m3fn and k not in scales]
     if missing or extra or bad or unscaled:
-        raise WeightLoadError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}, "
+        raise WeightLoadError(f"{where}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}, "
                               f"FP8 without scales {unscaled[:5]}")
     nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
     if nonfinite:
-        raise WeightLoadError(f"{path}: non-finite values in {nonfinite[:5]}")
+        raise WeightLoadError(f"{where}: non-finite values in {nonfinite[:5]}")
     state = {k: v if k in scales else v.to(expected[k].dtype) for k, v in state.items()}
     return Policy(state, scales, version)

@@ -121,6 +121,23 @@ class PrefillResponse(Msg):
 class UpdateWeightsResponse(Msg):
     version: int
     load_s: float
+    source: Literal["folder", "collective"] = "folder"  # the staged broadcast, or the sealed folder
+
+
+class CollectiveJoin(Msg):
+    """Join the trainer's weight group (`prl.transport.collective.GroupInfo`)."""
+
+    addr: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    world: int = Field(ge=2, le=65536)
+    rank: int = Field(ge=1)
+    epoch: int = Field(ge=1)
+    timeout_s: float = Field(120.0, gt=0, le=3600)
+
+
+class CollectiveReceive(Msg):
+    version: int = Field(ge=0)
+    epoch: int = Field(ge=1)
 
 
 class Health(Msg):
@@ -148,3 +165,5 @@ class Metrics(Msg):
     pool_full: int = 0  # puts the pool refused because it was full
     pool_dropped: int = 0  # chunks not put because puts fell behind prefill (embedded engine)
     kv_usage: float | None = None  # KV held over capacity (vLLM: the fullest engine's); None: unbounded
+    collective_staged: int = 0  # versions staged from the collective weight path
+    collective_receiving: int = -1  # tensors received of the version on the wire now (-1: none)

@@ -20,7 +20,10 @@ from fastapi.responses import JSONResponse
 
 from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
 from prl.inference.loop import EngineLoop
+from prl.inference.receiver import Receiver, ReceiveError
 from prl.inference.protocol import (
+    CollectiveJoin,
+    CollectiveReceive,
     Completion,
     CompletionRequest,
     GenerateRequest,
@@ -33,6 +36,7 @@ from prl.inference.protocol import (
     UpdateWeightsResponse,
     encode_routing,
 )
+from prl.transport.collective import GroupInfo
 from prl.transport.weights import WeightFetchError
 
 
@@ -54,6 +58,7 @@ class Served:
         config = self.loop.core.model.config
         self.vocab, self.context = config.vocab_size, getattr(config, "max_position_embeddings", None)
         self.eos = [self.tokenizer.eos_token_id]
+        self.receiver = Receiver(self.loop.core.model)  # the collective weight path's staging
 
     def check_prompt(self, ids: list[int], max_tokens: int, field_name: str) -> None:
         """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
@@ -153,15 +158,35 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
             raise HTTPException(400, "this server has no weight source: give a path")
         if req.path is not None and s.weights_root is not None and not _inside(Path(req.path), s.weights_root):
             raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({s.weights_root})")
+        policy = None if req.path else s.receiver.take(req.version)  # staged from the collective
+        source, path = ("folder", req.path) if policy is None else ("collective", "the collective")
         try:
-            path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
-            policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
+            if policy is None:
+                path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
+                policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
         except (WeightLoadError, WeightFetchError) as e:
             raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
         if policy.version != req.version:
             raise HTTPException(409, f"{path} holds v{policy.version}, not v{req.version}")
         await loop.load(policy)
-        return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0)
+        return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0, source=source)
+
+    @app.post("/weights/collective/join", dependencies=guarded)
+    async def collective_join(req: CollectiveJoin) -> dict:
+        """Member of the trainer's weight group (answers once every member joined)."""
+        try:
+            await asyncio.to_thread(s.receiver.join, GroupInfo(**req.model_dump()))
+        except (RuntimeError, ValueError) as e:  # unreachable store, timeout
+            raise HTTPException(409, f"could not join weight group epoch {req.epoch}: {type(e).__name__}: {e}") from None
+        return {"epoch": req.epoch}
+
+    @app.post("/weights/collective/receive", dependencies=guarded)
+    async def collective_receive(req: CollectiveReceive) -> dict:
+        """Take one version off the group and stage it (answers when staged; the old version serves)."""
+        try:
+            return await asyncio.to_thread(s.receiver.receive, req.version, req.epoch)
+        except ReceiveError as e:
+            raise HTTPException(409, f"still serving v{loop.core.version}: {e}") from None
 
     @app.post("/pause", dependencies=guarded)
     async def pause() -> Health:
@@ -196,6 +221,7 @@ def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
             pool_errors=pool.errors if pool else 0, pool_full=pool.full if pool else 0,
             pool_dropped=pool.dropped if pool else 0, kv_usage=core.kv_usage(),
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - s.started, 1e-9)), busy_s=st.busy_s,
+            collective_staged=s.receiver.received, collective_receiving=s.receiver.receiving,
         )
 
 

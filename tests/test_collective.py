@@ -1,0 +1,137 @@
+"""The collective weight path on CPU (gloo) between real processes: a version broadcast from a sender
+into a real embedded server, staged, applied only when asked; a sender killed mid-version leaves the
+old version serving, and a new sender forms the group anew."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import start_server
+from prl.recipe.schema import Recipe
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    proc, cfg, client = start_server(run_dir, Recipe.model_validate({}))
+    yield client, run_dir, f"http://{cfg.host}:{cfg.port}", cfg.secret()
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(10)
+
+
+def state_for(run_dir, version: int) -> dict[str, torch.Tensor]:
+    """The run's model with weights no seed gives (so a version shows which weights it carries)."""
+    from prl.model.build import build_model
+
+    model = build_model(run_dir / "model", seed=0)
+    g = torch.Generator().manual_seed(version)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def send(sink, version: int, state: dict) -> None:
+    from prl.trainer.publish import buckets
+
+    sink.begin(version)
+    for names in buckets(list(state)):
+        sink.put({n: state[n] for n in names})
+    sink.seal({"version": version, "format": "memory"})
+
+
+def sink_for(run_dir, url: str, secret: str):
+    from prl.transport.collective import CollectiveSink
+
+    return CollectiveSink(run_dir / "weights", keep=3, servers=lambda: [url], secret=secret, host="127.0.0.1",
+                          timeout_s=30)
+
+
+def greedy(client) -> list[float]:
+    r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.0,
+                                       "stop_token_ids": []})
+    assert r.status_code == 200, r.text
+    return r.json()["completions"][0]["logprobs"]
+
+
+def test_a_broadcast_version_is_staged_then_applied_whole(server):
+    """The version arrives over the group, is staged (the old one serves), and is applied only on
+    /update_weights; it serves the same logprobs as the same weights read from a folder."""
+    import shutil
+
+    from prl.model.weights import version_dir, write_weights
+
+    client, run_dir, url, secret = server
+    sink, state = sink_for(run_dir, url, secret), state_for(run_dir, 1)
+    before = client.get("/health").json()["version"]
+    send(sink, 1, state)
+    assert sink.last.error is None and sink.last.servers == 1, sink.last
+    assert sink.last.bytes == sum(v.numel() * v.element_size() for v in state.values())
+    m = client.get("/metrics").json()
+    assert m["collective_staged"] == 1 and m["version"] == before  # staged, not served yet
+    shutil.rmtree(version_dir(run_dir / "weights", 1))  # so only the staged copy can serve it
+    r = client.post("/update_weights", json={"version": 1})
+    assert r.status_code == 200 and r.json() == {**r.json(), "version": 1, "source": "collective"}
+    by_collective = greedy(client)
+    write_weights(run_dir / "weights" / "v2", state, {"version": 2})
+    r = client.post("/update_weights", json={"version": 2})
+    assert r.json()["source"] == "folder"
+    assert greedy(client) == by_collective
+
+
+SENDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[4])
+    from test_collective import sink_for, state_for
+    from pathlib import Path
+    from prl.trainer.publish import buckets
+    run_dir, url, secret = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    sink, state = sink_for(run_dir, url, secret), state_for(run_dir, 7)
+    sink.begin(7)
+    first = buckets(list(state))[0]
+    sink.put({n: state[n] for n in first})
+    print(len(first), flush=True)
+    time.sleep(600)  # killed here, mid-version
+""")
+
+
+def test_a_sender_killed_mid_version_leaves_the_old_version_serving(server):
+    client, run_dir, url, secret = server
+    send(sink_for(run_dir, url, secret), 6, state_for(run_dir, 6))
+    assert client.post("/update_weights", json={"version": 6}).json()["source"] == "collective"
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(run_dir), url, secret, os.path.dirname(__file__)],
+                              stdout=subprocess.PIPE, text=True)
+    sent = int(sender.stdout.readline())
+    while client.get("/metrics").json()["collective_receiving"] < sent:  # the server holds part of v7
+        assert sender.poll() is None
+        time.sleep(0.1)
+    sender.kill()
+    sender.wait()
+    r = client.post("/update_weights", json={"version": 7})  # waits for the broken receive; no folder either
+    assert r.status_code == 409 and "still serving v6" in r.json()["detail"]
+    m = client.get("/metrics").json()
+    assert m["version"] == 6 and m["collective_receiving"] == -1
+    assert greedy(client)  # still serving
+    # a restarted sender forms the group anew and delivers
+    sink = sink_for(run_dir, url, secret)
+    send(sink, 8, state_for(run_dir, 8))
+    assert sink.last.error is None and sink.last.servers == 1
+    assert client.post("/update_weights", json={"version": 8}).json()["source"] == "collective"
+
+
+def test_a_version_that_does_not_fit_the_model_is_refused_before_it_is_staged(server):
+    """A tensor of the wrong shape on the wire fails the receive (nothing allocated for it, nothing
+    staged); the folder, with the same bad tensor, is refused too, and the old version serves."""
+    client, run_dir, url, secret = server
+    served = client.get("/health").json()["version"]
+    state = state_for(run_dir, 9)
+    name = next(iter(state))
+    state[name] = torch.zeros(3, 3)
+    sink = sink_for(run_dir, url, secret)
+    send(sink, 9, state)
+    assert sink.last.servers == 0 and "shape" in " ".join(sink.last.failed)
+    r = client.post("/update_weights", json={"version": 9})
+    assert r.status_code == 409 and client.get("/health").json()["version"] == served
