@@ -57,7 +57,8 @@ def plan(
     """Per-GPU memory of the trainer and inference servers and a step-time estimate, before launch;
     exits 1 naming what does not fit. Assumptions are the recipe's [plan] keys."""
     from prl.recipe import RecipeError, load_recipe
-    from prl.sizing.estimate import format_plan, make_plan
+    from prl.sizing.estimate import make_plan
+    from prl.sizing.report import format_plan
 
     try:
         loaded = load_recipe(recipe, set_)

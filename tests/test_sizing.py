@@ -12,7 +12,8 @@ from conftest import ROOT, prl_cmd
 from prl.model.tiny import write_model_dir
 from prl.recipe import load_recipe
 from prl.recipe.schema import ModelCfg
-from prl.sizing.estimate import GB, layer_activation_bytes, make_plan
+from prl.sizing.estimate import GB, make_plan
+from prl.sizing.trainer import layer_activation_bytes
 from prl.sizing.params import count
 
 FLAGSHIP = ROOT / "recipes/glm5-131k-28xh200.toml"
@@ -114,7 +115,7 @@ def test_run_refuses_what_is_not_built_and_dry_run_shows_the_plan():
     dry = subprocess.run(prl_cmd("run", FLAGSHIP, "--dry-run"), capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and "prl plan: fits" in dry.stdout and "prl run would refuse" in dry.stdout
     real = subprocess.run(prl_cmd("run", FLAGSHIP, "--no-tui"), capture_output=True, text=True, timeout=120)
-    assert real.returncode == 2 and "needs the GPU inference backend" in real.stdout + real.stderr
+    assert real.returncode == 2 and "needs NCCL on GPUs" in real.stdout + real.stderr
 
 
 def test_sharded_checkpoints_across_trainer_hosts_need_a_shared_folder():

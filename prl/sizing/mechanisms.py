@@ -1,0 +1,52 @@
+"""What each term of `prl plan` relies on, and whether prl has it: "built" (in the tree and tested),
+"built, needs GPU" (written against the GPU API, checked on CPU only), or "planned" (named with the
+issue item that builds it). `prl plan` prints the mark beside every term that uses a mechanism, so a
+plan that fits only through planned pieces says so."""
+
+from __future__ import annotations
+
+BUILT, GPU, PLANNED = "built", "built, needs GPU", "planned"
+
+MECHANISMS: dict[str, tuple[str, str]] = {
+    "tp": (BUILT, "one vLLM server per placement.gpus_per_server, tensor parallel (prl/backends/vllm/launch.py)"),
+    "dp_ep": (PLANNED, "vLLM data-parallel attention + expert parallel from inference.data_parallel_size / "
+                       "expert_parallel: the launcher passes them (issue 23 item 2)"),
+    "wide_ep": (PLANNED, "one vLLM engine over inference.hosts_per_engine hosts: leader + headless workers over "
+                         "SSH (issue 23 item 2)"),
+    "pd": (PLANNED, "separate vLLM prefill and decode pools: vLLM's P/D connector is not wired in (the KV-pool P/D "
+                    "is built for the embedded engine)"),
+    "fp8_serving": (PLANNED, "prl's block-FP8 weights served by vLLM (issue 23 item 4)"),
+    "fp8_kv": (PLANNED, "FP8 KV cache (inference.kv_cache_dtype): the launcher passes --kv-cache-dtype; vLLM's FP8 "
+                        "MLA + indexer cache runs on GPU only"),
+    "mtp": (PLANNED, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config, "
+                     "and logprobs, versions and routed experts of accepted draft tokens are checked (GPU only)"),
+    "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
+    "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights into the servers over "
+                                    "NCCL (cluster.weight_transfer = 'nccl'; the gloo broadcast from rank 0 is built "
+                                    "for the embedded engine, issue 23 item 3)"),
+    "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
+    "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
+    "fused_dsa": (PLANNED, "fused sparse-attention and indexer kernels in the trainer (FlashMLA / DeepGEMM): the "
+                           "plain-torch DSA attention materialises scores"),
+    "zigzag": (BUILT, "zigzag context parallelism (trainer.parallel.cp_layout = 'zigzag', issue 23 item 6)"),
+    "contiguous": (BUILT, "contiguous context-parallel slices"),
+    "fp8_dispatch": (PLANNED, "FP8 expert dispatch in the trainer (issue 23 item 5)"),
+    "node_dedup": (PLANNED, "node-level deduplication of the trainer's expert dispatch (issue 23 item 5)"),
+    "overlap": (PLANNED, "trainer compute/communication overlap (issue 23 item 5)"),
+    "checkpointing": (BUILT, "activation checkpointing per decoder layer"),
+    "async": (BUILT, "asynchronous rollouts bounded by rl.max_async_level and rl.max_off_policy_steps"),
+}
+
+
+def status(*names: str) -> str:
+    """The weakest status of the mechanisms named (planned < needs GPU < built)."""
+    order = [BUILT, GPU, PLANNED]
+    return max((MECHANISMS[n][0] for n in names), key=order.index) if names else BUILT
+
+
+def mark(*names: str) -> str:
+    """`[built]`, or the weakest status with the mechanisms that have it: `[planned: fp8_dispatch, overlap]`."""
+    worst = status(*names)
+    if worst == BUILT:
+        return "[built]"
+    return f"[{worst}: {', '.join(n for n in dict.fromkeys(names) if MECHANISMS[n][0] == worst)}]"

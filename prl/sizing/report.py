@@ -1,0 +1,95 @@
+"""`prl plan`'s text: every term with its value, its mark (built / planned) and its assumption."""
+
+from __future__ import annotations
+
+from prl.recipe.schema import Recipe
+from prl.sizing.estimate import GB, Plan, minutes
+from prl.sizing.mechanisms import BUILT, MECHANISMS, mark
+from prl.sizing.rollout import Rollout
+
+
+def workload_lines(recipe: Recipe, plan: Plan) -> list[str]:
+    w, pl = plan.workload, recipe.plan
+    return [f"workload (assumptions): prompt {w.prompt:,.0f} tokens, {w.model:,.0f} model tokens a trajectory "
+            f"(plan.completion_fraction {pl.completion_fraction} of the budget), {w.turns:g} turn(s), {w.env:,.0f} "
+            f"environment tokens and {w.env_seconds:g} s in tools a trajectory; p99 trajectory {w.p99:,.0f} tokens; "
+            f"lengths log-normal (sigma {w.sigma:.2f}): token-weighted mean {w.token_weighted / 1e3:.1f}k, mean KV "
+            f"of a trajectory in flight {w.inflight_context / 1e3:.1f}k; {w.batch} trajectories a step "
+            f"({w.batch // w.group} prompts x {w.group})"]
+
+
+def memory_lines(title: str, items: dict[str, float], plan: Plan, usable: float) -> list[str]:
+    need = sum(items.values())
+    left = "the KV cache takes what is left" if plan.inference is items else f"headroom {(usable - need) / GB:.1f} GB"
+    lines = [f"{title}: {need / GB:.1f} GB of {usable / GB:.1f} GB usable ({left})"]
+    return lines + [f"  {v / GB:8.2f} GB  {k}  {mark(*plan.uses.get(k, ()))}" for k, v in items.items()]
+
+
+def layout_lines(recipe: Recipe, plan: Plan) -> list[str]:
+    if not plan.layouts:
+        return []
+    inf = recipe.inference
+    first = plan.layouts[0].layout
+    lines = [f"serving layouts for the {first.hosts * first.engines} inference hosts, each at what its KV holds "
+             f"(weights {'FP8' if inf.fp8 else inf.dtype}, KV {inf.kv_cache_dtype}, MTP {inf.mtp_tokens} at acceptance "
+             f"{recipe.plan.mtp_acceptance}; 'KV holds': sequences of the mean in-flight length per attention replica):",
+             f"  {'layout':48} {'engines':>7} {'KV holds':>9} {'in flight':>9} {'tok/s/GPU':>9} {'rollout':>10}"]
+    for r in plan.layouts:
+        tag = "  <- recommended" if r is plan.best else ""
+        tag += "  (the recipe's)" if r.layout == plan.rollout.layout else ""
+        lines.append(f"  {r.layout.name:48} {r.layout.engines + r.layout.prefill_engines:>7} {r.fits:>9.1f} "
+                     f"{r.held * r.layout.replicas:>9.0f} {r.tokens_per_gpu:>9.0f} {minutes(r.seconds):>10}{tag}")
+    return lines
+
+
+def decode_lines(r: Rollout) -> list[str]:
+    s = r.step
+    busy = s.tokens / max(r.rate * s.seconds, 1e-30)
+    lines = [f"decode step ({r.layout.name}, one replica, {busy:.1f} sequences decoding): {s.seconds * 1e3:.1f} ms, "
+             f"{s.tokens:.1f} tokens kept, {r.rate:.1f} tokens/s a sequence, {r.tokens_per_gpu:,.0f} tokens/s a GPU"]
+    lines += [f"  {v / GB:8.2f} GB read: {k}" for k, v in s.memory.items()]
+    lines += [f"  {v * 1e3:8.2f} ms compute: {k}" for k, v in s.flops.items()]
+    return lines + [f"  {s.comm * 1e3:8.2f} ms exchanges (not overlapped)"]
+
+
+def flight_lines(plan: Plan) -> list[str]:
+    f = plan.flight
+    need = f["in flight needed (Little's law)"]
+    return ["async, at the planned step (Little's law: in flight = trajectories a second x latency):",
+            f"  trajectory latency mean {minutes(f['trajectory latency, mean (s)'])}, p99 "
+            f"{minutes(f['trajectory latency, p99 (s)'])}; in flight needed {need:.0f}, "
+            f"the KV holds {f['in flight the KV holds']:.0f}, the recipe allows "
+            f"{f['in flight allowed (max_async_level, max_inflight_rollouts)']:.0f}",
+            f"  needs rl.max_async_level >= {f['rl.max_async_level needed']:.0f} and rl.max_off_policy_steps >= "
+            f"{f['rl.max_off_policy_steps needed']:.0f} (the p99 trajectory's age)"]
+
+
+def mechanism_lines(plan: Plan) -> list[str]:
+    used = sorted({name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] != BUILT})
+    return ["mechanisms the plan counts and prl does not have yet, or has untested on GPU:"] + \
+        [f"  {name}: {MECHANISMS[name][0]} - {MECHANISMS[name][1]}" for name in used]
+
+
+def format_plan(recipe: Recipe, plan: Plan) -> str:
+    n, par, t = plan.counts, recipe.trainer.parallel, recipe.trainer
+    usable = recipe.plan.gpu_memory_gb * recipe.plan.memory_headroom * GB
+    lines = [f"model: {plan.config_source}",
+             f"  parameters {n.total / 1e9:.3f} B ({n.routed / 1e9:.3f} B in routed experts), active per token "
+             f"{n.active / 1e9:.3f} B"]
+    lines += workload_lines(recipe, plan)
+    lines.append(f"trainer: {plan.world} ranks, dp_shard x cp = {plan.world // par.cp} x {par.cp} "
+                 f"({getattr(par, 'cp_layout', 'contiguous')}), ep = {par.ep}, {t.dtype}{' + FP8 GEMMs' if t.fp8 else ''}, "
+                 f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")
+    lines += memory_lines("trainer GPU memory", plan.trainer, plan, usable)
+    lines += layout_lines(recipe, plan)
+    lines += memory_lines(f"inference GPU memory ({plan.rollout.layout.name})", plan.inference, plan, usable)
+    lines += decode_lines(plan.rollout)
+    lines.append("step time:")
+    lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}" for k, v in plan.time.items()]
+    lines += [f"  {x}" for x in plan.details]
+    lines += flight_lines(plan) + mechanism_lines(plan)
+    lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "
+                 + ", ".join(f"{k} = {v}" for k, v in recipe.plan.model_dump().items()))
+    lines += [f"NOTE: {x}" for x in plan.notes]
+    lines += [f"DOES NOT FIT: {p}" for p in plan.problems] or ["fits: every GPU within its usable memory"]
+    return "\n".join(lines)
