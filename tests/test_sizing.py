@@ -2,6 +2,8 @@
 Adam step, activation bytes against what autograd saves, and the verdicts the command prints."""
 
 import json
+import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -139,3 +141,265 @@ def test_the_flagship_header_names_exactly_what_run_refuses():
     for item in named:
         key = item.split("=")[0].split(" ")[0]
         assert any(r.startswith(key) for r in refused), (item, refused)
+
+
+# ---- the terms of the plan, each against a hand calculation (pure arithmetic) ----
+
+from prl.sizing import decode, kv, layouts, rollout, trainer, workload  # noqa: E402
+from prl.sizing.estimate import BUILTIN, STEP  # noqa: E402
+from prl.sizing.mechanisms import MECHANISMS, mark  # noqa: E402
+
+GLM5 = json.loads(BUILTIN.read_text())
+GLM5_COUNTS = count(GLM5)
+EXPERT = 3 * 6144 * 2048  # one routed expert: gate, up, down
+
+
+def flagship(*overrides):
+    return load_recipe(FLAGSHIP, list(overrides))
+
+
+def tp_variant(*overrides):
+    return flagship("inference.hosts_per_engine=1", "inference.data_parallel_size=1", "inference.expert_parallel=false",
+                    *overrides)
+
+
+def test_kv_bytes_per_token_mla_latent_rope_and_indexer_key():
+    # bf16: (512 latent + 64 rope + 128 indexer) x 2 bytes x 78 layers
+    assert kv.kv_bytes_per_token(GLM5, fp8=False) == (512 + 64 + 128) * 2 * 78 == 109_824
+    # FP8 (vLLM's DeepSeek-V3.2 layout): latent 512 + 4 fp32 scales, rope 64 in bf16; indexer 128 + one scale
+    assert kv.latent_bytes(GLM5, True) == 512 + 16 + 128 and kv.indexer_bytes(GLM5, True) == 132
+    assert kv.kv_bytes_per_token(GLM5, fp8=True) == 788 * 78
+    qwen = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "num_hidden_layers": 48}
+    assert kv.kv_bytes_per_token(qwen) == 2 * 4 * 128 * 2 * 48 and kv.indexer_layers(qwen) == 0
+
+
+def test_mla_kv_is_replicated_under_tp_and_gqa_kv_is_split():
+    assert kv.kv_share(GLM5, 8) == 1.0, "MLA: one latent for every head, so every TP GPU holds all of it"
+    qwen = {"model_type": "qwen3_moe", "num_key_value_heads": 4}
+    assert kv.kv_share(qwen, 2) == 0.5 and kv.kv_share(qwen, 8) == 0.25  # no more than one KV head a GPU
+    # 10 GB free, sequences of 1000 tokens in FP8: 10e9 / (61,464 x 1000)
+    assert kv.sequences_that_fit(10e9, GLM5, True, 1000, 8) == pytest.approx(10e9 / 61_464_000)
+    assert kv.sequences_that_fit(-1.0, GLM5, True, 1000, 1) == 0
+
+
+def test_layouts_for_twelve_hosts_and_the_recipes_own():
+    names = [lay.name for lay in layouts.candidates(flagship())]
+    assert names == ["TP8 per host", "DP8 + EP8 per host", "DP16 + EP16 over 2 hosts", "DP24 + EP24 over 3 hosts",
+                     "DP32 + EP32 over 4 hosts", "DP48 + EP48 over 6 hosts", "DP96 + EP96 over 12 hosts"]
+    own = layouts.recipe_layout(flagship())
+    assert (own.engines, own.gpus, own.dp, own.tp, own.ep_size, own.replicas) == (1, 96, 96, 1, 96, 96)
+    tp = layouts.recipe_layout(tp_variant())
+    assert (tp.engines, tp.gpus, tp.dp, tp.tp, tp.ep_size, tp.replicas) == (12, 8, 1, 8, 8, 12)
+    assert tp.mechanisms(GLM5) == ("tp",) and own.mechanisms(GLM5) == ("dp_ep", "wide_ep", "eplb")
+    assert layouts.recipe_layout(flagship("inference.hosts_per_engine=4", "inference.data_parallel_size=32")) \
+        .mechanisms(GLM5) == ("dp_ep", "wide_ep"), "32 GPUs divide 256 experts: no redundant slots"
+
+
+def test_serving_weights_per_gpu():
+    r = flagship()
+    fp8 = 1 + 4 / 128 ** 2  # a byte a parameter and one fp32 scale per 128 x 128 block
+    n = GLM5_COUNTS
+    dp = layouts.serving_weights(r, GLM5, n, layouts.recipe_layout(r))
+    assert layouts.experts_per_gpu(GLM5, layouts.recipe_layout(r)) == 3  # ceil(256 / 96)
+    assert dp["routed experts (3 of 256 a layer, 1 B/param)"] == pytest.approx(3 * 75 * EXPERT * fp8)
+    assert dp["embeddings + head (bf16, over TP1)"] == 2 * 154880 * 6144 * 2
+    assert dp["MTP layer (one MoE layer, its experts split as the others)"] == \
+        pytest.approx((n.layers[-1] + 2 * 6144 ** 2 + 3 * 6144 + 3 * EXPERT) * fp8)
+    tp = layouts.serving_weights(r, GLM5, n, layouts.recipe_layout(tp_variant()))
+    assert tp["routed experts (32 of 256 a layer, 1 B/param)"] == pytest.approx(32 * 75 * EXPERT * fp8)
+    assert tp["embeddings + head (bf16, over TP8)"] == dp["embeddings + head (bf16, over TP1)"] / 8
+
+
+def test_runtime_memory_all_to_all_buffers_and_prefill_peak():
+    r = flagship()
+    items = layouts.runtime_memory(r, GLM5, layouts.recipe_layout(r), 131072)
+    # 3 local experts x 96 ranks x 32 sequences x 2 query tokens (MTP) x 6144 x (1 B FP8 dispatch + 2 B bf16 combine)
+    assert items["expert all-to-all buffers"] == 3 * 96 * 32 * 2 * 6144 * 3
+    assert items["CUDA graphs (plan.cuda_graphs_gb)"] == 2e9
+    rows = 16384 * (8 * (6144 + 3 * 2048) * 1.2 + 4 * 6144) * 2  # the chunk's routed rows, busiest rank
+    assert items["activation peak (a prefill chunk of 16384 tokens)"] == pytest.approx(rows + 2048 * 131072 * 4)
+    assert "expert all-to-all buffers" not in layouts.runtime_memory(r, GLM5, layouts.recipe_layout(tp_variant()), 1)
+
+
+def test_decode_terms():
+    assert decode.accepted(0, 0.7) == 1 and decode.accepted(1, 0.7) == pytest.approx(1.7)
+    assert decode.accepted(2, 0.5) == pytest.approx(1.75)
+    assert decode.touched(256, 8, 1) == pytest.approx(8 / 256) and decode.touched(256, 8, 0) == 0
+    assert decode.lockstep(0.5, 25, 1) == 1.0
+    assert decode.lockstep(0.5, 25, 55) == pytest.approx(1 + 0.1 * (2 * math.log(55)) ** 0.5)
+
+
+def test_decode_reads_sparse_latent_and_every_indexer_key():
+    r = flagship("inference.mtp_tokens=0")
+    own = layouts.recipe_layout(r)
+    reads = decode.kv_reads(r, GLM5, own, batch=2, context=10_000)
+    assert reads["latent KV, sparse (2048 keys a query token)"] == 2 * 2048 * 656 * 78
+    assert reads["indexer keys (every key, once a step)"] == 2 * 10_000 * 132 * 78
+    tp = decode.kv_reads(r, GLM5, layouts.recipe_layout(tp_variant()), batch=2, context=10_000)
+    assert tp == reads, "under TP every GPU reads the whole replicated latent"
+    weights = decode.weight_reads(r, GLM5, GLM5_COUNTS, own, queries=32)
+    n = GLM5_COUNTS
+    fp8 = 1 + 4 / 128 ** 2
+    assert weights["non-expert weights"] == pytest.approx((n.dense - n.embed - n.head + n.buffers) * fp8 + n.head * 2)
+    assert weights["routed experts touched (100% of this GPU's)"] == pytest.approx(3 * EXPERT * fp8 * 75, rel=1e-6)
+
+
+def test_decode_compute_and_exchanges():
+    r = flagship("inference.mtp_tokens=0")
+    own = layouts.recipe_layout(r)
+    t = decode.compute_times(r, GLM5, GLM5_COUNTS, own, queries=10, context=5000)
+    bf16, fp8 = 989e12 * 0.35, 1979e12 * 0.35
+    # absorbed MLA: per head and key, scores over 512 + 64 and values over 512, 2 FLOPs each
+    assert t["MLA attention"] == pytest.approx(10 * 64 * 2 * (512 + 64 + 512) * 2048 * 78 / bf16)
+    assert t["indexer"] == pytest.approx(10 * 2 * 32 * 128 * 5000 * 78 / fp8)
+    # DP96 + EP96 over 12 hosts: 10 tokens x 8 experts x 1.2 (busiest) x 6144 x (1 + 4/128 + 2) bytes a layer,
+    # 11/12 over the network, 1/12 over NVLink, 2 exchanges of 25 us; 75 MoE layers
+    row = 10 * 8 * 1.2 * 6144 * (1 + 4 / 128 + 2)
+    per_layer = row * 11 / 12 / 50e9 + row / 12 / 450e9 + 2 * 25e-6
+    assert decode.exchange_seconds(r, GLM5, GLM5_COUNTS, own, queries=10) == pytest.approx(75 * per_layer)
+    tp = layouts.recipe_layout(tp_variant())  # two ring all-reduces of 10 x 6144 bf16 a layer, 78 layers
+    ring = 2 * 7 / 8 * 10 * 6144 * 2
+    assert decode.exchange_seconds(r, GLM5, GLM5_COUNTS, tp, queries=10) == pytest.approx(2 * 78 * (ring / 450e9 + 25e-6))
+
+
+def test_workload_lognormal_and_littles_law():
+    s = workload.lognormal_sigma(1000, 2000)
+    assert math.exp(workload.Z99 * s - s * s / 2) == pytest.approx(2.0), "the log-normal's p99 / mean"
+    assert workload.lognormal_sigma(1000, 1000) == 0
+    w = workload.Workload(prompt=100, model=1000, env=0, turns=1, env_seconds=0, p99=1100, batch=8, group=4)
+    assert w.sigma == 0 and w.token_weighted == 1100 and w.inflight_context == 600  # prompt + half the completion
+    w = workload.workload(flagship())
+    assert (w.prompt, w.model, w.p99, w.turns, w.env) == (4096, 63488, 131072, 1, 0)
+    assert w.token_weighted == pytest.approx(w.mean * math.exp(w.sigma ** 2))
+    assert workload.in_flight(2.0, 300) == 600
+    assert (workload.steps_spanned(600, 300), workload.steps_spanned(601, 300), workload.steps_spanned(1, 300)) == (2, 3, 1)
+    assert workload.async_cap(flagship("rl.max_async_level=1")) == 1024  # batches s-1 and s: 2 x 512
+    assert workload.async_cap(flagship()) == 3072  # rl.max_inflight_rollouts
+
+
+def test_multi_turn_workload_from_env():
+    r = load_recipe(ROOT / "recipes/code-tiny.toml")
+    w = workload.workload(r)
+    assert w.turns == r.env.max_turns and w.env_seconds == r.plan.env_seconds_per_turn * (w.turns - 1)
+    assert w.env == min(r.env.max_env_chars // 4 * (w.turns - 1), r.env.max_total_tokens / 2)
+    assert w.model == r.plan.completion_fraction * (r.env.max_total_tokens - w.env)
+
+
+def test_context_parallel_imbalance_counts_the_causal_pairs():
+    """The busiest rank's (query, key) pairs over the mean, counted position by position."""
+    def busiest(cp: int, zigzag: bool, length: int = 8 * 2048) -> float:
+        chunk = length // (2 * cp if zigzag else cp)
+        pairs = [sum(range(i * chunk + 1, (i + 1) * chunk + 1)) for i in range(length // chunk)]
+        per_rank = [pairs[r] + pairs[2 * cp - 1 - r] for r in range(cp)] if zigzag else pairs
+        return max(per_rank) / (sum(per_rank) / cp)
+
+    assert trainer.cp_imbalance(8, "contiguous") == 1.875 and trainer.cp_imbalance(16, "contiguous") == 1.9375
+    assert trainer.cp_imbalance(8, "zigzag") == 1.0 and trainer.cp_imbalance(1, "contiguous") == 1.0
+    assert busiest(8, False) == pytest.approx(1.875, rel=1e-3) and busiest(8, True) == pytest.approx(1.0)
+
+
+def test_node_dedup_and_overlap():
+    # 2 hosts, 2 experts a token: remote slots 1 on average, distinct remote hosts 3/4 (enumerated: 0, 1, 1, 1)
+    assert trainer.dedup_factor(2, 2) == pytest.approx(0.75)
+    assert trainer.dedup_factor(16, 8) == pytest.approx(15 * (1 - (15 / 16) ** 8) / (8 * 15 / 16))
+    assert trainer.dedup_factor(1, 8) == 1.0
+    assert trainer.overlapped(3.0, 2.0, False, 10) == 5.0 and trainer.overlapped(3.0, 2.0, True, 10) == pytest.approx(3.2)
+
+
+def test_fp8_gemm_parameters_of_glm5():
+    attn = (6144 * 2048 + 2048 * 64 * 256 + 512 * 64 * 448 + 64 * 256 * 6144) * 78  # kv_a (576 wide) stays bf16
+    mlp = 3 * 3 * 6144 * 12288 + 75 * EXPERT  # dense layers and shared experts
+    assert trainer.fp8_active(GLM5, GLM5_COUNTS) == attn + mlp + 75 * 8 * EXPERT
+
+
+def test_trainer_all_to_all_with_fp8_dispatch_and_dedup():
+    r = flagship("plan.fp8_dispatch=false", "plan.node_dedup=false")
+    w = workload.workload(r)
+    tokens = 512 * w.mean
+    # 75 MoE layers x tokens/128 x 8 x 6144 x 2 B x 2 exchanges x 3 (forward, recompute, backward) x 1.2; 15/16 off host
+    a2a = 75 * tokens / 128 * 8 * 6144 * 2 * 2 * 3 * 1.2
+    plain = trainer.comm_seconds(r, GLM5, GLM5_COUNTS, w, 128)["expert all-to-all"]
+    assert plain == pytest.approx(a2a * 15 / 16 / 50e9 + a2a / 16 / 450e9)
+    both = trainer.comm_seconds(flagship(), GLM5, GLM5_COUNTS, w, 128)["expert all-to-all"]
+    value = (2 + 1 + 4 / 128) / 2 / 2  # half the exchanges in FP8
+    assert both == pytest.approx(a2a * value * (15 / 16 / 50e9 * trainer.dedup_factor(16, 8) + 1 / 16 / 450e9))
+
+
+def test_weight_update_over_the_network():
+    r = flagship()
+    own = layouts.recipe_layout(r)
+    per_gpu = layouts.serving_weights(r, GLM5, GLM5_COUNTS, own)
+    shared = sum(v for k, v in per_gpu.items() if not k.startswith("routed"))
+    host = shared + per_gpu["routed experts (3 of 256 a layer, 1 B/param)"] * 8
+    receive = host / (8 * 50e9) + shared / 450e9  # one copy a host over its 8 links, then NVLink
+    send = 12 * host / (128 * 50e9)  # every trainer GPU sends
+    assert rollout.weight_update_seconds(r, GLM5, GLM5_COUNTS, own, 128) == pytest.approx(max(receive, send))
+    http = flagship("cluster.weight_transfer='http'")  # every engine's model over trainer rank 0's link
+    assert rollout.weight_send_seconds(http, GLM5, GLM5_COUNTS, own, 128) == pytest.approx(12 * host / 50e9)
+
+
+def test_prefill_flops():
+    g, a, i = rollout.prefill_flops(GLM5, GLM5_COUNTS, 1000)
+    assert g == 2 * GLM5_COUNTS.active
+    assert a == 2 * 64 * (192 + 64 + 256) * 1000 * 78 and i == 2 * 32 * 128 * 1000 * 78
+
+
+def test_marks():
+    assert mark() == "[built]" and mark("tp", "checkpointing") == "[built]"
+    assert mark("tp", "fp8_trainer") == "[built, needs GPU: fp8_trainer]"
+    assert mark("fp8_trainer", "overlap", "mtp", "overlap") == "[planned: overlap, mtp]"
+
+
+def test_the_flagship_plan_is_at_most_5_minutes_through_marked_mechanisms():
+    plan = make_plan(flagship())
+    assert not plan.problems, plan.problems
+    assert plan.time[STEP] <= 5 * 60
+    assert plan.best is not None and plan.best.layout == plan.rollout.layout, "the recipe serves as the plan recommends"
+    assert all(name in MECHANISMS for uses in plan.uses.values() for name in uses)
+    assert all(k in plan.uses for k in plan.time), "every time term says what it relies on"
+    need = plan.flight["in flight needed (Little's law)"]
+    assert 2000 <= need <= 3300 and need <= plan.flight["in flight the KV holds"]
+    assert plan.flight["rl.max_async_level needed"] <= flagship().rl.max_async_level
+    assert plan.flight["rl.max_off_policy_steps needed"] <= flagship().rl.max_off_policy_steps
+    assert any(r.layout.prefill_engines for r in plan.layouts), "P/D is among the layouts compared"
+
+
+def test_a_tp_layout_of_the_flagship_does_not_hold_its_kv():
+    p = subprocess.run(prl_cmd("plan", FLAGSHIP, "--set", "inference.hosts_per_engine=1", "--set",
+                               "inference.data_parallel_size=1", "--set", "inference.expert_parallel=false"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if "does not hold its KV" in ln)
+    fits = float(line.split("a server holds ")[1].split(" ")[0])
+    assert 5 < fits < 16 and "the recipe asks for 32 (inference.max_batch_size)" in line
+    plan = make_plan(tp_variant())
+    assert plan.rollout.seconds > 3 * plan.best.seconds
+
+
+def test_cp8_does_not_fit_the_trainer():
+    plan = make_plan(flagship("trainer.parallel.cp=8"))
+    assert any("a trainer GPU needs" in p for p in plan.problems)
+
+
+@pytest.mark.parametrize("keys, words", [
+    (["inference.data_parallel_size=20", "inference.hosts_per_engine=3"], "must be a multiple of"),
+    (["inference.hosts_per_engine=5", "inference.data_parallel_size=40"], "must divide the 12 hosts"),
+    (["inference.hosts_per_engine=2", "inference.data_parallel_size=16", "inference.data_parallel_local=4"],
+     "data_parallel_local (4) x hosts_per_engine"),
+    (["inference.hosts_per_engine=1", "inference.data_parallel_size=3"], "must divide placement.gpus_per_server"),
+])
+def test_layout_knobs_are_checked(keys, words):
+    from prl.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=re.escape(words)):
+        load_recipe(FLAGSHIP, keys)
+
+
+def test_layout_knobs_belong_to_vllm():
+    from prl.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="only used with inference.backend = 'vllm'"):
+        load_recipe(ROOT / "recipes/reverse-tiny.toml", ["inference.kv_cache_dtype='fp8'"])
+    refused = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2"]).not_built()
+    assert any(item.startswith("inference.data_parallel_size") for item in refused)

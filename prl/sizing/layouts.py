@@ -127,11 +127,11 @@ def serving_weights(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> dict[
     return out
 
 
-def runtime_memory(recipe: Recipe, c: dict, layout: Layout) -> dict[str, float]:
+def runtime_memory(recipe: Recipe, c: dict, layout: Layout, longest: float) -> dict[str, float]:
     """What a GPU needs at run time besides weights and KV: captured CUDA graphs, the expert
     all-to-all buffers (every rank's tokens for each local expert: dispatch in FP8, combine in bf16),
     and the activation peak of one chunked-prefill step (its routed rows, and the DSA indexer's
-    scores for one block of queries against the longest context)."""
+    scores for one block of queries against `longest` keys)."""
     inf, pl, h = recipe.inference, recipe.plan, c["hidden_size"]
     k, inter = c["num_experts_per_tok"], c["moe_intermediate_size"]
     out = {"CUDA graphs (plan.cuda_graphs_gb)": pl.cuda_graphs_gb * GB} if inf.backend == "vllm" else {}
@@ -141,15 +141,16 @@ def runtime_memory(recipe: Recipe, c: dict, layout: Layout) -> dict[str, float]:
     chunk = float((inf.vllm or {}).get("max_num_batched_tokens", 8192))
     peak = chunk * (k * (h + 3 * inter / layout.tp) * pl.expert_imbalance + 4 * h) * 2
     if kv.is_dsa(c):
-        peak += min(pl.indexer_block, chunk) * recipe.longest_sample() * 4
+        peak += min(pl.indexer_block, chunk) * longest * 4
     out[f"activation peak (a prefill chunk of {chunk:.0f} tokens)"] = peak
     return out
 
 
-def kv_capacity(recipe: Recipe, c: dict, n: Counts, layout: Layout, context: float) -> tuple[dict[str, float], float]:
+def kv_capacity(recipe: Recipe, c: dict, n: Counts, layout: Layout, context: float,
+                longest: float) -> tuple[dict[str, float], float]:
     """One GPU's memory (weights, runtime, KV cache filling the rest) and the sequences of `context`
-    tokens each attention replica holds."""
-    items = {**serving_weights(recipe, c, n, layout), **runtime_memory(recipe, c, layout)}
+    tokens each attention replica holds (`longest`: the longest context, for the prefill peak)."""
+    items = {**serving_weights(recipe, c, n, layout), **runtime_memory(recipe, c, layout, longest)}
     usable = recipe.plan.gpu_memory_gb * recipe.plan.memory_headroom * GB
     free = usable - sum(items.values())
     fp8 = recipe.inference.kv_cache_dtype == "fp8"

@@ -121,7 +121,7 @@ def evaluate(recipe: Recipe, c: dict, n: Counts, layout: Layout, w: Workload, tr
     """The layout's rollout per step. `capped`: as the recipe runs it (at most inference.max_batch_size
     sequences a replica, and what rl.max_async_level and rl.max_inflight_rollouts allow); else at what
     its KV holds (how the planner compares layouts)."""
-    memory, fits = kv_capacity(recipe, c, n, layout, w.inflight_context)
+    memory, fits = kv_capacity(recipe, c, n, layout, w.inflight_context, w.p99)
     caps = (recipe.inference.max_batch_size, async_cap(recipe) / layout.replicas) if capped else ()
     held = max(min((fits, *caps)), 1e-9)
     step, rate = settle(recipe, c, n, layout, w, held)
