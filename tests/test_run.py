@@ -72,10 +72,23 @@ def processes_naming(run_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
+    """One short run that the tests below read; its weights go over the collective path too."""
     tmp = tmp_path_factory.mktemp("runs")
-    p = prl_run(tmp, *QUICK, "--set", 'run.wandb={project="prl-test", mode="offline"}')
+    p = prl_run(tmp, *QUICK, "--set", 'run.wandb={project="prl-test", mode="offline"}',
+                "--set", 'trainer.weight_transfer="collective"')
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return tmp / "reverse-tiny", p
+
+
+def test_weights_went_over_the_collective(finished_run):
+    """Every version after the server was up was broadcast to it and staged there; the server
+    applied them from what it staged (the folder stays the fallback, e.g. for v0 before it was up)."""
+    run_dir, _ = finished_run
+    sent = events(run_dir, "weights_sent")
+    assert [e["version"] for e in sent] == list(range(len(sent))) and len(sent) >= 5
+    assert all(e["servers"] == 1 and e["error"] is None and e["bytes"] > 0 for e in sent[1:]), sent
+    staged = [e["collective_staged"] for e in events(run_dir, "server")]  # polled once a second
+    assert staged == sorted(staged) and staged[-1] >= 1
 
 
 def test_run_trains_and_advances_versions(finished_run):
