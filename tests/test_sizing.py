@@ -362,7 +362,7 @@ def test_the_flagship_plan_is_at_most_5_minutes_through_marked_mechanisms():
     assert 2000 <= need <= 3300 and need <= plan.flight["in flight the KV holds"]
     assert plan.flight["rl.max_async_level needed"] <= flagship().rl.max_async_level
     assert plan.flight["rl.max_off_policy_steps needed"] <= flagship().rl.max_off_policy_steps
-    assert any(r.layout.prefill_engines for r in plan.layouts), "P/D is among the layouts compared"
+    assert any(r.layout.prefill_hosts for r in plan.layouts), "P/D is among the layouts compared"
 
 
 def test_a_tp_layout_of_the_flagship_does_not_hold_its_kv():

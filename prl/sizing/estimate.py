@@ -18,9 +18,9 @@ from pathlib import Path
 
 from prl.recipe.schema import Recipe
 from prl.sizing import trainer as tr
-from prl.sizing.layouts import Layout, candidates, recipe_layout
+from prl.sizing.layouts import Layout, candidates, describe, recipe_layout, weight_bytes
 from prl.sizing.params import Counts, count
-from prl.sizing.rollout import Rollout, collective, evaluate, weight_bytes_moved, weight_send_seconds
+from prl.sizing.rollout import Rollout, collective, evaluate, weight_send_seconds, weights_moved
 from prl.sizing.workload import Workload, async_cap, in_flight, steps_spanned, workload
 
 GB = 1e9
@@ -72,9 +72,9 @@ def serving_uses(recipe: Recipe, c: dict, layout: Layout) -> tuple[str, ...]:
 
 
 def trainer_uses(recipe: Recipe, key: str) -> tuple[str, ...]:
-    """The mechanisms a trainer term relies on."""
+    """The mechanisms a trainer time term relies on."""
     pl, layout = recipe.plan, getattr(recipe.trainer.parallel, "cp_layout", "contiguous")
-    if key.startswith(("activations", "DSA", "sparse")):
+    if key.startswith("sparse"):
         return ("checkpointing", "fused_dsa")
     if key.startswith("indexer"):
         return ("fused_dsa", layout)
@@ -93,7 +93,8 @@ def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
     """Trainer memory and time, each term with the mechanisms it uses."""
     n, world, par, pl = plan.counts, plan.world, recipe.trainer.parallel, recipe.plan
     plan.trainer = tr.trainer_memory(recipe, c, n, world)
-    plan.uses.update({k: trainer_uses(recipe, k) for k in plan.trainer})
+    plan.uses.update({k: ("checkpointing", "fused_dsa") if k.startswith(("activations", "DSA")) else ()
+                      for k in plan.trainer})
     compute = tr.compute_seconds(recipe, c, n, w, world)
     comm = tr.comm_seconds(recipe, c, n, w, world)
     comm["weight send to the servers"] = weight_send_seconds(recipe, c, n, plan.rollout.layout, world)
@@ -122,12 +123,12 @@ def rollout_terms(plan: Plan, recipe: Recipe, c: dict) -> None:
     for k, v in r.times.items():
         plan.time[f"rollout {k}"] = v
         plan.uses[f"rollout {k}"] = weights if k == "weight update" else serving
-    host, _ = weight_bytes_moved(recipe, c, plan.counts, r.layout)
-    engines = r.layout.engines + r.layout.prefill_engines
-    plan.details.append(f"weight update: {host * r.layout.hosts / 1e12:.2f} TB into each engine "
-                        f"({engines * r.layout.hosts * host / 1e12:.2f} TB in all, {host / GB:.0f} GB a host) over "
-                        f"plan.network_gb_s = {recipe.plan.network_gb_s:g} GB/s a GPU, "
-                        f"{'collective from every trainer GPU' if collective(recipe) else 'files over HTTP from trainer rank 0'}")
+    wb = weight_bytes(recipe)
+    plan.details.append(f"weight update: {weights_moved(recipe, c, plan.counts, r.layout) / 1e12:.2f} TB a step into "
+                        f"the inference hosts (the model is {plan.counts.total * wb / 1e12:.2f} TB at {wb:.0f} B a "
+                        f"parameter; non-expert weights go to every host, redundant expert slots too), "
+                        f"{'collectively from every trainer GPU' if collective(recipe) else 'files over HTTP from trainer rank 0'}"
+                        f" at plan.network_gb_s = {recipe.plan.network_gb_s:g} GB/s a GPU")
     plan.time["rollout step"] = r.seconds
     plan.uses["rollout step"] = serving + weights
     plan.time[STEP] = max(plan.time["trainer step"], r.seconds)
@@ -195,14 +196,14 @@ def make_plan(recipe: Recipe) -> Plan:
 
 
 def pd_variant(recipe: Recipe, c: dict, n: Counts, w: Workload, plan: Plan) -> list[Rollout]:
-    """The fastest multi-engine layout again with one of its engines prefilling for the others."""
-    split = [r for r in plan.layouts if r.layout.engines > 1 and r.fits >= 1]
-    if not split:
+    """Separate pools: one host prefills (DP + EP over its GPUs), the others decode as one engine."""
+    lay = next((r.layout for r in plan.layouts if r.layout.dp > 1 and r.layout.engines == 1), None)
+    if lay is None or lay.hosts < 2:
         return []
-    base = min(split, key=lambda r: r.seconds).layout
-    lay = Layout(f"P/D 1 + {base.engines - 1}: {base.name}", base.engines - 1, base.hosts,
-                 base.gpus, base.dp, base.ep, 1)
-    return [evaluate(recipe, c, n, lay, w, plan.world, capped=False)]
+    hosts = lay.hosts - 1
+    decode = Layout(f"P/D: 1 prefill host, {describe(lay.per_host * hosts, lay.per_host * hosts, hosts)}", 1, hosts,
+                    lay.per_host * hosts, lay.per_host * hosts, True, 1)
+    return [evaluate(recipe, c, n, decode, w, plan.world, capped=False)]
 
 
 def minutes(s: float) -> str:

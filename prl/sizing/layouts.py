@@ -30,7 +30,11 @@ class Layout:
     gpus: int  # GPUs per engine
     dp: int  # attention replicas per engine
     ep: bool  # routed experts sharded over all the engine's GPUs
-    prefill_engines: int = 0
+    prefill_hosts: int = 0  # P/D: hosts that only prefill, each one DP + EP engine
+
+    @property
+    def per_host(self) -> int:
+        return self.gpus // self.hosts
 
     @property
     def tp(self) -> int:
@@ -49,7 +53,11 @@ class Layout:
         out = ["tp"] if self.dp == 1 else ["dp_ep"] + (["wide_ep"] if self.hosts > 1 else [])
         if self.dp > 1 and (routed_experts(c) or 0) % self.ep_size:
             out.append("eplb")
-        return tuple(out + (["pd"] if self.prefill_engines else []))
+        return tuple(out + (["pd"] if self.prefill_hosts else []))
+
+    def prefill_engine(self) -> "Layout":
+        """One host of the prefill pool: data-parallel attention + EP over its GPUs."""
+        return Layout("prefill", self.prefill_hosts, 1, self.per_host, self.per_host, True)
 
 
 def recipe_layout(recipe: Recipe) -> Layout:
@@ -62,9 +70,10 @@ def recipe_layout(recipe: Recipe) -> Layout:
     per_host = p.servers_on(hosts[p.inference[0]])
     gpus = p.gpus_per_server * inf.hosts_per_engine
     engines = len(p.inference) * per_host // inf.hosts_per_engine
+    prefill = inf.prefill_servers * inf.hosts_per_engine // per_host  # the first servers, whole hosts
     return Layout(describe(gpus, inf.data_parallel_size, inf.hosts_per_engine), engines - inf.prefill_servers,
                   inf.hosts_per_engine, gpus, inf.data_parallel_size, inf.expert_parallel or inf.data_parallel_size > 1,
-                  inf.prefill_servers)
+                  prefill)
 
 
 def describe(gpus: int, dp: int, hosts: int) -> str:

@@ -8,9 +8,28 @@ from prl.sizing.mechanisms import BUILT, MECHANISMS, mark
 from prl.sizing.rollout import Rollout
 
 
+# the [plan] keys each step-time term depends on, beyond the recipe's own settings
+ASSUMES = {
+    "trainer GEMMs in FP8": "fp8_tflops, mfu, expert_imbalance", "trainer GEMMs": "gpu_tflops, mfu, expert_imbalance",
+    "trainer sparse attention": "gpu_tflops, mfu, lengths", "trainer indexer": "gpu_tflops, mfu, lengths",
+    "trainer expert all-to-all": "network_gb_s, nvlink_gb_s, expert_imbalance, fp8_dispatch, node_dedup",
+    "trainer FSDP": "network_gb_s", "trainer CP": "nvlink_gb_s, network_gb_s", "trainer weight send": "network_gb_s",
+    "trainer step": "overlap_comm",
+    "rollout decode": "hbm_tb_s, decode_efficiency, mfu, mtp_acceptance, expert_imbalance, network_gb_s, "
+                      "collective_latency_us, lengths",
+    "rollout prefill": "fp8_tflops, mfu, prompt_tokens, env_tokens_per_turn",
+    "rollout weight update": "network_gb_s, nvlink_gb_s",
+}
+
+
+def assumes(term: str) -> str:
+    keys = next((v for k, v in ASSUMES.items() if term.startswith(k)), "")
+    return f"  (plan: {keys})" if keys else ""
+
+
 def workload_lines(recipe: Recipe, plan: Plan) -> list[str]:
     w, pl = plan.workload, recipe.plan
-    return [f"workload (assumptions): prompt {w.prompt:,.0f} tokens, {w.model:,.0f} model tokens a trajectory "
+    return [f"workload ('lengths' below; assumptions): prompt {w.prompt:,.0f} tokens, {w.model:,.0f} model tokens a trajectory "
             f"(plan.completion_fraction {pl.completion_fraction} of the budget), {w.turns:g} turn(s), {w.env:,.0f} "
             f"environment tokens and {w.env_seconds:g} s in tools a trajectory; p99 trajectory {w.p99:,.0f} tokens; "
             f"lengths log-normal (sigma {w.sigma:.2f}): token-weighted mean {w.token_weighted / 1e3:.1f}k, mean KV "
@@ -37,7 +56,7 @@ def layout_lines(recipe: Recipe, plan: Plan) -> list[str]:
     for r in plan.layouts:
         tag = "  <- recommended" if r is plan.best else ""
         tag += "  (the recipe's)" if r.layout == plan.rollout.layout else ""
-        lines.append(f"  {r.layout.name:48} {r.layout.engines + r.layout.prefill_engines:>7} {r.fits:>9.1f} "
+        lines.append(f"  {r.layout.name:48} {r.layout.engines + r.layout.prefill_hosts:>7} {r.fits:>9.1f} "
                      f"{r.held * r.layout.replicas:>9.0f} {r.tokens_per_gpu:>9.0f} {minutes(r.seconds):>10}{tag}")
     return lines
 
@@ -85,7 +104,7 @@ def format_plan(recipe: Recipe, plan: Plan) -> str:
     lines += memory_lines(f"inference GPU memory ({plan.rollout.layout.name})", plan.inference, plan, usable)
     lines += decode_lines(plan.rollout)
     lines.append("step time:")
-    lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}" for k, v in plan.time.items()]
+    lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}{assumes(k)}" for k, v in plan.time.items()]
     lines += [f"  {x}" for x in plan.details]
     lines += flight_lines(plan) + mechanism_lines(plan)
     lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "

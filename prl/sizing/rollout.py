@@ -68,39 +68,50 @@ def kv_transfer_seconds(recipe: Recipe, c: dict, w: Workload, layout: Layout) ->
     """P/D: the KV of every prefilled token, from the prefill pool's GPUs over the network."""
     tokens = w.batch / w.group * w.prompt + w.batch * w.env
     fp8 = recipe.inference.kv_cache_dtype == "fp8"
-    return tokens * kv.kv_bytes_per_token(c, fp8) / (layout.prefill_engines * layout.gpus * recipe.plan.network_gb_s * 1e9)
+    gpus = layout.prefill_hosts * layout.per_host
+    return tokens * kv.kv_bytes_per_token(c, fp8) / (gpus * recipe.plan.network_gb_s * 1e9)
 
 
-def weight_bytes_moved(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> tuple[float, float]:
+def host_bytes(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> tuple[float, float]:
     """(bytes one host of an engine needs, of them replicated on every GPU of the host) for a new
     version: under DP attention the non-expert weights are the same on every GPU of a host."""
     per_gpu = serving_weights(recipe, c, n, layout)
     whole = sum(per_gpu.values())
     shared = sum(v for k, v in per_gpu.items() if not k.startswith("routed")) if layout.dp > 1 else 0.0
-    return shared + (whole - shared) * (layout.gpus // layout.hosts), shared
+    return shared + (whole - shared) * layout.per_host, shared
 
 
-def weight_send_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trainer_gpus: int) -> float:
-    """The trainer's side of a weight update: all engines' bytes over all trainer GPUs' links
-    (collective), or every engine's whole model over trainer rank 0's link (files over HTTP)."""
-    host, _ = weight_bytes_moved(recipe, c, n, layout)
-    total = (layout.engines + layout.prefill_engines) * layout.hosts * host
-    net = recipe.plan.network_gb_s * 1e9
-    return total / (trainer_gpus * net) if collective(recipe) else total / net
+def pools(layout: Layout) -> list[tuple[Layout, int]]:
+    """(engine shape, hosts) of the decode pool, and of the prefill pool under P/D."""
+    out = [(layout, layout.engines * layout.hosts)]
+    return out + [(layout.prefill_engine(), layout.prefill_hosts)] if layout.prefill_hosts else out
+
+
+def weights_moved(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> float:
+    """Bytes a weight update delivers to all the inference hosts."""
+    return sum(hosts * host_bytes(recipe, c, n, lay)[0] for lay, hosts in pools(layout))
 
 
 def collective(recipe: Recipe) -> bool:
     return recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl"
 
 
+def weight_send_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trainer_gpus: int) -> float:
+    """The trainer's side of a weight update: everything over all trainer GPUs' links (collective),
+    or over trainer rank 0's link (files over HTTP)."""
+    net = recipe.plan.network_gb_s * 1e9
+    return weights_moved(recipe, c, n, layout) / (trainer_gpus * net if collective(recipe) else net)
+
+
 def weight_update_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trainer_gpus: int) -> float:
-    """Moving a step's new weights into the servers (paused meanwhile). Collective: every host
-    receives its own bytes once over all its GPUs' links, replicated tensors then spread over NVLink,
-    as fast as the trainer sends. Files over HTTP: as fast as rank 0 sends."""
-    host, shared = weight_bytes_moved(recipe, c, n, layout)
+    """Moving a step's new weights into the servers (paused meanwhile): every host receives its own
+    bytes once over all its GPUs' links, replicated tensors then spread over NVLink, and no faster
+    than the trainer sends."""
     pl = recipe.plan
-    per_host = layout.gpus // layout.hosts
-    receive = host / (per_host * pl.network_gb_s * 1e9) + shared / (pl.nvlink_gb_s * 1e9)
+    receive = 0.0
+    for lay, _ in pools(layout):
+        host, shared = host_bytes(recipe, c, n, lay)
+        receive = max(receive, host / (lay.per_host * pl.network_gb_s * 1e9) + shared / (pl.nvlink_gb_s * 1e9))
     return max(receive, weight_send_seconds(recipe, c, n, layout, trainer_gpus))
 
 
@@ -127,8 +138,8 @@ def evaluate(recipe: Recipe, c: dict, n: Counts, layout: Layout, w: Workload, tr
     step, rate = settle(recipe, c, n, layout, w, held)
     throughput = layout.replicas * step.tokens / step.seconds
     times = {"decode": w.batch * w.model / throughput}
-    prefill = prefill_seconds(recipe, c, n, w, (layout.prefill_engines or layout.engines) * layout.gpus)
-    if layout.prefill_engines:  # in parallel with decode on its own GPUs, the KV then crossing the network
+    prefill = prefill_seconds(recipe, c, n, w, layout.prefill_hosts * layout.per_host or layout.engines * layout.gpus)
+    if layout.prefill_hosts:  # in parallel with decode on its own GPUs, the KV then crossing the network
         times["prefill pool beyond decode"] = max(0.0, prefill + kv_transfer_seconds(recipe, c, w, layout) - times["decode"])
     else:
         times["prefill"] = prefill
