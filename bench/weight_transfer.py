@@ -8,14 +8,22 @@ For a sealed version of S MB (random fp32 tensors, safetensors + manifest):
   copy   `shutil.copytree` of the same folder + the same verification (what a shared filesystem
          would cost at best)
   verify the sha256 verification alone
-Loopback has no wire limit, so this measures prl's own overhead; on real hosts the NIC bounds http.
+  collective  the same tensors broadcast by `prl.transport.collective.Wire` over gloo to a receiver
+         process that checks and stages them (what trainer.weight_transfer = "collective" sends
+         beside the folder), timed until the receiver has the whole version
+  raw    one in-memory copy of the same bytes (`torch.Tensor.clone`): the floor of any path
+Loopback has no wire limit, so this measures prl's own overhead; on real hosts the NIC bounds http
+and the collective alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shutil
+import subprocess
+import sys
 import statistics
 import tempfile
 import time
@@ -57,7 +65,46 @@ def one_size(root: Path, mb: int, repeats: int) -> dict[str, float]:
                "verify": best(lambda: verify_dir(trainer / "weights" / "v1"), repeats)}
     finally:
         ep.stop()
+    tensors = {f"w{i}": torch.randn(n // 8, 4096) for i in range(8)}
+    out["collective"] = collective(tensors, repeats)
+    out["raw"] = best(lambda: [t.clone() for t in tensors.values()], repeats)
     return out
+
+
+RECEIVER = """
+import sys, torch
+from prl.transport.collective import GroupInfo, Wire
+port, repeats, shape = int(sys.argv[1]), int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
+wire = Wire(GroupInfo("127.0.0.1", port, 2, 1, 1, 120.0))
+expected = {f"w{i}": (shape, shape[0] * shape[1] * 4) for i in range(8)}
+for _ in range(repeats):
+    tensors, meta = wire.receive(expected)
+    assert len(tensors) == 8 and all(torch.isfinite(t).all() for t in tensors.values())
+    wire.pg.barrier().wait()
+"""
+
+
+def collective(tensors: dict[str, torch.Tensor], repeats: int) -> float:
+    """Median seconds from the first bucket sent to the receiver holding the checked version."""
+    import torch.distributed as dist
+
+    from prl.transport.collective import GroupInfo, Wire
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    shape = ",".join(map(str, next(iter(tensors.values())).shape))
+    rx = subprocess.Popen([sys.executable, "-c", RECEIVER, str(store.port), str(repeats), shape])
+    wire = Wire(GroupInfo("127.0.0.1", store.port, 2, 0, 1, 120.0), store)
+
+    def send():
+        for name, t in tensors.items():  # one tensor a bucket, as a decoder layer would be
+            wire.send_bucket({name: t})
+        wire.send_end({"version": 1})
+        wire.pg.barrier().wait()
+
+    took = best(send, repeats)
+    assert rx.wait(60) == 0
+    return took
 
 
 def main() -> None:
@@ -69,10 +116,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mb in args.mb:
             t = one_size(Path(tmp), mb, args.repeats)
-            line.update({f"http_MBps_{mb}MB": round(mb / t["http"]), f"http_over_copy_{mb}MB": round(t["http"] / t["copy"], 2)})
+            line.update({f"http_MBps_{mb}MB": round(mb / t["http"]), f"http_over_copy_{mb}MB": round(t["http"] / t["copy"], 2),
+                         f"collective_MBps_{mb}MB": round(mb / t["collective"]),
+                         f"http_over_collective_{mb}MB": round(t["http"] / t["collective"], 2),
+                         f"collective_over_raw_{mb}MB": round(t["collective"] / t["raw"], 1)})
             print(f"{mb:5d} MB: http {t['http']:.3f}s ({mb / t['http']:6.0f} MB/s)   copy+verify {t['copy']:.3f}s "
                   f"({mb / t['copy']:6.0f} MB/s)   verify alone {t['verify']:.3f}s   http/copy "
-                  f"{t['http'] / t['copy']:.2f}x", flush=True)
+                  f"{t['http'] / t['copy']:.2f}x   collective {t['collective']:.3f}s ({mb / t['collective']:6.0f} MB/s)"
+                  f"   raw copy {t['raw']:.3f}s", flush=True)
     print(json.dumps(line))
 
 
