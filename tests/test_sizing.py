@@ -403,3 +403,54 @@ def test_layout_knobs_belong_to_vllm():
         load_recipe(ROOT / "recipes/reverse-tiny.toml", ["inference.kv_cache_dtype='fp8'"])
     refused = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2"]).not_built()
     assert any(item.startswith("inference.data_parallel_size") for item in refused)
+
+
+def test_trainer_compute_by_part():
+    r = flagship()
+    w = workload.workload(r)
+    t = trainer.compute_seconds(r, GLM5, GLM5_COUNTS, w, 128)
+    tokens, n = 512 * w.mean, GLM5_COUNTS
+    fp8, bf16 = 128 * 1979e12 * 0.35, 128 * 989e12 * 0.35
+    low, extra = trainer.fp8_active(GLM5, n), 75 * 8 * EXPERT * 0.2  # the busiest EP rank's 20% more expert rows
+    assert t["GEMMs in FP8 (experts at the busiest EP rank)"] == pytest.approx(2 * (low + extra) * tokens * 4 / fp8)
+    assert t["GEMMs in bf16 (router, indexer, kv_a, head)"] == pytest.approx(2 * (n.active - low) * tokens * 4 / bf16)
+    keys = w.token_weighted / 2
+    assert t["sparse attention"] == pytest.approx(tokens * 2 * 64 * 512 * 2048 * 78 * 4 / bf16)
+    # the indexer is not trained: forward and the recomputed forward only; zigzag: no CP imbalance
+    assert t["indexer (x1.000: busiest CP rank, zigzag)"] == pytest.approx(tokens * 2 * 32 * 128 * keys * 78 * 2 / bf16)
+    contiguous = trainer.compute_seconds(flagship("trainer.parallel.cp_layout='contiguous'"), GLM5, n, w, 128)
+    assert contiguous["indexer (x1.938: busiest CP rank, contiguous)"] == pytest.approx(
+        t["indexer (x1.000: busiest CP rank, zigzag)"] * 31 / 16)
+
+
+def test_trainer_memory_all_to_all_and_imbalance_terms():
+    m = trainer.trainer_memory(flagship(), GLM5, GLM5_COUNTS, 128)
+    rows = 131072 / 16 * 8  # the rank's tokens (micro-batch over cp) x 8 experts
+    assert m["expert all-to-all send buffers (one layer's rows out and back)"] == 2 * rows * 6144 * 2
+    assert m["expert imbalance (the busiest EP rank's extra routed rows, one layer)"] == \
+        pytest.approx(0.2 * rows * (3 * 6144 + 4 * 2048) * 2)
+
+
+def test_decode_step_is_the_roofline_plus_exchanges():
+    r = flagship()
+    own = layouts.recipe_layout(r)
+    s = decode.decode_step(r, GLM5, GLM5_COUNTS, own, batch=20, context=30_000)
+    assert s.seconds == pytest.approx(max(sum(s.memory.values()) / (4.8e12 * 0.5), sum(s.flops.values())) + s.comm)
+    assert s.tokens == pytest.approx(20 * 1.7)  # one MTP draft token accepted 70% of the time
+    busiest = decode.decode_step(r, GLM5, GLM5_COUNTS, own, batch=20, context=30_000, cv=0.6)
+    factor = decode.lockstep(0.6, 20, 96)
+    assert busiest.memory["indexer keys (every key, once a step)"] == \
+        pytest.approx(s.memory["indexer keys (every key, once a step)"] * factor)
+
+
+def test_rollout_throughput_and_littles_law_agree():
+    plan = make_plan(flagship())
+    r = plan.rollout
+    assert r.held == 32, "inference.max_batch_size caps each replica below what its KV holds"
+    throughput = r.layout.replicas * r.step.tokens / r.step.seconds
+    assert r.times["decode"] == pytest.approx(512 * plan.workload.model / throughput)
+    assert r.latency == pytest.approx(plan.workload.model / r.rate)
+    # the rollout sets the step: the trajectories Little's law needs are those held, but for the step's
+    # share spent in prefill and the weight update
+    assert plan.time[STEP] == r.seconds
+    assert plan.flight["in flight needed (Little's law)"] == pytest.approx(32 * 96 * r.times["decode"] / r.seconds)
