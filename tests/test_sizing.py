@@ -1,5 +1,7 @@
 """`prl plan`: parameter counts exact against built models, optimizer bytes exact against a real
-Adam step, activation bytes against what autograd saves, and the verdicts the command prints."""
+Adam step, activation bytes against what autograd saves, each term of the plan against a hand
+calculation, and the verdicts the command prints (the flagship at <= 5 minutes a step, its TP variant
+flagged for its KV)."""
 
 import json
 import math
@@ -147,7 +149,7 @@ def test_the_flagship_header_names_exactly_what_run_refuses():
 
 from prl.sizing import decode, kv, layouts, rollout, trainer, workload  # noqa: E402
 from prl.sizing.estimate import BUILTIN, STEP  # noqa: E402
-from prl.sizing.mechanisms import MECHANISMS, mark  # noqa: E402
+from prl.sizing.mechanisms import MECHANISMS, PLANNED, REFUSED_AS, mark  # noqa: E402
 
 GLM5 = json.loads(BUILTIN.read_text())
 GLM5_COUNTS = count(GLM5)
@@ -454,3 +456,13 @@ def test_rollout_throughput_and_littles_law_agree():
     # share spent in prefill and the weight update
     assert plan.time[STEP] == r.seconds
     assert plan.flight["in flight needed (Little's law)"] == pytest.approx(32 * 96 * r.times["decode"] / r.seconds)
+
+
+def test_what_run_refuses_the_plan_marks_planned():
+    """Each piece `prl run` refuses on the flagship is a planned mechanism the plan counts, and back."""
+    plan, refused = make_plan(flagship()), flagship().not_built()
+    used = {name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] == PLANNED}
+    for item in refused:
+        assert any(item.startswith(REFUSED_AS[m]) for m in used if m in REFUSED_AS), item
+    for m in used & {"fp8_serving", "wide_ep", "fp8_kv", "mtp", "collective_weights"}:
+        assert any(item.startswith(REFUSED_AS[m]) for item in refused), m

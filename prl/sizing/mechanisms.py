@@ -38,6 +38,12 @@ MECHANISMS: dict[str, tuple[str, str]] = {
 }
 
 
+# the recipe key whose `not_built()` refusal names each planned mechanism a recipe can ask for
+REFUSED_AS = {"fp8_serving": "inference.fp8", "wide_ep": "inference.hosts_per_engine",
+              "dp_ep": "inference.data_parallel_size", "fp8_kv": "inference.kv_cache_dtype",
+              "mtp": "inference.mtp_tokens", "collective_weights": "cluster.weight_transfer"}
+
+
 def status(*names: str) -> str:
     """The weakest status of the mechanisms named (planned < needs GPU < built)."""
     order = [BUILT, GPU, PLANNED]
