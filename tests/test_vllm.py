@@ -328,6 +328,54 @@ def test_a_session_left_open_by_a_client_that_went_away_does_not_block_the_next_
                                atol=2e-4, rtol=0)
 
 
+def collective_sink(srv):
+    from prl.transport.collective import CollectiveSink
+
+    return CollectiveSink(srv.run_dir / "weights", keep=3, servers=lambda: [srv.url], secret=srv.secret,
+                          host="127.0.0.1", timeout_s=60)
+
+
+def send(sink, version: int, state: dict) -> None:
+    from prl.trainer.publish import buckets
+
+    sink.begin(version)
+    for names in buckets(list(state)):
+        sink.put({n: state[n] for n in names})
+    sink.seal({"version": version, "format": "hf"})
+
+
+def test_a_version_over_the_collective_is_staged_in_the_workers_and_served(server):
+    """The collective weight path into vLLM (gloo, prl's worker plugin): the broadcast is staged by
+    the worker while the server serves v7, then loaded by the usual swap without the folder; a
+    version with a wrong shape is refused on the wire and v8 keeps serving."""
+    import shutil
+
+    from prl.model.build import build_model
+    from prl.model.weights import version_dir
+
+    model = build_model(server.run_dir / "model")
+    sink = collective_sink(server)
+    send(sink, 8, perturbed_state(model, seed=8))
+    assert sink.last.error is None and sink.last.servers == 1, sink.last
+    before = call(server, lambda b: b.generate(req(n=1, max_tokens=4))).completions[0]
+    assert set(before.versions) == {7}, "staged, not served yet"
+    shutil.rmtree(version_dir(server.run_dir / "weights", 8))  # only the staged copy can serve it
+
+    async def go(b):
+        await b.load_weights(8)
+        return await b.generate(req(n=1, max_tokens=8))
+
+    out = call(server, go).completions[0]
+    assert set(out.versions) == {8}
+    torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, PROMPT, out.token_ids),
+                               atol=2e-4, rtol=0)
+    bad = perturbed_state(model, seed=9)
+    bad["model.norm.weight"] = torch.zeros(3)
+    send(sink, 9, bad)
+    assert sink.last.servers == 0 and "shape" in " ".join(sink.last.failed), sink.last
+    assert set(call(server, lambda b: b.generate(req(n=1, max_tokens=4))).completions[0].versions) == {8}
+
+
 def test_every_route_needs_the_runs_secret(server):
     import httpx
 

@@ -49,6 +49,7 @@ class Receiver:
                     raise WireError(f"the wire carried v{meta.get('version')}, not v{version}")
                 policy = make_policy(self.model, tensors, version, f"v{version} from the collective")
             except (RuntimeError, WeightLoadError, ValueError, TypeError, KeyError) as e:  # gloo: RuntimeError
+                self.wire.close()  # the group goes now: the sender fails at once, not after its timeout
                 self.wire, self.staged = None, None
                 raise ReceiveError(f"v{version}: {type(e).__name__}: {e}") from None
             finally:

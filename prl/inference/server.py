@@ -171,6 +171,10 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
         await loop.load(policy)
         return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0, source=source)
 
+    @app.get("/weights/collective/members", dependencies=guarded)
+    async def collective_members() -> dict:
+        return {"members": 1}  # the server process itself receives
+
     @app.post("/weights/collective/join", dependencies=guarded)
     async def collective_join(req: CollectiveJoin) -> dict:
         """Member of the trainer's weight group (answers once every member joined)."""

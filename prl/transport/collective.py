@@ -2,8 +2,9 @@
 inference servers' memory over one process group (gloo on CPU; NCCL is the same protocol on GPU
 tensors, not built yet), beside the sealed folder, which stays the fallback.
 
-The group: trainer rank 0 is rank 0 and hosts its rendezvous store (`Group.form`); server i is rank
-i + 1. It is formed anew (a new `epoch`) whenever the set of members may have changed: at the
+The group: trainer rank 0 is rank 0 and hosts its rendezvous store (`CollectiveSink.form`); each
+server brings as many ranks as it has receiving processes (`/weights/collective/members`: 1 for the
+embedded engine, one per vLLM worker), numbered after the servers before it. It is formed anew (a new `epoch`) whenever the set of members may have changed: at the
 trainer's start, and after any failure (a collective group cannot admit a restarted member).
 
 One version on the wire, in bucket order (`Wire`):
@@ -203,12 +204,14 @@ class CollectiveSink(WeightSink):
         down = [u for u in urls if not self.healthy(u)]
         if down:  # known now: no group can form (a join would wait out the timeout)
             raise WireError(f"servers not answering /health: {down}")
-        world = len(urls) + 1
+        counts = [self.members(u) for u in urls]  # a server's ranks: its workers (vLLM: tp x dp), else 1
+        firsts = [1 + sum(counts[:i]) for i in range(len(urls))]
+        world = 1 + sum(counts)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        calls = [(u, "/weights/collective/join", {"addr": self.host, "port": store.port, "world": world, "rank": i + 1,
+        calls = [(u, "/weights/collective/join", {"addr": self.host, "port": store.port, "world": world, "rank": first,
                                                   "epoch": self.epoch, "timeout_s": self.timeout_s})
-                 for i, u in enumerate(urls)]
+                 for u, first in zip(urls, firsts)]
         threads = self.call_all(calls)
         wire = Wire(GroupInfo(self.host, store.port, world, 0, self.epoch, self.timeout_s), store)
         for t in threads:
@@ -230,6 +233,14 @@ class CollectiveSink(WeightSink):
         self.last.servers = sum(1 for e in self.results.values() if e is None)
         if self.last.failed and self.wire is not None:
             self.broken("; ".join(self.last.failed))
+
+    def members(self, url: str) -> int:
+        r = httpx.get(url + "/weights/collective/members", headers=self.headers, timeout=10.0)
+        r.raise_for_status()
+        n = r.json().get("members")
+        if not isinstance(n, int) or not 1 <= n <= 4096:
+            raise WireError(f"{url}: /weights/collective/members answered {r.text[:100]}")
+        return n
 
     def healthy(self, url: str) -> bool:
         try:

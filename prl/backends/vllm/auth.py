@@ -1,5 +1,6 @@
 """Bearer check on every route of a vLLM server, passed to it as `--middleware`; also answers
-`GET /prl/staged` (weights staging status, `prl.backends.vllm.staging`).
+`GET /prl/staged` (weights staging status, `prl.backends.vllm.staging`) and the collective weight
+path's routes (`prl.backends.vllm.collective`).
 
 vLLM's `--api-key` guards only `/v1`, `/inference` and a few other prefixes; its RL routes
 (`/pause`, `/update_weights`, `/collective_rpc`, ...) answer anyone who can reach the port. prl's
@@ -29,6 +30,11 @@ async def require_bearer(request, call_next):
                                        "type": "authentication_error", "code": 401}}, status_code=401)
     if request.url.path == STAGED_PATH:
         return staged(request)
+    if request.url.path.startswith("/weights/collective/"):
+        from prl.backends.vllm import collective
+
+        if request.url.path in collective.PATHS:
+            return await collective.handle(request, collective.config())
     return await call_next(request)
 
 

@@ -42,7 +42,17 @@ CONFIG_ENV = "PRL_CONFIG"  # the server's ProcessConfig (set by prl's launcher)
 
 @dataclass
 class PrlInitInfo(WeightTransferInitInfo):
-    pass
+    """Empty at start. The collective weight path (`prl.backends.vllm.collective`) sends `kind` "join"
+    (the trainer's group: this server's first rank, its epoch) and "receive" (stage `version` off it)."""
+
+    kind: str = ""
+    addr: str = ""
+    port: int = 0
+    world: int = 0
+    rank: int = 0
+    epoch: int = 0
+    timeout_s: float = 120.0
+    version: int = -1
 
 
 @dataclass
@@ -68,11 +78,26 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.cfg = load_process_config(os.environ[CONFIG_ENV])
         self.source = weight_source(self.cfg)
         self._expected: dict[str, tuple[int, ...]] | None = None
-        rank, world = worker_rank()
-        self.stager = Stager(self.read, status_dir(self.cfg), rank, world)
+        self.rank, world = worker_rank()
+        self.stager = Stager(self.read, status_dir(self.cfg), self.rank, world)
+        self.wire = None  # the collective weight path's group, once joined
+        dp_index = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
+        self.member = dp_index * world + self.rank  # its place among the server's receiving workers
 
     def init_transfer_engine(self, init_info: PrlInitInfo) -> None:
-        pass
+        """Runs in vLLM's engine loop: a join waits for the group to form (the trainer and every server
+        join at once); a receive only starts the staging thread."""
+        from prl.backends.vllm.collective import join, receive_read
+
+        if init_info.kind == "join":
+            self.wire = join(init_info, self.member)
+        elif init_info.kind == "receive":
+            wire = getattr(self, "wire", None)
+            if wire is None or wire.info.epoch != init_info.epoch:
+                raise ValueError(f"{REJECTED}: not a member of weight group epoch {init_info.epoch}; form it anew")
+            self.stager.start(init_info.version, read=receive_read(self, wire))
+        elif init_info.kind:
+            raise ValueError(f"init_info.kind = {init_info.kind!r}: expected 'join' or 'receive'")
 
     def start_weight_update(self) -> None:
         pass  # the reload runs whole inside the load, after the version was verified

@@ -37,7 +37,7 @@ class VllmSpec(BackendSpec):
                              f"recomputes; use top_p = 1")
 
     def not_built(self, recipe) -> list[str]:
-        out = super().not_built(recipe)  # trainer.weight_transfer = 'collective': the plugin's gloo end is not built
+        out = super().not_built(recipe)
         if recipe.inference.fp8:
             out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
                        "not built yet; use the embedded engine or inference.fp8 = false")
@@ -117,4 +117,4 @@ def cpu_refusal(recipe, folder) -> str | None:
 
 
 SPEC = VllmSpec(name="vllm", client="prl.backends.vllm.client:VllmBackend", publish_format="hf",
-                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),), weight_paths=("folder",))
+                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),), weight_paths=("folder", "collective"))

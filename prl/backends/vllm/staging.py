@@ -58,19 +58,22 @@ class Stager:
         self.state: dict | None = None
         self.error: BaseException | None = None
 
-    def start(self, version: int) -> None:
+    def start(self, version: int, read: Callable[[int], dict] | None = None) -> None:
+        """Stage `version` with `read` (default: the folder's); one already staging or staged is kept
+        (e.g. staged from the collective weight path before the orchestrator asked for it)."""
         if self.version == version and self.error is None:
             return  # already staging or staged
         if self.thread is not None:
             self.thread.join()
         self.version, self.state, self.error = version, None, None
         write_status(self.folder, self.rank, self.world, version, "staging")
-        self.thread = threading.Thread(target=self._run, args=(version,), name=f"prl-stage-v{version}", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(version, read or self.read),
+                                       name=f"prl-stage-v{version}", daemon=True)
         self.thread.start()
 
-    def _run(self, version: int) -> None:
+    def _run(self, version: int, read: Callable[[int], dict]) -> None:
         try:
-            self.state = self.read(version)
+            self.state = read(version)
             write_status(self.folder, self.rank, self.world, version, "ready")
         except BaseException as e:  # noqa: BLE001 - reported through the status file and by result()
             self.error = e

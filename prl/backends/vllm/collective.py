@@ -1,0 +1,116 @@
+"""vLLM's end of the collective weight path (`prl.transport.collective`), on gloo.
+
+The trainer talks to a vLLM server as to the embedded one (`/weights/collective/members`, `join`,
+`receive`); prl's middleware in vLLM's API server (`prl.backends.vllm.auth`) answers those routes
+by handing the call to every worker through vLLM's own `init_weight_transfer_engine` RPC (the only
+worker entry that needs no weight-update session), where prl's weight engine (`plugin.py`):
+- join: each worker joins the trainer's group as rank `first + its worker rank`;
+- receive: starts the stager's thread, which takes the version off the wire, checks it as a fetched
+  folder is checked (every name and shape of the served checkpoint, finite values) and marks it
+  ready. The middleware then waits for "ready" in the staging status (`prl.backends.vllm.staging`)
+  and answers. When the orchestrator then asks for that version, the stager already holds it and
+  the usual pause/load/resume runs; a failed receive leaves the old version serving and the
+  orchestrator's stage reads the folder instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from prl.transport.collective import GroupInfo, Wire, WireError
+
+MEMBERS = "/weights/collective/members"
+JOIN = "/weights/collective/join"
+RECEIVE = "/weights/collective/receive"
+PATHS = (MEMBERS, JOIN, RECEIVE)
+
+
+# ---------------------------------------------------------------- in the worker (plugin)
+def join(info, worker: int) -> Wire:
+    """This worker's member of the trainer's group: rank = the server's first rank + its worker rank."""
+    return Wire(GroupInfo(info.addr, info.port, info.world, info.rank + worker, info.epoch, info.timeout_s))
+
+
+def receive_read(engine, wire: Wire):
+    """The stager's read for one version off `wire` (checked like a folder; a failure drops the group)."""
+    def read(version: int) -> dict:
+        try:
+            tensors, meta = wire.receive({k: (list(s), _numel(s) * 4) for k, s in engine.expected().items()})
+            if int(meta.get("version", -1)) != version or meta.get("format") != "hf":
+                raise WireError(f"the wire carried v{meta.get('version')} ({meta.get('format')}), not v{version} (hf)")
+            engine.check(f"v{version} from the collective", tensors)
+            return tensors
+        except BaseException:
+            wire.close()  # drops the group now: the sender's broadcast fails at once instead of timing out
+            engine.wire = None
+            raise
+
+    return read
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ---------------------------------------------------------------- in the API server (middleware)
+def members(cfg) -> int:
+    """Workers of this server, each a member of the group (tensor x data parallel)."""
+    opts = cfg.inference.vllm
+    return int(opts.get("tensor_parallel_size", 1)) * int(opts.get("data_parallel_size", 1))
+
+
+async def handle(request, cfg):
+    """One of `PATHS` (the bearer check already passed)."""
+    from starlette.responses import JSONResponse
+
+    if request.url.path == MEMBERS:
+        return JSONResponse({"members": members(cfg)})
+    try:
+        body = json.loads(await request.body() or b"{}")
+        if request.url.path == JOIN:
+            return JSONResponse(await _join(request, body))
+        return JSONResponse(await _receive(request, cfg, body))
+    except (ValueError, TypeError) as e:
+        return JSONResponse({"detail": str(e)[:1000]}, status_code=400)
+    except Exception as e:  # noqa: BLE001 - a worker's error comes back through vLLM's RPC
+        return JSONResponse({"detail": f"{type(e).__name__}: {e}"[:1000]}, status_code=409)
+
+
+async def _init(request, info: dict) -> None:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    await request.app.state.engine_client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+
+async def _join(request, body: dict) -> dict:
+    from prl.inference.protocol import CollectiveJoin
+
+    req = CollectiveJoin.model_validate(body)
+    await _init(request, {"kind": "join", **req.model_dump()})
+    return {"epoch": req.epoch}
+
+
+async def _receive(request, cfg, body: dict) -> dict:
+    from prl.backends.vllm.staging import read_status, status_dir
+    from prl.inference.protocol import CollectiveReceive
+
+    req = CollectiveReceive.model_validate(body)
+    await _init(request, {"kind": "receive", "version": req.version, "epoch": req.epoch})
+    while True:  # the workers stage on their threads; the engine loop goes on decoding
+        status = read_status(status_dir(cfg), req.version)
+        if status["state"] == "ready":
+            return {"version": req.version}
+        if status["state"] == "failed":
+            raise RuntimeError(f"v{req.version}: {status['error']}")
+        await asyncio.sleep(0.05)
+
+
+def config():
+    from prl.recipe.resolve import load_process_config
+
+    return load_process_config(os.environ["PRL_CONFIG"])
