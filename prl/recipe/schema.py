@@ -213,11 +213,24 @@ class ParallelCfg(Section):
     # causal attention costs every rank the same) or "contiguous" (slice c: the last rank costs ~2cp/(cp+1)x the mean)
     cp_layout: str = "zigzag"
     ep: int = Field(1, ge=1)
+    # the experts' all-to-all (prl/trainer/ep_dispatch.py): "fp8" sends what goes toward the experts as
+    # block FP8 (1x128 tiles, fp32 scales alongside), dequantised on arrival; "plain": in trainer.dtype.
+    # The way back to the tokens stays in trainer.dtype either way
+    ep_dispatch: Literal["plain", "fp8"] = "plain"
+    # a token goes once to each node holding any of its experts, then to each rank there that holds one
+    ep_node_dedup: bool = False
+    # ep ranks per node for the dedup (consecutive ranks share a node); 0: trainer.nproc, the ranks of one
+    # trainer host. Set it to simulate nodes on one machine (4 ranks as 2 nodes of 2: ep_ranks_per_node = 2)
+    ep_ranks_per_node: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _positive(self):
         if self.dp_shard == 0:
             raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
+        for key, on in (("ep_dispatch = 'fp8'", self.ep_dispatch == "fp8"), ("ep_node_dedup", self.ep_node_dedup)):
+            if on and self.ep == 1:
+                raise ValueError(f"trainer.parallel.{key} shapes the experts' all-to-all, and ep = 1 has none: "
+                                 f"set trainer.parallel.ep > 1 or leave it out")
         if self.cp_layout not in ("zigzag", "contiguous"):
             raise ValueError(f"trainer.parallel.cp_layout = {self.cp_layout!r}: expected \"zigzag\" (each rank holds a "
                              f"chunk from the start of the row and its mirror from the end; the default) or "
@@ -233,8 +246,9 @@ class ParallelCfg(Section):
         """Ranks that each take their own micro-batches (the orchestrator packs for these)."""
         return self.dims(world).dp_size
 
-    def check(self, world: int, num_experts: int | None) -> None:
-        """Against the trainer's world size and the model (None: a pretrained folder, checked at load)."""
+    def check(self, world: int, num_experts: int | None, per_host: int | None = None) -> None:
+        """Against the trainer's world size, the model (None: a pretrained folder, checked at load) and
+        the ranks per trainer host (None: not known here)."""
         if self.dp_shard == -1 and world % self.cp:
             raise ValueError(f"trainer.parallel.cp ({self.cp}) must divide the trainer's world size ({world} = "
                              f"trainer.nproc x trainer hosts)")
@@ -246,6 +260,21 @@ class ParallelCfg(Section):
             raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide the trainer's world size ({world})")
         if num_experts is not None and num_experts % self.ep:
             raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide the model's experts ({num_experts})")
+        if self.ep_ranks_per_node or (self.ep_node_dedup and per_host):
+            self.ranks_per_node(world, per_host or world)
+
+    def ranks_per_node(self, world: int, per_host: int) -> int:
+        """Trainer ranks on one node: `ep_ranks_per_node`, else `per_host` (the ranks of one trainer host).
+        With ep_node_dedup an ep group (consecutive ranks) must be whole nodes, or lie inside one."""
+        per = self.ep_ranks_per_node or per_host
+        what = f"trainer.parallel.ep_ranks_per_node ({per})" if self.ep_ranks_per_node else \
+            f"the trainer ranks of one host ({per}, trainer.nproc)"
+        if world % per:
+            raise ValueError(f"{what} must divide the trainer's world size ({world}): a node holds whole ranks")
+        if self.ep_node_dedup and self.ep % per and per % self.ep:
+            raise ValueError(f"trainer.parallel.ep_node_dedup: ep ({self.ep}) must be a multiple of {what}, or "
+                             f"divide it (an expert group spans whole nodes or lies inside one)")
+        return per
 
 
 class TrainerCfg(Section):
@@ -549,7 +578,8 @@ class Recipe(Section):
     def _parallel(self):
         par = self.trainer.parallel
         moe = self.model.path is None and self.model.first_dense_layers < self.model.num_layers
-        par.check(self.trainer_world(), self.model.num_experts if self.model.path is None else None)
+        par.check(self.trainer_world(), self.model.num_experts if self.model.path is None else None,
+                  self.trainer.nproc)
         if par.cp > 1 and self.model.arch not in families.with_feature("cp"):
             raise ValueError(f"trainer.parallel.cp > 1: context parallelism is built for GLM-5's DSA attention "
                              f"(model.arch in {families.with_feature('cp')}), not {self.model.arch!r}")

@@ -13,7 +13,9 @@ the module's class for one whose forward:
   4. sends the outputs back (all-to-all) and sums them into their tokens with the routing weights.
 Both row exchanges are differentiable (their backward is the reverse exchange), so gradients reach
 the router, the attention below and the experts. The routing ids come from the router or, with R3,
-from the replayed ids: EP does not care which.
+from the replayed ids: EP does not care which. The wire is `prl.trainer.ep_dispatch`'s: rows toward
+the experts in block FP8 with `trainer.parallel.ep_dispatch = "fp8"`, and with `ep_node_dedup` a
+token crosses to each node once and is spread inside it (steps 1-4 then run per hop, see there).
 
 Gradients: FSDP averages the other parameters' gradients over all ranks. An expert's gradient
 arrives summed over the tokens its `ep` group sent it; `reduce_expert_grads` sums it over the
@@ -25,67 +27,84 @@ with `ep` = world (the intended layout for a large MoE) there are none. FP8 expe
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dnn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from prl.model import families
+from prl.trainer.ep_dispatch import Comm, Route, count, node_dedup_forward, send
 
-def shard_experts(model, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
+
+def shard_experts(model, ep_mesh: DeviceMesh, per_node: int = 0, fp8: bool = False,
+                  dedup: bool = False) -> list[torch.nn.Parameter]:
     """Shard every experts module (the family spec's `expert_classes`, their `stacked_experts`
     tensors on `expert_dim`) over the mesh's `ep` dimension; returns the sharded parameters (FSDP
-    must leave them alone). Every rank must hold the same full weights before the call."""
+    must leave them alone). Every rank must hold the same full weights before the call. `per_node`
+    (trainer ranks per node; 0: one node), `fp8`, `dedup`: the dispatch (`prl.trainer.ep_dispatch`)."""
     ep = ep_mesh["ep"]
     fam = families.spec(model.config.model_type, f"trainer.parallel.ep = {ep.size()}")
     mods = families.modules_of(model, fam.expert_classes)
     if not mods:
         raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
                          f"experts ({', '.join(fam.expert_classes)}) prl can split")
+    comm = make_comm(ep, per_node, fp8, dedup)
+    return [p for m in mods for p in split_experts(m, ep, comm, fam.stacked_experts, fam.expert_dim)]
+
+
+def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool) -> Comm:
+    """The dispatch over a 1-D `ep` mesh, its ranks on nodes of `per_node` consecutive global ranks."""
+    ranks = dist.get_process_group_ranks(ep.get_group())
+    nodes = tuple(r // per_node if per_node else 0 for r in ranks)
+    return Comm(ep.get_group(), ep.size(), ep.get_local_rank(), nodes, fp8, dedup)
+
+
+def split_experts(m, ep: DeviceMesh, comm: Comm, names=("gate_up_proj", "down_proj"),
+                  expert_dim: int = 0) -> list[torch.nn.Parameter]:
+    """One experts module: its stacked tensors sharded over `ep`, its class swapped for the EP forward."""
+    n_experts = m.gate_up_proj.shape[expert_dim]
+    if n_experts % ep.size():
+        raise ValueError(f"trainer.parallel.ep ({ep.size()}) must divide the model's experts ({n_experts})")
     params = []
-    for m in mods:
-        n_experts = m.gate_up_proj.shape[fam.expert_dim]
-        if n_experts % ep.size():
-            raise ValueError(f"trainer.parallel.ep ({ep.size()}) must divide the model's experts ({n_experts})")
-        for name in fam.stacked_experts:
-            full = getattr(m, name)
-            p = torch.nn.Parameter(distribute_tensor(full.data, ep, [Shard(fam.expert_dim)]),
-                                   requires_grad=full.requires_grad)
-            setattr(m, name, p)
-            params.append(p)
-        m.__class__ = type(f"EP{type(m).__name__}", (ExpertParallel, type(m)), {})
-        m._prl_ep = ep
-        m._prl_num_experts = n_experts
+    for name in names:
+        full = getattr(m, name)
+        p = torch.nn.Parameter(distribute_tensor(full.data, ep, [Shard(expert_dim)]), requires_grad=full.requires_grad)
+        setattr(m, name, p)
+        params.append(p)
+    m.__class__ = type(f"EP{type(m).__name__}", (ExpertParallel, type(m)), {})
+    m._prl_comm = comm
+    m._prl_num_experts = n_experts
     return params
 
 
 class ExpertParallel:
     """Mixin placed before the HF experts class: the all-to-all forward described above."""
 
-    _prl_ep: DeviceMesh
+    _prl_comm: Comm
     _prl_num_experts: int
 
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        group, ep = self._prl_ep.get_group(), self._prl_ep.size()
-        E, K = self._prl_num_experts, ids_TK.shape[1]
-        local_E = E // ep
+        comm, local_E = self._prl_comm, self._prl_num_experts // self._prl_comm.size
+        if comm.dedup:
+            return node_dedup_forward(self, comm, hidden_TD, ids_TK, weights_TK, local_E)
+        K = ids_TK.shape[1]
         flat = ids_TK.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         rows_RD = hidden_TD[order // K]  # one row per (token, slot), grouped by expert
-        send_E = torch.bincount(flat, minlength=E)
-        recv_E = torch.empty_like(send_E)
-        dist.all_to_all_single(recv_E, send_E, group=group)  # rows per (source rank, my local expert)
-        send_split = send_E.view(ep, local_E).sum(1).tolist()
-        recv_split = recv_E.view(ep, local_E).sum(1).tolist()
-        got = exchange(rows_RD, recv_split, send_split, group)
-        local_ids = torch.arange(local_E, device=flat.device).repeat(ep).repeat_interleave(recv_E)
+        route, recv_E = expert_route(flat, comm, self._prl_num_experts)
+        got = send(rows_RD, route)
+        local_ids = torch.arange(local_E, device=flat.device).repeat(comm.size).repeat_interleave(recv_E)
         out = self.local_experts(got, local_ids, local_E)
-        back = exchange(out, send_split, recv_split, group)
+        back = send(out, route.reverse(), to_experts=False)
         weighted = back * weights_TK.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(hidden_TD).index_add(0, order // K, weighted.to(hidden_TD.dtype))
+
+    def weighted_local(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+        """Rows that each carry the local expert ids of their slots here (-1: another rank's) and the
+        slots' routing weights: each row's experts run, their outputs weighted and summed per row."""
+        r, j = (ids_RK >= 0).nonzero().unbind(1)
+        out = self.local_experts(x_RD[r], ids_RK[r, j], self._prl_num_experts // self._prl_comm.size)
+        return torch.zeros_like(x_RD).index_add(0, r, out * w_RK[r, j, None].to(out.dtype))
 
     def local_experts(self, x_RD: torch.Tensor, ids_R: torch.Tensor, local_E: int) -> torch.Tensor:
         """Each local expert's SwiGLU on its rows; block-scaled FP8 GEMMs where `apply_fp8` made the
@@ -107,13 +126,16 @@ class ExpertParallel:
         return out
 
 
-def exchange(rows: torch.Tensor, recv_split: list[int], send_split: list[int], group) -> torch.Tensor:
-    """Differentiable all-to-all of rows (backward: the reverse exchange). The public autograd
-    collective is marked deprecated in favour of a private module; prl stays on the public one."""
-    out = rows.new_empty(sum(recv_split), *rows.shape[1:])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
-        return dnn.all_to_all_single(out, rows, recv_split, send_split, group=group)
+def expert_route(flat: torch.Tensor, comm: Comm, n_experts: int):
+    """The plain dispatch's route for (token, slot) rows sorted by expert: per-expert counts exchanged
+    (`local_E` int64 per peer); also the rows received per (source rank, local expert)."""
+    local_E = n_experts // comm.size
+    send_E = torch.bincount(flat, minlength=n_experts)
+    recv_E = torch.empty_like(send_E)
+    dist.all_to_all_single(recv_E, send_E, group=comm.group)
+    count(comm, [local_E] * comm.size, send_E.element_size(), "meta", "forward")
+    per_rank = [t.view(comm.size, local_E).sum(1).tolist() for t in (send_E, recv_E)]
+    return Route(comm, *per_rank), recv_E
 
 
 def local(p: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ state). FSDP2 is applied even with one rank so the code path is the same on 1 an
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class Parallel:
     def __init__(self, model, dims: ParallelDims, tcfg: TrainerCfg):
         """`dims` with its meshes built (`ParallelDims.build_meshes`)."""
         self.dims = dims
-        self.expert_params = shard_experts(model, dims.mesh("ep")) if dims.ep_enabled else []
+        self.expert_params = shard_ep(model, dims, tcfg) if dims.ep_enabled else []
         self.seq = None  # the context-parallel row state, with cp > 1
         if dims.cp_enabled:
             cp_dim = dims.mesh("cp")["cp"]
@@ -59,6 +60,14 @@ class Parallel:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(list(self.model.parameters()), max_norm)
+
+
+def shard_ep(model, dims: ParallelDims, tcfg: TrainerCfg) -> list[torch.nn.Parameter]:
+    """Expert parallelism with the recipe's dispatch: FP8 or not, node dedup or not, over nodes of
+    `ep_ranks_per_node` ranks, else of the ranks torchrun started on this host."""
+    par = tcfg.parallel
+    per_node = par.ranks_per_node(dims.world, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)))
+    return shard_experts(model, dims.mesh("ep"), per_node, par.ep_dispatch == "fp8", par.ep_node_dedup)
 
 
 def apply_activation_checkpointing(model) -> None:

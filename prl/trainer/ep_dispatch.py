@@ -1,0 +1,172 @@
+"""The wire under expert parallelism: how rows travel between the `ep` ranks, and what it costs.
+
+`send(rows, route)` is a differentiable all-to-all whose backward is the reverse exchange. It knows
+which way it goes: toward the experts (the dispatch, and in backward the combine's gradient) or
+back toward the tokens (the combine, and in backward the dispatch's gradient). With
+`trainer.parallel.ep_dispatch = "fp8"` what goes toward the experts travels as block FP8: each row
+quantised in 1x128 tiles along the hidden dim (`prl.model.fp8.quantize_tiles`), its D E4M3 bytes
+and ceil(D/128) fp32 scales packed into one byte row (one collective), dequantised to the compute
+dtype on arrival. Rows going back toward the tokens stay in the compute dtype: they are summed with
+the routing weights into the residual stream, and their error would add up over the k experts (as
+DeepEP's combine, which is bf16 only). The forward value of an FP8 row is exactly
+`dequantize(quantize_tiles(row))`; its gradient passes straight through (the quantisation's
+derivative is taken as 1, as for any FP8 cast in training).
+
+`node_dedup_forward` (`ep_node_dedup`) sends a token once to each node holding any of its experts,
+to the rank there with the sender's own index inside its node (its rail peer), which forwards it
+once to each rank of that node holding one of the token's experts, with the ids and routing weights
+of those slots. The expert rank weights and sums its slots' outputs; the forwarder sums its node's
+rows; one row per (token, node) goes back across nodes. Lossless: the same products, summed in
+another order. Ranks are grouped into nodes of `per_node` consecutive `ep` ranks (torchrun numbers
+a host's ranks consecutively); on one CPU host `ep_ranks_per_node` simulates nodes.
+
+`TRAFFIC` counts the bytes this rank sent to other ranks, keyed (pass, what, link): pass "forward"
+or "backward", what "to_experts", "to_tokens" or "meta" (counts, ids, routing weights), link "node"
+(another rank of this node) or "net" (another node). Rows a rank keeps for itself are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from prl.model.fp8 import BLOCK, E4M3, Quantized, dequantize, quantize_tiles
+
+TRAFFIC: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The `ep` group as the dispatch sees it."""
+
+    group: object
+    size: int  # ep
+    rank: int  # this rank's index in the ep group
+    nodes: tuple[int, ...]  # the node of each ep rank (global rank // ranks per node)
+    fp8: bool = False  # rows toward the experts in block FP8
+    dedup: bool = False  # node-level deduplication
+
+    @property
+    def per_node(self) -> int:
+        """Ep ranks per node: consecutive, whole nodes or one (`ParallelCfg.ranks_per_node` checks it)."""
+        return self.size // len(set(self.nodes))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Rows to each ep rank (`send`) and from each (`recv`), in ep-rank order."""
+
+    comm: Comm
+    send: list[int]
+    recv: list[int]
+
+    def reverse(self) -> "Route":
+        return Route(self.comm, self.recv, self.send)
+
+
+def count(comm: Comm, send: list[int], row_bytes: int, what: str, phase: str) -> None:
+    for r, n in enumerate(send):
+        if r != comm.rank and n:
+            link = "node" if comm.nodes[r] == comm.nodes[comm.rank] else "net"
+            TRAFFIC[(phase, what, link)] += n * row_bytes
+
+
+def route_of(dest: torch.Tensor, comm: Comm) -> Route:
+    """The route of rows sorted by destination ep rank `dest`: counts exchanged (one int64 per peer)."""
+    send = torch.bincount(dest, minlength=comm.size)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=comm.group)
+    count(comm, [1] * comm.size, send.element_size(), "meta", "forward")
+    return Route(comm, send.tolist(), recv.tolist())
+
+
+def pack(rows_RD: torch.Tensor) -> torch.Tensor:
+    """[R, D] -> uint8 [R, D + 4 ceil(D/128)]: E4M3 values, then the fp32 scales of the 1x128 tiles."""
+    q = quantize_tiles(rows_RD)
+    return torch.cat([q.q.view(torch.uint8), q.scale.contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack(buf: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    scale = buf[:, d:].contiguous().view(torch.float32)
+    q = buf[:, :d].contiguous().view(E4M3)
+    assert scale.shape[1] == math.ceil(d / BLOCK)
+    return dequantize(Quantized(q, scale, (1, BLOCK))).to(dtype)
+
+
+def wire(rows: torch.Tensor, route: Route, fp8: bool, what: str, phase: str) -> torch.Tensor:
+    """One all-to-all of rows along `route` (not differentiable), counted."""
+    payload = pack(rows) if fp8 else rows.contiguous()
+    out = payload.new_empty(sum(route.recv), *payload.shape[1:])
+    dist.all_to_all_single(out, payload, route.recv, route.send, group=route.comm.group)
+    count(route.comm, route.send, payload.element_size() * math.prod(payload.shape[1:]), what, phase)
+    return unpack(out, rows.shape[1], rows.dtype) if fp8 else out
+
+
+class _Send(torch.autograd.Function):
+    """`wire` forward, the reverse `wire` backward; FP8 whichever of the two goes toward the experts."""
+
+    @staticmethod
+    def forward(ctx, rows, route: Route, to_experts: bool, meta: bool):
+        ctx.route, ctx.to_experts, ctx.meta = route, to_experts, meta
+        return wire(rows, route, *how(route.comm, to_experts, meta), "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = ctx.route.reverse()
+        return wire(grad, back, *how(back.comm, not ctx.to_experts, ctx.meta), "backward"), None, None, None
+
+
+def how(comm: Comm, to_experts: bool, meta: bool) -> tuple[bool, str]:
+    """(FP8?, what) for rows going one way."""
+    if meta:
+        return False, "meta"
+    return comm.fp8 and to_experts, "to_experts" if to_experts else "to_tokens"
+
+
+def send(rows: torch.Tensor, route: Route, to_experts: bool = True, meta: bool = False) -> torch.Tensor:
+    """Differentiable all-to-all of rows (`meta`: routing weights, never quantised)."""
+    return _Send.apply(rows, route, to_experts, meta)
+
+
+def send_ints(x: torch.Tensor, route: Route) -> torch.Tensor:
+    return wire(x, route, False, "meta", "forward")
+
+
+# ---------------------------------------------------------------- node-level deduplication
+def hop(x_RD, ids_RK, w_RK, dest_RK, comm: Comm):
+    """Each row once to every ep rank named in its `dest_RK` (-1: none), with the expert ids and
+    weights of the slots bound there (the others -1 and 0). Returns the source row of each copy
+    sent, the route, and what arrived: rows, ids, weights."""
+    R = x_RD.shape[0]
+    hit = torch.zeros(comm.size, R, dtype=torch.bool, device=x_RD.device)
+    valid = dest_RK >= 0
+    rows = torch.arange(R, device=x_RD.device)[:, None].expand_as(dest_RK)
+    hit[dest_RK[valid], rows[valid]] = True
+    dest, row = hit.nonzero().unbind(1)  # by destination, then row
+    keep = dest_RK[row] == dest[:, None]
+    route = route_of(dest, comm)
+    ids = torch.where(keep, ids_RK[row], -1).to(torch.int32)
+    w = torch.where(keep, w_RK[row], torch.zeros((), dtype=w_RK.dtype, device=w_RK.device))
+    return row, route, send(x_RD[row], route), send_ints(ids, route).long(), send(w, route, meta=True)
+
+
+def owners(ids_RK: torch.Tensor, local_E: int) -> torch.Tensor:
+    """The ep rank holding each slot's expert (-1 for an empty slot)."""
+    return torch.where(ids_RK >= 0, ids_RK // local_E, -1)
+
+
+def node_dedup_forward(experts, comm: Comm, x_TD, ids_TK, w_TK, local_E: int) -> torch.Tensor:
+    """Dispatch across nodes once per (token, node), then inside the node once per (token, rank);
+    `experts.weighted_local(x, ids, w)` runs this rank's experts and sums each row's weighted slots."""
+    owner = owners(ids_TK.long(), local_E)
+    per = comm.per_node
+    rail = torch.where(owner >= 0, owner // per * per + comm.rank % per, -1)  # the rail peer on the owner's node
+    tok, r1, x1, ids1, w1 = hop(x_TD, ids_TK.long(), w_TK, rail, comm)
+    got, r2, x2, ids2, w2 = hop(x1, ids1, w1, owners(ids1, local_E), comm)
+    y2 = experts.weighted_local(x2, ids2 - comm.rank * local_E, w2)
+    y1 = torch.zeros_like(x1).index_add(0, got, send(y2, r2.reverse(), to_experts=False))
+    return torch.zeros_like(x_TD).index_add(0, tok, send(y1, r1.reverse(), to_experts=False).to(x_TD.dtype))
