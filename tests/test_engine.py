@@ -1,5 +1,6 @@
 """The engine core in-process: continuous batching, in-flight weight updates, version salt."""
 
+import pytest
 import torch
 
 from prl.inference.engine import EngineCore, Policy, SamplingParams, Sequence
@@ -22,6 +23,25 @@ def test_batched_greedy_matches_alone(tiny_model):
     for a, b in zip(alone, together):
         assert a.out_ids == b.out_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3_moe"])
+def test_prompts_prefilled_together_equal_each_alone(arch, tmp_path):
+    """Prompts of different lengths joining in one step share one left-padded forward; each gets the
+    tokens and logprobs it gets alone (GLM-5 with a DSA indexer keeping 4 keys: padding never selected)."""
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(arch=arch, num_layers=2, index_topk=4), tmp_path / arch), seed=0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [8, 9], [15, 4, 22, 7, 30], [16, 17, 18, 19, 20, 21], [8, 9]]
+    alone = [run_all(EngineCore(model), [Sequence(p, GREEDY)])[0] for p in prompts]
+    core = EngineCore(model)
+    together = run_all(core, [Sequence(p, GREEDY) for p in prompts])
+    assert core.stats.batched_prefills == 1 and core.stats.prefix_hits == 1  # the repeated prompt: a hit
+    for a, b in zip(alone, together):
+        assert a.out_ids == b.out_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
 
 
 def test_request_joins_mid_generation(tiny_model):

@@ -13,7 +13,8 @@ Rules this module guarantees:
 
 `EngineCore` is synchronous and single-threaded; `prl.inference.loop.EngineLoop` runs it on a
 thread and `prl.inference.server` puts HTTP in front of it.
-Simplified: prefill runs one request at a time (B=1).
+Prompts computed from scratch that join in the same step share one left-padded forward
+(`_prefill_batch`); a prompt that reuses a prefix, feeds the KV pool or captures routing runs alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 
 from prl.inference.kv_pool import fill_cache
-from prl.inference.kvcache import BatchCache, clone_cache, narrow_cache
+from prl.inference.kvcache import BatchCache, cache_row, clone_cache, narrow_cache
 from prl.inference.prefix_cache import Entry, Hit, PrefixCache
 
 
@@ -84,6 +85,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the local prefix cache
     weight_loads: int = 0
     busy_s: float = 0.0
+    batched_prefills: int = 0  # forwards that computed several prompts at once
 
 
 class EngineCore:
@@ -144,9 +146,13 @@ class EngineCore:
         """Reserved token slots over the capacity; None when the capacity is unbounded."""
         return self.reserved_tokens() / self.kv_capacity_tokens if self.kv_capacity_tokens else None
 
-    def room_for(self, seq: Sequence) -> bool:
-        """Whether admitting `seq` keeps the batch within the KV capacity (one request alone always fits)."""
-        return not self.kv_capacity_tokens or not self.running or self.reserved_tokens(seq) <= self.kv_capacity_tokens
+    def room_for(self, seq: Sequence, joining: list[Sequence] = ()) -> bool:
+        """Whether admitting `seq` (with `joining`, admitted this step) keeps the batch within the KV
+        capacity (one request alone always fits)."""
+        if not self.kv_capacity_tokens or not (self.running or joining):
+            return True
+        seqs = [*self.running, *joining, seq]
+        return len(seqs) * max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) <= self.kv_capacity_tokens
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)
@@ -197,12 +203,10 @@ class EngineCore:
 
     def _admit(self) -> list[Sequence]:
         finished = []
-        while len(self.running) < self.max_batch_size:
-            with self._lock:
-                if not self.waiting or not self.room_for(self.waiting[0]):
-                    break  # a full KV capacity: the request waits for running ones to finish
-                seq = self.waiting.popleft()
-            cache, logits = self._prefill(seq)
+        seqs = self._take_waiting()
+        batched = self._prefill_batch(self._batchable(seqs))
+        for seq in seqs:
+            cache, logits = batched.pop(seq.id, None) or self._prefill(seq)
             seq.admitted_at_step = self.stats.steps
             if seq.prefill_only:  # its KV went to the pool; a decode server continues it
                 seq.finish_reason = "prefill"
@@ -216,6 +220,60 @@ class EngineCore:
                 self.batch.add(cache, seq.length)
                 self.running.append(seq)
         return finished
+
+    def _take_waiting(self) -> list[Sequence]:
+        """The waiting requests that join this step, in order, while the batch and its KV capacity allow
+        (a request that does not fit waits for running ones to finish)."""
+        seqs: list[Sequence] = []
+        with self._lock:
+            while self.waiting and len(self.running) + len(seqs) < self.max_batch_size:
+                if not self.room_for(self.waiting[0], joining=seqs):
+                    break
+                seqs.append(self.waiting.popleft())
+        return seqs
+
+    def _batchable(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Those whose whole prompt is computed from scratch and can share one forward: no prefix hit,
+        no KV pool or routing capture to feed, the first of any identical prompts (the others then hit
+        its prefix entry)."""
+        if self.capture is not None or self.pool is not None or len(seqs) < 2:
+            return []
+        out, seen = [], set()
+        for s in seqs:
+            ids = tuple(s.prompt_ids)
+            if not s.prefill_only and ids not in seen and self.prefix.lookup(self.version, ids) is None:
+                out.append(s)
+            seen.add(ids)
+        return out if len(out) > 1 else []
+
+    def _prefill_batch(self, seqs: list[Sequence]) -> dict[int, tuple[object, torch.Tensor]]:
+        """One forward over several prompts, left-padded (rows right-aligned, as the batch cache holds
+        them): each prompt's cache and last logits, remembered in the prefix cache as a single prefill's."""
+        if not seqs:
+            return {}
+        lengths = [len(s.prompt_ids) for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            ids[i, width - n:] = torch.tensor(s.prompt_ids)
+            mask[i, width - n:] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True)
+        cache, logits = cache_of(out), out.logits[:, -1].float().cpu()
+        result = {}
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            row = cache_row(cache, i, n)
+            if self.template is None:
+                self.template = empty_like_cache(row)
+            s.length, s.kv_version, s.prompt_routing = n, self.version, None
+            self.stats.prompt_tokens += n
+            self.stats.prefill_tokens += n
+            self._remember_prompt(s, tuple(s.prompt_ids), row, logits[i], 0, None)
+            result[s.id] = (row, logits[i])
+        self.stats.batched_prefills += 1
+        return result
 
     def _prefill(self, seq: Sequence):
         """KV cache and last-position logits for the prompt: the longest prefix that the prefix cache

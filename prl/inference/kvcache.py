@@ -100,13 +100,18 @@ class BatchCache:
     def row(self, i: int, n: int):
         """A batch-1 cache holding row `i`'s last `n` tokens (its real ones: rows are right-aligned),
         copied out, so the prefix cache keeps a finished sequence's KV without pinning the batch's."""
-        new = clone_cache(self.cache)
-        for layer in new.layers:
-            for attr, dim in layer_tensors(layer):
-                t = getattr(layer, attr)
-                d = dim % t.dim()
-                setattr(layer, attr, t[i : i + 1].narrow(d, t.shape[d] - n, n).clone())
-        return new
+        return cache_row(self.cache, i, n)
+
+
+def cache_row(cache, i: int, n: int):
+    """Row `i` of a right-aligned batched cache, its last `n` tokens, copied out as a batch-1 cache."""
+    new = clone_cache(cache)
+    for layer in new.layers:
+        for attr, dim in layer_tensors(layer):
+            t = getattr(layer, attr)
+            d = dim % t.dim()
+            setattr(layer, attr, t[i : i + 1].narrow(d, t.shape[d] - n, n).clone())
+    return new
 
 
 def narrow_cache(cache, n: int):
