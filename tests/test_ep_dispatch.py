@@ -22,6 +22,7 @@ difference (the layer's output and gradients, the step's loss and gradients) is 
 routing weights' gradient, in bf16), 4-5% for its output and other gradients.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -145,22 +146,35 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def step(model_dir: Path, tmp: Path, parallel: dict) -> dict:
-    from test_parallel import step as dist_step
-
-    return dist_step(model_dir, tmp, 4, {"parallel": {"ep": 4, "ep_ranks_per_node": 2, **parallel}}, False)
+def steps(model_dir: Path, tmp: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """tests/dist_ep_step.py: a training step on 4 ranks (ep = 4, 2 nodes of 2) per dispatch in `cases`."""
+    out = tmp / "steps.pt"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                        str(HERE / "dist_ep_step.py"), str(model_dir), str(out), json.dumps(cases)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return torch.load(out, weights_only=False)
 
 
 def test_a_training_step_with_node_dedup_and_fp8_dispatch(model_dir, tmp_path):
     """ep = 4 over 2 nodes of 2: dedup gives plain's step (loss, every gradient, the weights after
-    AdamW); FP8 dispatch gives it within the FP8 bound, and differs (the rows did travel in FP8)."""
+    AdamW) and sends fewer rows across nodes; FP8 dispatch gives it within the FP8 bound, and differs
+    (the rows did travel in FP8)."""
     from test_parallel import assert_same_step
 
-    plain = step(model_dir, tmp_path, {})
-    assert_same_step(plain, step(model_dir, tmp_path, {"ep_node_dedup": True}), "node dedup against plain")
-    fp8 = step(model_dir, tmp_path, {"ep_dispatch": "fp8"})
+    run = steps(model_dir, tmp_path, {"plain": {}, "dedup": {"ep_node_dedup": True}, "fp8": {"ep_dispatch": "fp8"}})
+    plain, fp8 = run["plain"], run["fp8"]
+    assert_same_step(plain, run["dedup"], "node dedup against plain")
+    net = {k: sum(t.get((p, "to_experts", "net"), 0) for t in run[k]["traffic"] for p in ("forward", "backward"))
+           for k in run}
+    assert 0 < net["dedup"] < net["plain"], net
+    # hidden 128 in fp32: a row of 512 B, in FP8 128 + 4 B. The rows differ a little: the second layer's
+    # router sees the first layer's FP8-perturbed output
+    assert net["fp8"] % 132 == 0 and net["fp8"] // 132 == pytest.approx(net["plain"] // 512, rel=0.05), net
     assert fp8["stats"]["loss_sum"] == pytest.approx(plain["stats"]["loss_sum"], rel=FP8_BOUND)
     errors = {n: close(fp8["grads"][n], g) for n, g in plain["grads"].items() if g.norm() > 0}
+    print("FP8 dispatch against plain, the largest relative gradient differences:",
+          sorted(errors.items(), key=lambda kv: -kv[1])[:3], "; bytes toward the experts across nodes:", net)
     assert max(errors.values()) < FP8_BOUND, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     assert max(errors.values()) > 1e-4, "FP8 changed the step"
 

@@ -1,0 +1,57 @@
+"""Run under torchrun (4 ranks) by tests/test_ep_dispatch.py: one training step of the tiny model at
+ep = 4, the ranks taken as 2 nodes of 2, once per expert dispatch given, in one process group (one
+start for all of them). Each step is the trainer's own (forward and backward, finished gradients,
+the global norm, AdamW) on a fresh model, as tests/dist_step.py takes it; rank 0 saves, per dispatch,
+what dist_step.py saves for `assert_same_step`, and the bytes every rank sent.
+
+    torchrun --nproc-per-node 4 tests/dist_ep_step.py MODEL_DIR OUT.pt '{"plain": {}, "dedup": {"ep_node_dedup": true}}'
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from dist_step import full, optimizer_step, samples
+
+from prl.model.build import build_model
+from prl.model.families import routed_experts
+from prl.model.routing import routers
+from prl.recipe.schema import TrainerCfg
+from prl.trainer import ep_dispatch
+from prl.trainer.parallelize import Parallel
+from prl.trainer.step import forward_backward
+from prl.transport.batch import pack
+
+
+def one_step(model_dir: str, parallel: dict) -> dict:
+    tcfg = TrainerCfg.model_validate({"parallel": {"ep": 4, "ep_ranks_per_node": 2, **parallel}})
+    model = build_model(model_dir, seed=0)
+    data = samples(len(routers(model)), routed_experts(model.config.to_dict()), model.config.num_experts_per_tok)
+    dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu")
+    par = Parallel(model, dims, tcfg)
+    mbs = pack(data, dims.dp_size, 64)[dims.dp_rank(dist.get_rank())]
+    before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
+    ep_dispatch.TRAFFIC.clear()
+    stats = forward_backward(par.model, None, mbs, "rl", tcfg, 1.0, torch.device("cpu"), None)
+    traffic = dict(ep_dispatch.TRAFFIC)
+    grads, grad_norm = optimizer_step(par, tcfg)
+    params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, traffic)
+    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "traffic": every,
+            "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
+
+
+def main(model_dir: str, out: str, cases: dict) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {name: one_step(model_dir, parallel) for name, parallel in cases.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
