@@ -138,6 +138,7 @@ def test_fp8_export_reads_back_identical(model_dir, tmp_path):
     from prl.model.build import build_model
     from prl.trainer.export import read_fp8, write_fp8
     from prl.model.fp8_checkpoint import dequantize_state_dict
+    from prl.model.hf_format import to_checkpoint_format
 
     model = build_model(model_dir, seed=3)
     write_fp8(model, tmp_path / "hf")
@@ -148,8 +149,10 @@ def test_fp8_export_reads_back_identical(model_dir, tmp_path):
     want = quantize_blocks(model.state_dict()[name])
     assert torch.equal(tensors[name].view(torch.uint8), want.q.view(torch.uint8))
     assert torch.equal(tensors[name + "_scale_inv"], want.scale)
-    experts = next(k for k in tensors if k.endswith("experts.gate_up_proj"))
-    assert tensors[experts].dtype == torch.float8_e4m3fn and tensors[experts + "_scale_inv"].dim() == 3
+    experts = next(k for k in tensors if k.endswith("experts.0.gate_proj.weight"))  # per expert, as GLM-5-FP8
+    assert tensors[experts].dtype == torch.float8_e4m3fn and tensors[experts + "_scale_inv"].shape == (1, 1)
     assert tensors["lm_head.weight"].dtype == torch.float32  # not converted
+    assert {"lm_head", "model.embed_tokens"} <= set(qc["modules_to_not_convert"])
     back = dequantize_state_dict(tensors)
-    model.load_state_dict(back)  # every key present, every shape right
+    want = to_checkpoint_format(model, model.state_dict())  # every key present, every shape right
+    assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in want.items()}

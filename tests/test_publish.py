@@ -70,3 +70,26 @@ def test_fp8_tensors_are_quantised_in_their_bucket(sharded_model, tmp_path):
     back = dequantize_state_dict(got)
     for n in names:
         assert (back[n] - plain[n]).abs().max() <= plain[n].abs().max() / 8  # E4M3 rounding per block
+
+
+def test_fp8_in_checkpoint_names_equals_the_whole_state_converted(sharded_model, tmp_path):
+    """For vLLM (`hf_format`) with FP8: every bucket in checkpoint names with each expert's FP8 weight and
+    scales, equal to the whole state converted at once; an FP8 name of the model that no bucket can place
+    fails the version."""
+    from prl.model.fp8 import apply_fp8
+    from prl.model.fp8_checkpoint import SCALE_SUFFIX, tensor_names, to_fp8_checkpoint
+    from prl.trainer.publish import publish
+    from prl.transport.sinks import FolderSink
+
+    model, plain = sharded_model
+    names = tensor_names(apply_fp8(model, swap=False)["fp8"])
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    got, manifest = read_weights(publish(model, FolderSink(tmp_path, keep=2), 2, fp8_names=names, hf_format=True))
+    want = to_fp8_checkpoint(model, plain, names)
+    assert manifest["format"] == "hf" and sorted(got) == sorted(want)
+    assert all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.float8_e4m3fn else got[k],
+                           want[k].view(torch.uint8) if want[k].dtype == torch.float8_e4m3fn else want[k]) for k in want)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" + SCALE_SUFFIX in got
+    with pytest.raises(RuntimeError, match="in no bucket"):
+        publish(model, FolderSink(tmp_path / "bad", keep=2), 3, fp8_names=[*names, "model.layers.0.nope"],
+                hf_format=True)

@@ -20,6 +20,9 @@ STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down
 # the attention/MLP linears block-FP8 may swap (by module leaf name), where both dims are multiples of 128
 FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj", "k_proj", "v_proj",
                "gate_proj", "up_proj", "down_proj")
+# sibling linears that serving engines fuse into one GEMM (vLLM: qkv_proj, gate_up_proj, fused_qkv_a_proj),
+# whose FP8 scales then sit in one tensor: a group is FP8 only when every member present is eligible
+FP8_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,6 +42,7 @@ class FamilySpec:
     expert_dim: int = 0  # the dim of a stacked expert tensor that counts experts (EP shards it)
     fp8_linears: tuple[str, ...] = FP8_LINEARS
     fp8_skip: tuple[str, ...] = (".indexer",)  # module paths holding these stay high precision
+    fp8_fused: tuple[tuple[str, ...], ...] = FP8_FUSED  # leaf names quantised together or not at all
     tp_plan: dict[str, str] | None = None  # tensor parallelism: module pattern -> style (not built yet)
     tiny: bool = False  # `prl.model.tiny` builds a random-init model of it (`model.arch`)
 

@@ -221,21 +221,44 @@ def apply_fp8(model, swap: bool = True) -> dict[str, list[str]]:
     `fp8_linears` by leaf name, its `expert_classes`); an unknown family fails.
 
     Router, lm_head, embeddings, norms and the DSA indexer stay in high precision, as does any
-    projection whose dimensions are not multiples of 128. Returns what was swapped and kept."""
+    projection whose dimensions are not multiples of 128, and every member of a group that serving
+    engines fuse into one GEMM (`fp8_fused`: q/k/v, gate/up, q_a/kv_a) unless all its members are
+    eligible, so the trainer's FP8 layers are the ones vLLM can serve. Returns what was swapped and kept."""
     fam = families.spec(model.config.model_type, "FP8 (trainer.fp8 / inference.fp8)")
     experts = {id(m) for m in families.modules_of(model, fam.expert_classes)}
+    linears = fp8_candidates(model, fam)
+    linear_ok = fused_eligible(linears, fam.fp8_fused)
     report: dict[str, list[str]] = {"fp8": [], "kept": []}
     for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, torch.nn.Linear) and leaf in fam.fp8_linears and not any(s in name for s in fam.fp8_skip):
-            ok = eligible(mod.out_features, mod.in_features)
+        if name in linears:
+            ok = linear_ok[name]
             if ok and swap:
                 Fp8BlockLinear.from_linear(mod)
-            report["fp8" if ok else "kept"].append(name)
         elif id(mod) in experts:
             e, two_i, h = mod.gate_up_proj.shape
             ok = eligible(two_i // 2, h)
             if ok and swap and not isinstance(mod, _Fp8Experts):
                 mod.__class__ = type(f"Fp8{type(mod).__name__}", (_Fp8Experts, type(mod)), {})
-            report["fp8" if ok else "kept"].append(name)
+        else:
+            continue
+        report["fp8" if ok else "kept"].append(name)
     return report
+
+
+def fp8_candidates(model, fam) -> dict[str, torch.nn.Linear]:
+    """The linears the family may run in FP8 (by leaf name, outside its `fp8_skip` paths), by module name."""
+    return {name: mod for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in fam.fp8_linears
+            and not any(s in name for s in fam.fp8_skip)}
+
+
+def fused_eligible(linears: dict[str, torch.nn.Linear], groups) -> dict[str, bool]:
+    """Each candidate's eligibility; a member of a fused group only when its siblings under the same
+    parent module are eligible too (a sibling that is no candidate does not count)."""
+    ok = {n: eligible(m.out_features, m.in_features) for n, m in linears.items()}
+    out = {}
+    for name, good in ok.items():
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in groups if leaf in g), ())
+        out[name] = good and all(ok.get(f"{parent}.{g}" if parent else g, True) for g in group)
+    return out

@@ -66,8 +66,7 @@ class Plan:
 
 def serving_uses(recipe: Recipe, c: dict, layout: Layout) -> tuple[str, ...]:
     inf = recipe.inference
-    fp8_refused = any(item.startswith("inference.fp8") for item in recipe.not_built())
-    extra = (("fp8_serving",) if inf.fp8 and fp8_refused else ()) + \
+    extra = (("fp8_serving",) if inf.fp8 and inf.backend == "vllm" else ()) + \
         (("fp8_kv",) if inf.kv_cache_dtype == "fp8" else ()) + (("mtp",) if inf.mtp_tokens else ())
     return layout.mechanisms(c) + extra
 

@@ -15,7 +15,9 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                          "SSH (issue 23 item 2)"),
     "pd": (PLANNED, "separate vLLM prefill and decode pools: vLLM's P/D connector is not wired in (the KV-pool P/D "
                     "is built for the embedded engine)"),
-    "fp8_serving": (PLANNED, "prl's block-FP8 weights served by vLLM (issue 23 item 4)"),
+    "fp8_serving": (GPU, "prl's block-FP8 weights served by vLLM (inference.fp8): the layout from the model folder's "
+                         "quantization_config, published per expert with 128x128 weight_scale_inv; loaded into "
+                         "vLLM's own model classes on CPU, served on GPUs (or a CPU with AMX)"),
     "fp8_kv": (PLANNED, "FP8 KV cache (inference.kv_cache_dtype): the launcher passes --kv-cache-dtype; vLLM's FP8 "
                         "MLA + indexer cache runs on GPU only"),
     "mtp": (PLANNED, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config, "

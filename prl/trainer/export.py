@@ -36,7 +36,10 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
         state, _ = read_model_state(path)
     except CorruptWeightsError as e:
         raise ExportError(str(e)) from None
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "quantization_config"):  # the run's vLLM FP8 serving layout: not what is written here
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ExportError(f"{path}: does not match {model_dir}/config.json (missing {missing[:3]}, extra {unexpected[:3]})")
@@ -50,17 +53,16 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
 
 
 def write_fp8(model, out: Path) -> None:
-    """A block-FP8 Hugging Face folder in the DeepSeek-V3 / GLM-5-FP8 layout."""
+    """A block-FP8 Hugging Face folder in the DeepSeek-V3 / GLM-5-FP8 layout (per-expert tensors, each
+    FP8 weight with its `weight_scale_inv`), the same names and values prl publishes to vLLM."""
     from safetensors.torch import save_file
 
-    from prl.model.fp8 import apply_fp8
-    from prl.model.fp8_checkpoint import QUANTIZATION_CONFIG, quantize_state_dict, tensor_names
+    from prl.model.fp8_checkpoint import fp8_tensor_names, serving_config, to_fp8_checkpoint
 
-    report = apply_fp8(model, swap=False)
-    state = quantize_state_dict(model.state_dict(), tensor_names(report["fp8"]))
+    state = to_fp8_checkpoint(model, model.state_dict(), fp8_tensor_names(model))
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = {**QUANTIZATION_CONFIG, "modules_to_not_convert": report["kept"]}
+    model.config.quantization_config = serving_config(model)
     model.config.save_pretrained(out)
 
 

@@ -74,11 +74,17 @@ def gather_rows(tensor: DTensor, keep: bool) -> torch.Tensor | None:
 
 
 def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: list[str] | None) -> dict:
+    """One bucket as the servers take it: checkpoint names (`hf_format`) or in-memory ones, its FP8
+    tensors block-quantised (in checkpoint names: each expert's own weight and scales)."""
+    names = [n for n in fp8_names or [] if n in part]
+    if hf_format and names:
+        from prl.model.fp8_checkpoint import to_fp8_checkpoint
+
+        return to_fp8_checkpoint(model, part, names)
     if hf_format:
         from prl.model.hf_format import to_checkpoint_format
 
-        part = to_checkpoint_format(model, part)
-    names = [n for n in fp8_names or [] if n in part]
+        return to_checkpoint_format(model, part)
     if names:
         from prl.model.fp8_checkpoint import quantize_state_dict
 
@@ -100,8 +106,8 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
     for names in buckets(list(state)):
         part = {name: gathered(state[name], rank0) for name in names}
         if rank0:
+            unmatched -= part.keys()  # converted() fails on one it cannot place in the bucket's output
             part = converted(model, part, hf_format, fp8_names)
-            unmatched -= part.keys()
             sink.put(part)
         del part
     if not rank0:

@@ -2,7 +2,8 @@
 
 `vllm_args(cfg)` is the full vLLM command line (shown by `--dry-run`); the process prl starts is
 `python -m prl.backends.vllm.launch --config CFG -- python -m vllm.entrypoints.openai.api_server ARGS`,
-which puts the run's secret into `VLLM_API_KEY` (never on a command line), turns on the RL routes
+which writes the model folder's FP8 serving layout (`inference.fp8`: the block-FP8 `quantization_config`
+vLLM builds its layers from), puts the run's secret into `VLLM_API_KEY` (never on a command line), turns on the RL routes
 (`VLLM_SERVER_DEV_MODE=1`), tells the weight-transfer plugin its config (`PRL_CONFIG`), and
 replaces itself with vLLM (`exec`: same pid, same process group, so prl's teardown reaches every
 vLLM child).
@@ -66,8 +67,10 @@ def vllm_args(cfg: ServerConfig) -> list[str]:
         "--weight-transfer-config", weight_engine(cfg),
         "--middleware", AUTH_MIDDLEWARE,
     ]
-    if not cfg.pretrained:
-        args += ["--load-format", "dummy"]  # a tiny random-init model: version 0 arrives before any rollout
+    if inf.fp8:  # block-FP8 layers as the model folder's quantization_config names them (`main` writes it)
+        args += ["--quantization", "fp8"]
+    if not cfg.pretrained or inf.fp8:  # version 0 arrives before any rollout (FP8: the trainer's own values;
+        args += ["--load-format", "dummy"]  # a bf16 folder would not load into FP8 layers)
     if cfg.router_replay:
         args.append("--enable-return-routed-experts")
     if cfg.kv_master:  # the run's KV pool: prompt blocks through Mooncake, keyed by the run and (cache_salt) version
@@ -97,12 +100,27 @@ def main(argv: list[str]) -> None:
     if len(argv) < 4 or argv[0] != "--config" or argv[2] != "--":
         raise SystemExit("usage: python -m prl.backends.vllm.launch --config CFG -- VLLM_COMMAND...")
     cfg = load_process_config(argv[1])
+    serving_layout(cfg)
     env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
     if cfg.kv_master:
         env.update(join_pool(cfg))
     command = settle_port(cfg, argv[3:])
     print(f"{cfg.name}: exec {' '.join(command)}", flush=True)
     os.execvpe(command[0], command, env)
+
+
+def serving_layout(cfg: ServerConfig) -> None:
+    """The model folder's `quantization_config` as this server serves it: prl's block-FP8 layout
+    (`prl.model.fp8_checkpoint.serving_config`) with inference.fp8, none without. vLLM builds its FP8
+    layers from it, and prl's weight engine checks published versions against it."""
+    if not cfg.inference.fp8 and "quantization_config" not in json.loads((cfg.model_dir / "config.json").read_text()):
+        return  # nothing to write, and no torch to import
+    from prl.model.fp8_checkpoint import write_serving_config
+
+    qc = write_serving_config(cfg.model_dir, cfg.inference.fp8)
+    if qc:
+        print(f"{cfg.name}: block-FP8 weights, {len(qc['modules_to_not_convert'])} modules kept in "
+              f"{cfg.inference.dtype}", flush=True)
 
 
 def settle_port(cfg: ServerConfig, command: list[str]) -> list[str]:

