@@ -27,7 +27,9 @@ class Receiver:
         self.expected = None  # name -> (shape, max bytes), computed on first use
         self.wire: Wire | None = None
         self.staged: Policy | None = None
-        self.lock = threading.Lock()  # one receive at a time; a join waits for it
+        self.lock = threading.Lock()  # the wire: one receive at a time; a join waits for it
+        self.slot = threading.Lock()  # the staged version
+        self.on_wire: int | None = None  # the version being received
         self.received = 0  # versions staged from the collective
         self.receiving = -1  # tensors of the version on the wire so far (-1: no receive running)
 
@@ -42,7 +44,7 @@ class Receiver:
             if self.wire is None or self.wire.info.epoch != epoch:
                 have = self.wire.info.epoch if self.wire else None
                 raise ReceiveError(f"not a member of group epoch {epoch} (this server's: {have}); form it anew")
-            t0, self.receiving = time.perf_counter(), 0
+            t0, self.receiving, self.on_wire = time.perf_counter(), 0, version
             try:
                 tensors, meta = self.wire.receive(self._expected(), on_tensor=self._count)
                 if int(meta.get("version", -1)) != version:
@@ -50,11 +52,12 @@ class Receiver:
                 policy = make_policy(self.model, tensors, version, f"v{version} from the collective")
             except (RuntimeError, WeightLoadError, ValueError, TypeError, KeyError) as e:  # gloo: RuntimeError
                 self.wire.close()  # the group goes now: the sender fails at once, not after its timeout
-                self.wire, self.staged = None, None
+                self.wire = None
                 raise ReceiveError(f"v{version}: {type(e).__name__}: {e}") from None
             finally:
-                self.receiving = -1
-            self.staged = policy
+                self.receiving, self.on_wire = -1, None
+            with self.slot:
+                self.staged = policy
             self.received += 1
             return {"version": version, "seconds": time.perf_counter() - t0,
                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
@@ -63,8 +66,12 @@ class Receiver:
         self.receiving += 1
 
     def take(self, version: int) -> Policy | None:
-        """The staged policy if it is `version` (then no longer staged)."""
-        with self.lock:
+        """The staged policy if it is `version` (then no longer staged). Waits only for a receive of
+        that very version; a load of another never queues behind the wire."""
+        if self.on_wire == version:
+            with self.lock:
+                pass
+        with self.slot:
             if self.staged is None or self.staged.version != version:
                 return None
             policy, self.staged = self.staged, None
