@@ -403,8 +403,10 @@ def test_layout_knobs_belong_to_vllm():
 
     with pytest.raises(RecipeError, match="only used with inference.backend = 'vllm'"):
         load_recipe(ROOT / "recipes/reverse-tiny.toml", ["inference.kv_cache_dtype='fp8'"])
-    refused = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2"]).not_built()
-    assert any(item.startswith("inference.data_parallel_size") for item in refused)
+    one_host = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2",
+                                                                      "inference.expert_parallel=true"])
+    assert not one_host.not_built(), "DP + EP on one host: the launcher passes them"
+    assert any(item.startswith("inference.hosts_per_engine") for item in load_recipe(FLAGSHIP).not_built())
 
 
 def test_trainer_compute_by_part():

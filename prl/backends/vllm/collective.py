@@ -60,8 +60,9 @@ def _numel(shape) -> int:
 # ---------------------------------------------------------------- in the API server (middleware)
 def members(cfg) -> int:
     """Workers of this server, each a member of the group (tensor x data parallel)."""
-    opts = cfg.inference.vllm
-    return int(opts.get("tensor_parallel_size", 1)) * int(opts.get("data_parallel_size", 1))
+    opts, inf = cfg.inference.vllm, cfg.inference
+    tp = int(opts.get("tensor_parallel_size", 0)) or (len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1)
+    return max(tp, 1) * int(opts.get("data_parallel_size", inf.data_parallel_size))
 
 
 async def handle(request, cfg):

