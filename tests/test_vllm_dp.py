@@ -14,7 +14,7 @@ import torch
 
 from test_pretrained import make_pretrained
 from test_vllm import PROMPT, call, collective_sink, hf_model, make, perturbed_state, publish, reference_logprobs, req, send
-from vllm_rig import needs_vllm, start_server
+from vllm_rig import start_server
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -39,9 +39,24 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
 
 
-@pytest.mark.slow
-@pytest.mark.gpu
-@needs_vllm
+def require_cuda_vllm() -> None:
+    """Skip, saying why, unless a CUDA device and vLLM's CUDA build are here (as `bin/gpu-check` expects)."""
+    import sys
+
+    sys.path.append(str(ROOT / "bench"))
+    from gpu_check import Absent, require_cuda
+    from vllm_rig import VLLM_FAILURE
+
+    try:
+        require_cuda()
+    except Absent as e:
+        pytest.skip(str(e))
+    if VLLM_FAILURE:
+        pytest.skip(VLLM_FAILURE)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
 
 
 def per_engine(srv, metric: str) -> dict[str, float]:
@@ -51,8 +66,8 @@ def per_engine(srv, metric: str) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@needs_vllm
 def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
+    require_cuda_vllm()
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder, inference__data_parallel_size=2, inference__expert_parallel=True)
     try:
