@@ -238,7 +238,10 @@ def test_sharded_loading_holds_a_fraction_and_matches_from_pretrained(big_pretra
     folder, model_bytes = big_pretrained
     whole = load_run(folder, tmp_path, 1, "whole", {"fp8": fp8})
     sharded = load_run(folder, tmp_path, 2, "sharded", {"parallel": {"ep": 2}, "fp8": fp8})
-    torch.testing.assert_close(sharded["logp"], whole["logp"], rtol=1e-6, atol=1e-6)
+    # FP8 quantises activations per 1x128 tile: the expert-parallel sum order's 1e-7 differences can move
+    # a value across an E4M3 rounding step (2^-4 relative), so the FP8 bound is a few such steps
+    tol = 5e-2 if fp8 else 1e-6
+    torch.testing.assert_close(sharded["logp"], whole["logp"], rtol=tol, atol=tol)
     mb = model_bytes / 2**20
     print(f"model {mb:.0f} MB; peak growth while loading: whole {whole['load_peak_mb']}, sharded {sharded['load_peak_mb']}")
     assert whole["load_peak_mb"][0] > 0.9 * mb, "the measure sees a whole model"
