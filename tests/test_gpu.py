@@ -230,15 +230,9 @@ def test_vllm_on_cuda_serves_the_trainers_logprobs_and_takes_new_weights(tmp_pat
     recomputation (fp32), and after a weight update they are the new weights' and carry the new version."""
     from test_pretrained import make_pretrained
     from test_vllm import PROMPT, call, hf_model, make, perturbed_state, publish, ready, reference_logprobs, req
-    from vllm_rig import VLLM_FAILURE, start_server
+    from vllm_rig import require_cuda_vllm, start_server
 
-    need(require_cuda)
-    if VLLM_FAILURE:
-        pytest.skip(VLLM_FAILURE)
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
+    require_cuda_vllm()
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder)
     try:

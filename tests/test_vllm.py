@@ -318,12 +318,17 @@ def test_a_session_left_open_by_a_client_that_went_away_does_not_block_the_next_
     publish(server, 7, perturbed_state(model, seed=7))
     call(server, lambda b: b.stage(7))  # this client goes away without swapping
 
+    load_and_check(server, model, 7)
+
+
+def load_and_check(srv, model, version: int) -> None:
+    """One client loads `version` and generates: every token is that version's, with `model`'s logprobs."""
     async def go(b):
-        await b.load_weights(7)
+        await b.load_weights(version)
         return await b.generate(req(n=1, max_tokens=8))
 
-    out = call(server, go).completions[0]
-    assert set(out.versions) == {7}
+    out = call(srv, go).completions[0]
+    assert set(out.versions) == {version}
     torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, PROMPT, out.token_ids),
                                atol=2e-4, rtol=0)
 
@@ -361,14 +366,7 @@ def test_a_version_over_the_collective_is_staged_in_the_workers_and_served(serve
     assert set(before.versions) == {7}, "staged, not served yet"
     shutil.rmtree(version_dir(server.run_dir / "weights", 8))  # only the staged copy can serve it
 
-    async def go(b):
-        await b.load_weights(8)
-        return await b.generate(req(n=1, max_tokens=8))
-
-    out = call(server, go).completions[0]
-    assert set(out.versions) == {8}
-    torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, PROMPT, out.token_ids),
-                               atol=2e-4, rtol=0)
+    load_and_check(server, model, 8)
     bad = perturbed_state(model, seed=9)
     bad["model.norm.weight"] = torch.zeros(3)
     send(sink, 9, bad)

@@ -14,7 +14,7 @@ import torch
 
 from test_pretrained import make_pretrained
 from test_vllm import PROMPT, call, collective_sink, hf_model, make, perturbed_state, publish, reference_logprobs, req, send
-from vllm_rig import start_server
+from vllm_rig import require_cuda_vllm, start_server
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -37,26 +37,6 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     assert cpu_binding(cfg, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == {}  # the run's environment wins
     refusal = SPEC.preflight(recipe, None)
     assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
-
-
-def require_cuda_vllm() -> None:
-    """Skip, saying why, unless a CUDA device and vLLM's CUDA build are here (as `bin/gpu-check` expects)."""
-    import sys
-
-    sys.path.append(str(ROOT / "bench"))
-    from gpu_check import Absent, require_cuda
-    from vllm_rig import VLLM_FAILURE
-
-    try:
-        require_cuda()
-    except Absent as e:
-        pytest.skip(str(e))
-    if VLLM_FAILURE:
-        pytest.skip(VLLM_FAILURE)
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
 
 
 def per_engine(srv, metric: str) -> dict[str, float]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from vllm_rig import VLLM_FAILURE, needs_vllm
+from vllm_rig import needs_vllm
 
 RIG = Path(__file__).with_name("vllm_fp8_rig.py")
 FP8_METHODS = ("Fp8LinearMethod", "Fp8MoEMethod")
@@ -260,21 +260,11 @@ def test_vllm_on_cuda_serves_prls_fp8_weights(tmp_path):
     a published version loaded by the layerwise reload): 0.022-0.026 nats from the W8A16 twin, 0.11-0.20 from
     the A8W8 model (these weights span 3 decades per block row), since vLLM's CPU kernel is W8A16."""
     sys.path.append(str(ROOT / "bench"))
-    from gpu_check import Absent, require_cuda
     from test_pretrained import make_pretrained
     from test_vllm import PROMPT, call, make, ready, reference_logprobs, req
-    from vllm_rig import start_server
+    from vllm_rig import require_cuda_vllm, start_server
 
-    try:
-        require_cuda(capability=(8, 9))
-    except Absent as e:
-        pytest.skip(str(e))
-    if VLLM_FAILURE:
-        pytest.skip(VLLM_FAILURE)
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
+    require_cuda_vllm(capability=(8, 9))
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder, trainer__fp8=True, inference__fp8=True, inference__dtype="bfloat16")
     try:

@@ -27,6 +27,26 @@ def vllm_available() -> bool:
 VLLM_FAILURE = vllm_failure()
 needs_vllm = pytest.mark.skipif(VLLM_FAILURE is not None, reason=VLLM_FAILURE or "vLLM imports")
 
+
+def require_cuda_vllm(capability: tuple[int, int] | None = None) -> None:
+    """Skip, saying why (as `bin/gpu-check` reads it), unless a CUDA device (of `capability`) and
+    vLLM's CUDA build are here."""
+    import sys
+
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_check import Absent, require_cuda
+
+    try:
+        require_cuda(capability=capability)
+    except Absent as e:
+        pytest.skip(str(e))
+    if VLLM_FAILURE:
+        pytest.skip(VLLM_FAILURE)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"the installed vLLM is not a CUDA build (its platform: {type(current_platform).__name__})")
+
 SERVER_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "block_size": 32}
 
 

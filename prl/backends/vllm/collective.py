@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 
 from prl.transport.collective import GroupInfo, Wire, WireError
@@ -37,7 +38,7 @@ def receive_read(engine, wire: Wire):
     """The stager's read for one version off `wire` (checked like a folder; a failure drops the group)."""
     def read(version: int) -> dict:
         try:
-            tensors, meta = wire.receive({k: (list(s), _numel(s) * 4) for k, s in engine.expected().items()})
+            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in engine.expected().items()})
             if int(meta.get("version", -1)) != version or meta.get("format") != "hf":
                 raise WireError(f"the wire carried v{meta.get('version')} ({meta.get('format')}), not v{version} (hf)")
             engine.check(f"v{version} from the collective", tensors)
@@ -48,13 +49,6 @@ def receive_read(engine, wire: Wire):
             raise
 
     return read
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 # ---------------------------------------------------------------- in the API server (middleware)
