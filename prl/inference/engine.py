@@ -135,11 +135,11 @@ class EngineCore:
             if seq in self.waiting:
                 self.waiting.remove(seq)
 
-    def reserved_tokens(self, extra: Sequence | None = None) -> int:
+    def reserved_tokens(self, *extra: Sequence) -> int:
         """Token slots the running batch's KV cache can reach: its rows are padded to the longest, so
         rows x the longest prompt + max_tokens among them (with `extra` admitted, if given). There is
         no preemption: a request is admitted only if this stays within the capacity."""
-        seqs = self.running + ([extra] if extra is not None else [])
+        seqs = [*self.running, *extra]
         return len(seqs) * max((len(s.prompt_ids) + s.params.max_tokens for s in seqs), default=0)
 
     def kv_usage(self) -> float | None:
@@ -151,8 +151,7 @@ class EngineCore:
         capacity (one request alone always fits)."""
         if not self.kv_capacity_tokens or not (self.running or joining):
             return True
-        seqs = [*self.running, *joining, seq]
-        return len(seqs) * max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) <= self.kv_capacity_tokens
+        return self.reserved_tokens(*joining, seq) <= self.kv_capacity_tokens
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)

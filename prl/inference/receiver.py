@@ -14,7 +14,7 @@ import time
 
 from prl.inference.engine import Policy, WeightLoadError, make_policy
 from prl.model.fp8_checkpoint import SCALE_SUFFIX
-from prl.transport.collective import GroupInfo, Wire, WireError
+from prl.transport.collective import GroupInfo, Wire, WireError, expected_tensors
 
 
 class ReceiveError(RuntimeError):
@@ -79,7 +79,5 @@ class Receiver:
 
     def _expected(self):
         if self.expected is None:
-            from prl.transport.collective import expected_tensors
-
             self.expected = expected_tensors(self.model, SCALE_SUFFIX)
         return self.expected

@@ -24,6 +24,8 @@ from prl.recipe.roles import ServerConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 AUTH_MIDDLEWARE = "prl.backends.vllm.auth.require_bearer"
+# set in [inference.vllm], any of these leaves the server's parallel layout to the user
+PARALLEL_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"})
 
 
 def weight_engine(cfg: ServerConfig) -> str:
@@ -85,15 +87,14 @@ def layout_args(cfg: ServerConfig) -> list[str]:
     to it."""
     inf, given = cfg.inference, {k.replace("-", "_") for k in cfg.inference.vllm}
     if inf.hosts_per_engine > 1:  # an engine over several hosts is refused (not built); its hosts' plan: TP
-        return ["--tensor-parallel-size", str(len(cfg.gpus))] if len(cfg.gpus) > 1 and not given & {
-            "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"} else []
+        return ["--tensor-parallel-size", str(len(cfg.gpus))] if len(cfg.gpus) > 1 and not given & PARALLEL_ARGS else []
     args = []
     if inf.data_parallel_size > 1 and "data_parallel_size" not in given:
         args += ["--data-parallel-size", str(inf.data_parallel_size)]
     if inf.expert_parallel and "enable_expert_parallel" not in given:
         args.append("--enable-expert-parallel")
     tp = len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1
-    if tp > 1 and not given & {"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"}:
+    if tp > 1 and not given & PARALLEL_ARGS:
         args += ["--tensor-parallel-size", str(tp)]  # a replica spans its share of placement.gpus_per_server
     return args
 

@@ -92,10 +92,9 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         if init_info.kind == "join":
             self.wire = join(init_info, self.member)
         elif init_info.kind == "receive":
-            wire = getattr(self, "wire", None)
-            if wire is None or wire.info.epoch != init_info.epoch:
+            if self.wire is None or self.wire.info.epoch != init_info.epoch:
                 raise ValueError(f"{REJECTED}: not a member of weight group epoch {init_info.epoch}; form it anew")
-            self.stager.start(init_info.version, read=receive_read(self, wire))
+            self.stager.start(init_info.version, read=receive_read(self, self.wire))
         elif init_info.kind:
             raise ValueError(f"init_info.kind = {init_info.kind!r}: expected 'join' or 'receive'")
 
