@@ -156,3 +156,17 @@ def test_group_advantages():
     assert group_advantages([1.0, 0.0, 0.5, 0.5], "mean") == [0.5, -0.5, 0.0, 0.0]
     a = group_advantages([1.0, 0.0], "mean_std")
     assert abs(a[0] - 1.0) < 1e-4 and abs(a[1] + 1.0) < 1e-4
+
+
+def test_sequence_weighting_makes_a_groups_members_weigh_the_same():
+    """Token sums of the scaled advantages: each member's total is its advantage times the group's
+    mean length, so the group's totals cancel whatever the members' lengths."""
+    from prl.orchestrator.orchestrator import sequence_weighted
+
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], "mean")  # one short success, three long failures
+    lens = [4, 12, 12, 12]
+    token_sums = [a * n for a, n in zip(adv, lens)]
+    assert sum(token_sums) < -2  # weighed by tokens, the group pushes its sampled tokens down
+    scaled = sequence_weighted(adv, lens)
+    assert abs(sum(a * n for a, n in zip(scaled, lens))) < 1e-9
+    assert [round(a * n, 6) for a, n in zip(scaled, lens)] == [round(a * 10, 6) for a in adv]

@@ -296,6 +296,7 @@ def test_28_host_plan():
     ("[placement]\ntrainer = ['a']\ninference = ['zz']\n", ["placement.inference", "zz"]),
     ("[inference]\nnum_servers = 2\n", ["inference.num_servers", "not used with [cluster]"]),
     ("[trainer]\nnproc = 16\n", ["trainer.nproc (16)", "8 GPUs"]),
+    ("[placement]\ntrainer = ['a']\ninference = ['a']\nsandbox = ['q']\n", ["placement.sandbox", "q"]),
 ])
 def test_placement_errors_name_the_key(tmp_path, extra, words):
     bad = tmp_path / "bad.toml"
@@ -329,3 +330,27 @@ def test_staging_links_checkpoints_to_the_shared_folder(tmp_path, resume):
         assert (shared / "step_2" / "MANIFEST.json").read_text() == "{}"
     r = LocalHost().run(link_checkpoints(str(local), str(shared), True))  # again: the link stays one link
     assert r.code == 0 and local.is_symlink() and not (shared / "run").exists(), r.stderr
+
+
+@pytest.mark.parametrize("sandbox_hosts", [None, ["c"]])
+def test_sandbox_workers_run_on_the_inference_hosts_or_where_placement_says(tmp_path, sandbox_hosts):
+    """`env.kind = "code"`: one sandbox worker per sandbox host (default: the inference hosts), each
+    a port to keep free, a connection from the orchestrator, and a sandbox that doctor tries there."""
+    from prl.launch.doctor import role_needs
+    from prl.launch.placement import links_needed, ports_needed
+    from prl.recipe.resolve import resolve
+    from prl.recipe.schema import Recipe
+
+    hosts = [{"address": f"10.0.0.{i}", "name": n} for i, n in enumerate("abc", 1)]
+    placement = {"trainer": ["a"], "inference": ["b"], **({"sandbox": sandbox_hosts} if sandbox_hosts else {})}
+    recipe = Recipe.model_validate({"cluster": {"hosts": hosts, "sandbox_port": 8901}, "placement": placement,
+                                    "env": {"kind": "code", "max_total_tokens": 64}})
+    configs = resolve(recipe, tmp_path)
+    where = sandbox_hosts or ["b"]
+    workers = [c for c in configs if c.role == "sandbox"]
+    assert [(w.node, w.host, w.port) for w in workers] == [(n, f"10.0.0.{'abc'.index(n) + 1}", 8901) for n in where]
+    orch = next(c for c in configs if c.role == "orchestrator")
+    assert orch.sandboxes == [f"http://{w.host}:{w.port}" for w in workers] and orch.node == "a"
+    assert all(8901 in ports_needed(configs, recipe)[n] for n in where)
+    assert {(ln.src, ln.dst, ln.port) for ln in links_needed(configs, recipe)} >= {("a", n, 8901) for n in where}
+    assert {h for h, needs in role_needs(recipe).items() if "sandbox:namespaces" in needs} == set(where)

@@ -30,9 +30,14 @@ def test_doctor_names_the_unreachable_host(rig, tmp_path):
 
 
 def test_doctor_passes_on_good_hosts_and_refuses_unknown_keys(rig, tmp_path):
-    ok = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig)), capture_output=True, text=True,
+    """Host b (the inference host, so the sandbox workers' host) runs a program in the sandbox."""
+    code_env = "[env]\nkind = 'code'\nmax_total_tokens = 64\n"
+    ok = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig, code_env)), capture_output=True, text=True,
                         timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin:/usr/sbin"})
     assert ok.returncode == 0, ok.stdout + ok.stderr
+    a, b = rig["hosts"]
+    rows = {ln.split("│")[1].strip(): ln for ln in ok.stdout.splitlines() if ln.count("│") > 2}
+    assert "ok runs programs (namespaces" in rows[b.address] and "runs programs" not in rows[a.address], ok.stdout
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")
     p = subprocess.run(prl_cmd("doctor", cluster_recipe(tmp_path, rig, known=empty)), capture_output=True,

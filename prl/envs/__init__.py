@@ -9,9 +9,12 @@ from prl.envs.single_turn import SingleTurnEnv
 __all__ = ["Environment", "Sampler", "SingleTurnEnv", "Trajectory", "make_env"]
 
 
-def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_replay: bool) -> Environment:
+def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_replay: bool,
+             sandbox=None) -> Environment:
     """`env`: the recipe's EnvCfg, `task`: its TaskCfg (examples and, for single turns and tools, the
-    reward); `seed`: the data seed (a resumed run continues the same order)."""
+    reward); `seed`: the data seed (a resumed run continues the same order); `sandbox`: where code
+    runs (`env.kind = "code"`: the run's sandbox workers, `prl.sandbox.client.SandboxClient`; None:
+    a pool in this process, made on first use)."""
     from prl.tasks import make_task
 
     task = make_task(task, seed)
@@ -30,4 +33,4 @@ def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_
         return ToolEnv(box, **common)
     from prl.envs.code_env import CodeEnv, LazySandbox
 
-    return CodeEnv(LazySandbox(env.sandbox), env.language, env.max_env_chars, **common)
+    return CodeEnv(sandbox or LazySandbox(env.sandbox), env.language, env.max_env_chars, **common)

@@ -145,9 +145,12 @@ def role_needs(recipe) -> dict[str, list[str]]:
     """What each host's roles need beyond Python: the pretrained folder (trainer and inference hosts
     read `model.path` in place), the backend's packages on inference hosts (its spec's `host_packages`:
     vLLM for `backend = "vllm"`) and Mooncake (the KV
-    pool's hosts)."""
+    pool's hosts) and a working sandbox (`env.kind = "code"`: the sandbox workers' hosts)."""
     p = recipe.placement_or_default()
     needs: dict[str, list[str]] = {}
+    if recipe.env.kind == "code":
+        for h in p.sandbox or p.inference:
+            needs.setdefault(h, []).append(f"sandbox:{recipe.env.sandbox.isolation}")
     if recipe.model.path:
         for h in dict.fromkeys([*p.trainer, *p.inference]):
             needs.setdefault(h, []).append("model")
@@ -186,6 +189,23 @@ def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, 
     error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
     return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {error[0][:200]}{apt}; "
                               f"install it in the host image or add '{extra}' to cluster.extras")
+
+
+def sandbox_check(host: Host, cfg: ClusterCfg, isolation: str) -> Check:
+    """The host's prl runs a program in its sandbox with the recipe's isolation (bubblewrap,
+    namespaces, root to switch uid)."""
+    code = (f"from prl.sandbox import run; r = run('print(6 * 7)', isolation={isolation!r}, timeout_s=30); "
+            "assert r.stdout.strip() == '42', r; print(f'runs programs ({r.isolation}, {r.wall_s:.2f}s)')")
+    try:
+        r = host.run(_py(cfg, code), timeout=120)
+    except (HostError, subprocess.TimeoutExpired) as e:
+        return Check("sandbox", False, f"could not try the sandbox: {e}")
+    if r.code == 0:
+        return Check("sandbox", True, r.stdout.strip())
+    error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+    return Check("sandbox", False, f"model-written code cannot run here (env.sandbox.isolation = {isolation!r}): "
+                                   f"{error[0][:300]}; install bubblewrap (apt-get install bubblewrap), run prl as "
+                                   f"root, or place the sandbox elsewhere (placement.sandbox)")
 
 
 def lib_package(soname: str) -> str:
@@ -229,6 +249,8 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
         out.append(model_check(host, model_path))
     for name, extra in (n for n in needs if isinstance(n, tuple)):  # the backend's packages
         out.append(package_check(host, cfg, name, extra, "inference.backend"))
+    for iso in (n.partition(":")[2] for n in needs if isinstance(n, str) and n.startswith("sandbox:")):
+        out.append(sandbox_check(host, cfg, iso))
     if "mooncake" in needs:
         out.append(package_check(host, cfg, "mooncake", "mooncake", "inference.kv_pool", code=MOONCAKE_PROBE,
                                  libs=("libibverbs.so.1",)))

@@ -176,7 +176,7 @@ def check_task(recipe: Recipe) -> None:
 
 def check_env(recipe: Recipe) -> None:
     """The environment's tools import, and model-written code has a sandbox here (on a cluster the
-    orchestrator's host must offer one; `prl doctor` does not check it yet)."""
+    preflight and `prl doctor` try it on the sandbox workers' hosts)."""
     from prl.envs.tools import load_tool
 
     try:

@@ -11,10 +11,10 @@ from prl.recipe.schema import Recipe
 
 
 def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list[int]]:
-    """Ports each host must have free: servers, the trainer endpoint, and the rendezvous."""
+    """Ports each host must have free: servers, sandbox workers, the trainer endpoint, and the rendezvous."""
     out: dict[str, list[int]] = {}
     for c in configs:
-        if c.role == "inference" or (c.role == "trainer" and c.index == 0):
+        if c.role in ("inference", "sandbox") or (c.role == "trainer" and c.index == 0):
             out.setdefault(c.node, []).append(c.port)
         if c.role == "trainer" and c.index == 0:
             out[c.node].append(recipe.cluster.rendezvous_port)
@@ -34,7 +34,7 @@ class Link:
 
 
 def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
-    """Trainer ranks -> rendezvous; orchestrator -> trainer endpoint and every server; servers on other
+    """Trainer ranks -> rendezvous; orchestrator -> trainer endpoint, every server and sandbox worker; servers on other
     hosts than rank 0 -> trainer endpoint (weight downloads). The workstation is not checked."""
     rank0 = next(c for c in configs if c.role == "trainer" and c.index == 0)
     orch = next(c for c in configs if c.role == "orchestrator")
@@ -42,7 +42,7 @@ def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
     links = [Link(c.node, rank0.node, rank0.host, recipe.cluster.rendezvous_port)
              for c in configs if c.role == "trainer" and c.index > 0]
     links.append(Link(orch.node, *endpoint))
-    links += [Link(orch.node, s.node, s.host, s.port) for s in configs if s.role == "inference"]
+    links += [Link(orch.node, s.node, s.host, s.port) for s in configs if s.role in ("inference", "sandbox")]
     links += [Link(s.node, *endpoint) for s in configs if s.role == "inference" and not s.shares_trainer_fs]
     for m in (c for c in configs if c.role == "kv_master"):  # servers -> the pool's master and metadata
         links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs if s.role == "inference"

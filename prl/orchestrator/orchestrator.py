@@ -43,6 +43,15 @@ def group_advantages(rewards: list[float], mode: str) -> list[float]:
     return adv
 
 
+def sequence_weighted(advantages: list[float], model_tokens: list[int]) -> list[float]:
+    """Advantages scaled by the group's mean model tokens over each member's own (`rl.loss_weighting =
+    "sequence"`): the trainer sums the loss over tokens, so each member then weighs the same whatever
+    its length, and a group's advantages cancel (sum(A_i) = 0) instead of its long members (many
+    turns, usually failed ones) outweighing its short ones."""
+    mean = sum(model_tokens) / len(model_tokens)
+    return [a * mean / max(n, 1) for a, n in zip(advantages, model_tokens)]
+
+
 class GroupSampler:
     """The environment's handle to the inference pool, bound to one group: P/D prefill first (best
     effort), then the request on the group's server, re-issued elsewhere if that server goes down.
@@ -89,8 +98,9 @@ class Orchestrator:
         self.cfg, r = cfg, cfg
         self.rl, self.sampling = r.rl, r.sampling
         self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.sandbox = self.sandbox_client()
         self.env = make_env(cfg.env, cfg.task, cfg.run.seed, self.tokenizer, cfg.sampling, cfg.rl.group_size,
-                            cfg.router_replay)
+                            cfg.router_replay, sandbox=self.sandbox)
         self.log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
         self.changed = asyncio.Condition()
         self.pool = ServerPool([self.backend(i, u) for i, u in enumerate(cfg.servers)], self.log, self.changed, r.run.hang_timeout_s,
@@ -115,6 +125,17 @@ class Orchestrator:
         client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
         client.locate = self.locator(f"inference-{index}", url)
         return client
+
+    def sandbox_client(self):
+        """The run's sandbox workers (env.kind = "code"), None without them."""
+        if not self.cfg.sandboxes:
+            return None
+        from prl.sandbox.client import SandboxClient
+
+        sb = self.cfg.env.sandbox
+        return SandboxClient(self.cfg.sandboxes, self.cfg.secret(), sb.concurrency, sb.timeout_s,
+                             unavailable_s=self.cfg.startup_timeout_s,
+                             locate=(lambda i, u: self.locator(f"sandbox-{i}", u)()) if self.cfg.port_fallback else None)
 
     def locator(self, name: str, url: str):
         """On one machine a process publishes where it listens (`prl.transport.ports`); None on a
@@ -186,6 +207,8 @@ class Orchestrator:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(s.backend.close() for s in self.pool.servers), self.trainer.close())
+        if self.sandbox is not None:
+            await self.sandbox.close()
 
     # ---- batches ----
     async def next_groups(self, step: int) -> tuple[list[Group], dict, int]:
@@ -273,6 +296,8 @@ class Orchestrator:
         """One example through the environment; the group's advantages over its rewards."""
         trajs = await self.env.rollout(self.env.example(index), sampler)
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
+        if self.rl.loss_weighting == "sequence":
+            advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
                                     routing=t.routing, mask=t.mask) for t, a in zip(trajs, advantages)],
                      infos=[t.info or {} for t in trajs])

@@ -12,6 +12,8 @@ machine and a cluster alike. A machine without `[cluster]` is laid out as a clus
   each); node 0 runs the trainer endpoint and the rendezvous;
 - the orchestrator beside trainer node 0 (or `placement.orchestrator`); the KV pool's master
   (`inference.kv_pool`) beside the first server (or `inference.kv_pool.host`);
+- sandbox workers (`env.kind = "code"`): `env.sandbox.workers` on this machine (loopback), or one per
+  `placement.sandbox` host (default: the inference hosts) on `cluster.sandbox_port`;
 - ports: on one machine every port is chosen free and distinct within the resolve (`PortPicker`;
   a role that finds its port taken at bind time takes another, see `prl.transport.ports`); on a
   cluster they are configured (`cluster.*_port`, `inference.kv_pool.port`, default 50051).
@@ -30,6 +32,7 @@ from prl.recipe.roles import (
     KvMasterConfig,
     OrchestratorConfig,
     ProcessConfig,
+    SandboxConfig,
     ServerConfig,
     TrainerConfig,
     load_process_config,
@@ -99,6 +102,7 @@ class Layout:
             self.server_places = [self.here] * inf.num_servers
             self.orchestrator = self.here
             self.pool_place = self.here
+            self.sandbox_places = [Place(LOCAL, "127.0.0.1", str(run_dir))] * recipe.env.sandbox.workers
             self.pick = PortPicker(inf.host)
         else:
             self._cluster(recipe, run_dir)
@@ -112,6 +116,7 @@ class Layout:
         orch = p.orchestrator or p.trainer[0]
         self.orchestrator = Place(WORKSTATION, "127.0.0.1", str(run_dir)) if orch == WORKSTATION else place[orch]
         self.pool_place = place[recipe.inference.kv_pool.host or p.inference[0]]
+        self.sandbox_places = [place[n] for n in p.sandbox or p.inference]
         self.pick = None
 
     def server_slots(self) -> list[int]:
@@ -131,6 +136,9 @@ class Layout:
 
     def trainer_port(self) -> int:
         return self.recipe.cluster.trainer_port if self.recipe.cluster is not None else self.pick()
+
+    def sandbox_port(self) -> int:
+        return self.recipe.cluster.sandbox_port if self.recipe.cluster is not None else self.pick()
 
     def pool_ports(self) -> tuple[int, int, int]:
         base = self.recipe.inference.kv_pool.port or (KV_MASTER_PORT if self.recipe.cluster is not None else 0)
@@ -155,7 +163,10 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
         for t in trainers:
             t.servers = [f"http://{s.host}:{s.port}" for s in servers]
     pool = kv_master_configs(recipe, lay, common, servers)
-    return [*pool, *servers, orchestrator_config(recipe, lay, common, servers, trainer_url), *trainers]
+    sandboxes = sandbox_configs(recipe, lay, common)
+    orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
+    orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
+    return [*pool, *servers, *sandboxes, orch, *trainers]
 
 
 def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
@@ -210,6 +221,15 @@ def kv_master_configs(recipe: Recipe, lay: Layout, common, servers: list[ServerC
         s.kv_master = addr
     return [KvMasterConfig(name="kv-master", host=pl.address, port=ports[0], kv_pool=recipe.inference.kv_pool,
                            kv_master=addr, **common(pl, picked=not recipe.inference.kv_pool.port))]
+
+
+def sandbox_configs(recipe: Recipe, lay: Layout, common) -> list[SandboxConfig]:
+    """With `env.kind = "code"`, the sandbox workers model-written code runs in."""
+    if recipe.env.kind != "code":
+        return []
+    return [SandboxConfig(name=f"sandbox-{i}", host=pl.address, port=lay.sandbox_port(), index=i,
+                          sandbox=recipe.env.sandbox, **common(pl))
+            for i, pl in enumerate(lay.sandbox_places)]
 
 
 def write_configs(configs: list[ProcessConfig], run_dir: Path) -> dict[str, Path]:

@@ -8,6 +8,7 @@ section fails: the attribute does not exist.
 | orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
 | trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
 | kv_master | run, kv_pool | its address |
+| sandbox | run, sandbox (env.sandbox) | its address |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prl.recipe.schema import (
     RlCfg,
     RunCfg,
     SamplingCfg,
+    SandboxCfg,
     SftCfg,
     TaskCfg,
     TrainerCfg,
@@ -91,6 +93,7 @@ class OrchestratorConfig(RoleConfig):
     servers: list[str] = []  # inference base URLs
     prefill_servers: list[int] = []  # P/D: indices of the servers that only prefill into the KV pool
     trainer_url: str = ""
+    sandboxes: list[str] = []  # env.kind = "code": the sandbox workers' base URLs
     data_parallel: int = 1  # trainer ranks that take their own micro-batches (packed for them)
     micro_batch_tokens: int = 4096
 
@@ -119,7 +122,12 @@ class KvMasterConfig(RoleConfig):
     kv_master: dict = {}
 
 
-ProcessConfig = Annotated[Union[ServerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig],
+class SandboxConfig(RoleConfig):
+    role: Literal["sandbox"] = "sandbox"
+    sandbox: SandboxCfg
+
+
+ProcessConfig = Annotated[Union[ServerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig, SandboxConfig],
                           Field(discriminator="role")]
 _ADAPTER = TypeAdapter(ProcessConfig)
 

@@ -129,7 +129,8 @@ class SandboxCfg(Section):
     memory_mb: int = Field(256, gt=0)
     max_procs: int = Field(16, gt=0)
     max_output_bytes: int = Field(4096, gt=0)
-    concurrency: int = Field(2, gt=0)  # executions at once (the pool's workers)
+    concurrency: int = Field(2, gt=0)  # executions at once in each sandbox worker
+    workers: int = Field(1, gt=0)  # sandbox worker processes on one machine (a cluster: one per sandbox host)
 
 
 class EnvCfg(Section):
@@ -166,6 +167,10 @@ class RlCfg(Section):
     max_inflight_rollouts: int = Field(64, gt=0)  # the cap; below it, the servers' KV usage decides
     kv_usage_target: float = Field(0.9, ge=0, le=1)  # prl.orchestrator.budget; 0: always the cap
     advantage: Literal["mean", "mean_std"] = "mean"
+    # how a group's members weigh in the loss: "token" (each model token the same: long members weigh
+    # more) or "sequence" (each member the same: advantages scaled by the group's mean length over the
+    # member's; prl.orchestrator.orchestrator.sequence_weighted)
+    loss_weighting: Literal["token", "sequence"] = "token"
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -431,6 +436,7 @@ class ClusterCfg(Section):
     rendezvous_port: int = Field(29500, gt=0, le=65535)  # torchrun, on the first trainer host
     trainer_port: int = Field(29600, gt=0, le=65535)  # trainer endpoint (rollouts in, weights out) on rank 0
     inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
+    sandbox_port: int = Field(8900, gt=0, le=65535)  # the sandbox worker on each sandbox host
     weight_transfer: Literal["http", "nccl"] = "http"  # nccl: broadcast from rank 0 (GPU backend issue)
     heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
     env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)
@@ -452,6 +458,7 @@ class PlacementCfg(Section):
     inference: list[str] = Field(min_length=1)
     gpus_per_server: int = Field(1, gt=0)  # on GPU hosts: servers per host = gpus // gpus_per_server
     orchestrator: str | None = None  # a host name or "workstation"; default: the first trainer host
+    sandbox: list[str] | None = None  # env.kind = "code": hosts of the sandbox workers (default: the inference hosts)
 
     def servers_on(self, h: "HostCfg") -> int:
         """Inference servers on host `h`: one per `gpus_per_server` GPUs, one on a CPU host."""
@@ -650,7 +657,7 @@ def check_placement(cluster: ClusterCfg, p: PlacementCfg, trainer_nproc: int) ->
         if h.id in hosts:
             raise ValueError(f"cluster.hosts: two hosts are named {h.id!r}; give each a distinct name")
         hosts[h.id] = h
-    for key, names in (("trainer", p.trainer), ("inference", p.inference)):
+    for key, names in (("trainer", p.trainer), ("inference", p.inference), ("sandbox", p.sandbox or [])):
         unknown = [n for n in names if n not in hosts]
         if unknown or len(set(names)) != len(names):
             raise ValueError(f"placement.{key}: {unknown or names} - each entry must be a distinct host name "
