@@ -272,7 +272,10 @@ def test_workload_lognormal_and_littles_law():
     w = workload.Workload(prompt=100, model=1000, env=0, turns=1, env_seconds=0, p99=1100, batch=8, group=4)
     assert w.sigma == 0 and w.token_weighted == 1100 and w.inflight_context == 600  # prompt + half the completion
     w = workload.workload(flagship())
-    assert (w.prompt, w.model, w.p99, w.turns, w.env) == (4096, 63488, 131072, 1, 0)
+    # the flagship's code environment: 8 turns (plan.turns), 8192 characters = 2048 tokens after each
+    # of the first 7, the model writing half of what that leaves of env.max_total_tokens
+    env = 7 * 8192 // 4
+    assert (w.prompt, w.model, w.p99, w.turns, w.env) == (4096, 0.5 * (126976 - env), 4096 + 126976, 8, env)
     assert w.token_weighted == pytest.approx(w.mean * math.exp(w.sigma ** 2))
     assert workload.in_flight(2.0, 300) == 600
     assert (workload.steps_spanned(600, 300), workload.steps_spanned(601, 300), workload.steps_spanned(1, 300)) == (2, 3, 1)
@@ -453,7 +456,9 @@ def test_rollout_throughput_and_littles_law_agree():
     assert r.held == 32, "inference.max_batch_size caps each replica below what its KV holds"
     throughput = r.layout.replicas * r.step.tokens / r.step.seconds
     assert r.times["decode"] == pytest.approx(512 * plan.workload.model / throughput)
-    assert r.latency == pytest.approx(plan.workload.model / r.rate)
+    # a trajectory's latency: its model tokens at the per-sequence rate, plus its time in the sandbox
+    assert r.latency == pytest.approx(plan.workload.model / r.rate + plan.workload.env_seconds)
+    assert plan.workload.env_seconds == 7 * 2.0  # plan.env_seconds_per_turn after each turn but the last
     # the rollout sets the step: the trajectories Little's law needs are those held, but for the step's
     # share spent in prefill and the weight update
     assert plan.time[STEP] == r.seconds
