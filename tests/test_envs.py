@@ -284,6 +284,8 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert asyncio.run(env.respond(ep, "r abc", ex)) is None  # passes: the episode is over
     assert ep.attempts == [False, False, True] and ep.stats["executions"] == 3
     assert env.score(ep, ex) == 1.0
+    env.attempt_penalty = 0.2  # env.attempt_penalty: passing at the third attempt
+    assert env.score(ep, ex) == pytest.approx(0.6)
 
 
 @pytest.mark.slow

@@ -137,3 +137,24 @@ def test_a_worker_killed_mid_execution_leaves_nothing_and_the_program_runs_on_an
     asyncio.run(go())
     while sandbox_pids():
         time.sleep(0.2)
+
+
+def test_a_hung_worker_is_reported_and_its_program_runs_on_another(workers):
+    """A worker that takes a program and never answers (SIGSTOP) is reported hung (the orchestrator
+    turns that into an `unresponsive` event, on which the driver restarts it); the program runs elsewhere."""
+    procs, urls = workers["procs"], workers["urls"]
+    hung = []
+
+    async def go():
+        client = SandboxClient(urls, workers["cfgs"][0].secret(), 1, 1.0, unavailable_s=60,
+                               on_hang=lambda i, cause: hung.append((i, cause)), slack_s=1.0)
+        try:
+            client.workers[1].in_flight = 1  # the first try goes to worker 0
+            procs[0].send_signal(signal.SIGSTOP)
+            result = await client.run("print('elsewhere')")
+            assert result.stdout == "elsewhere\n" and hung == [(0, "no answer 2s after it took a program")]
+        finally:
+            procs[0].send_signal(signal.SIGCONT)
+            await client.close()
+
+    asyncio.run(go())

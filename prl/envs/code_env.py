@@ -1,8 +1,9 @@
 """Turns of code execution: the model writes a program, prl runs it in the sandbox (`prl.sandbox`,
 a pool of workers so a hung program never blocks generation), and its outcome (exit code, output,
 errors, capped) comes back as the next turn's environment tokens; the episode ends when a program
-passes or at a limit. The reward comes from the final state: 1 for a passing program, else half the
-similarity of its output to the target (a program that cannot run: 0).
+passes or at a limit. The reward comes from the final state: 1 for a passing program (less
+`env.attempt_penalty` for each failed attempt before it), else half the similarity of its output to
+the target (a program that cannot run: 0).
 
 Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
 prints `ok` or `got:... want:...` as a test runner would) and `python` (a Hugging Face model's
@@ -41,9 +42,10 @@ FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
 class CodeEnv(MultiTurnEnv):
-    def __init__(self, sandbox, language: str, max_env_chars: int, **kw):
+    def __init__(self, sandbox, language: str, max_env_chars: int, attempt_penalty: float = 0.0, **kw):
         super().__init__(**kw)
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
+        self.attempt_penalty = attempt_penalty
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
         result = await self.execute(text, example)
@@ -107,7 +109,7 @@ class CodeEnv(MultiTurnEnv):
 
     def score(self, ep: Episode, example: dict) -> float:
         if ep.attempts and ep.attempts[-1]:
-            return 1.0
+            return 1.0 - self.attempt_penalty * (len(ep.attempts) - 1)
         out = ep.last_output
         got = out.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else out
         if not got or got.startswith("err:"):

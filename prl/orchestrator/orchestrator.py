@@ -135,7 +135,8 @@ class Orchestrator:
         sb = self.cfg.env.sandbox
         return SandboxClient(self.cfg.sandboxes, self.cfg.secret(), sb.concurrency, sb.timeout_s,
                              unavailable_s=self.cfg.startup_timeout_s,
-                             locate=(lambda i, u: self.locator(f"sandbox-{i}", u)()) if self.cfg.port_fallback else None)
+                             locate=(lambda i, u: self.locator(f"sandbox-{i}", u)()) if self.cfg.port_fallback else None,
+                             on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"sandbox-{i}", cause=cause))
 
     def locator(self, name: str, url: str):
         """On one machine a process publishes where it listens (`prl.transport.ports`); None on a

@@ -145,6 +145,9 @@ class EnvCfg(Section):
     max_env_chars: int = Field(512, gt=0)  # a tool result or program output is cut here, with a marker
     format: Literal["auto", "tiny", "chat"] = "auto"  # auto: chat when the tokenizer has a chat template
     language: Literal["minilang", "python"] = "minilang"  # kind = "code": what the model writes
+    # kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at
+    # once beats passing after feedback (which still beats failing: at most half the output's similarity)
+    attempt_penalty: float = Field(0.0, ge=0, le=0.25)
     sandbox: SandboxCfg = SandboxCfg()
 
     @model_validator(mode="after")

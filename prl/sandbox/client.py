@@ -37,18 +37,22 @@ class Worker:
 
 class SandboxClient:
     def __init__(self, urls: list[str], secret: str, concurrency: int, execution_timeout_s: float,
-                 unavailable_s: float = 120.0, locate: Callable[[int, str], str] | None = None):
+                 unavailable_s: float = 120.0, locate: Callable[[int, str], str] | None = None,
+                 on_hang: Callable[[int, str], None] | None = None, slack_s: float = SLACK_S):
         """`concurrency`: executions each worker runs at once (more wait here, not in its queue);
         `execution_timeout_s`: the workers' wall limit, so a worker that has not answered
         `SLACK_S` after it is taken for hung; `locate(i, url)`: where worker i listens now (on one
-        machine a restarted worker may bind another port), None on a cluster (ports configured)."""
+        machine a restarted worker may bind another port), None on a cluster (ports configured);
+        `on_hang(i, cause)`: worker i took a program and did not answer in time (the orchestrator
+        reports it, and the driver restarts the worker)."""
         if not urls:
             raise ValueError("SandboxClient needs at least one sandbox worker URL")
         self.workers = [Worker(u, (lambda i=i, u=u: locate(i, u)) if locate else None, concurrency)
                         for i, u in enumerate(urls)]
-        self.unavailable_s = unavailable_s
+        self.unavailable_s, self.on_hang = unavailable_s, on_hang
+        self.answer_s = execution_timeout_s + slack_s
         self.http = httpx.AsyncClient(headers={"Authorization": f"Bearer {secret}"},
-                                      timeout=httpx.Timeout(execution_timeout_s + SLACK_S, connect=5.0))
+                                      timeout=httpx.Timeout(self.answer_s, connect=5.0))
 
     def pick(self) -> Worker | None:
         now = time.monotonic()
@@ -69,6 +73,8 @@ class SandboxClient:
             except (httpx.TransportError, ServerFault) as e:
                 last = f"{w.address()}: {type(e).__name__}: {e}"
                 w.down_until = time.monotonic() + RETRY_S
+                if isinstance(e, httpx.ReadTimeout) and self.on_hang is not None:
+                    self.on_hang(self.workers.index(w), f"no answer {self.answer_s:.0f}s after it took a program")
         names = ", ".join(w.address() for w in self.workers)
         raise SandboxUnavailable(f"no sandbox worker ran the program within {self.unavailable_s:.0f}s "
                                  f"(workers: {names}; last error: {last})")
