@@ -170,3 +170,29 @@ def test_sequence_weighting_makes_a_groups_members_weigh_the_same():
     scaled = sequence_weighted(adv, lens)
     assert abs(sum(a * n for a, n in zip(scaled, lens))) < 1e-9
     assert [round(a * n, 6) for a, n in zip(scaled, lens)] == [round(a * 10, 6) for a in adv]
+
+
+def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others():
+    """Three members: passes at once; fails then passes; fails twice. The first attempts are compared
+    with each other (1 against two failures of 0.2 and 0.4), the second attempts with each other; the
+    environment's tokens get nothing, and packing carries each token's advantage."""
+    from prl.envs.base import Trajectory
+    from prl.orchestrator.orchestrator import turn_advantages
+    from prl.transport.batch import Sample, sample_arrays
+
+    def traj(mask, turn_rewards):
+        n = len(mask)
+        return Trajectory([1, 2], list(range(3, 3 + n)), [0.0] * n, [0] * n, turn_rewards[-1], mask=mask,
+                          turn_rewards=turn_rewards)
+
+    group = [traj([1, 1], [1.0]), traj([1, 1, 0, 0, 1, 1], [0.2, 1.0]), traj([1, 1, 0, 0, 1, 1], [0.4, 0.3])]
+    first, second = (1.0 + 0.2 + 0.4) / 3, (1.0 + 0.3) / 2
+    want = [[1 - first] * 2, [0.2 - first] * 2 + [0.0] * 2 + [1 - second] * 2,
+            [0.4 - first] * 2 + [0.0] * 2 + [0.3 - second] * 2]
+    got = turn_advantages(group)
+    assert [[round(a, 9) for a in row] for row in got] == [[round(a, 9) for a in row] for row in want]
+    s = group[1]
+    arrays = sample_arrays(Sample(s.prompt_ids, s.completion_ids, s.logprobs, s.versions, 0.5, mask=s.mask,
+                                  token_advantages=got[1]))
+    assert arrays["advantages"] == [0.0] + [a if m else 0.0 for a, m in zip(got[1], s.mask)]
+    assert turn_advantages([traj([1], [1.0]), Trajectory([1], [2], [0.0], [0], 0.0)]) is None

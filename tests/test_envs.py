@@ -286,6 +286,8 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert env.score(ep, ex) == 1.0
     env.attempt_penalty = 0.2  # env.attempt_penalty: passing at the third attempt
     assert env.score(ep, ex) == pytest.approx(0.6)
+    # per-turn credit: each attempt's own score (abc for cba: half of 1 - 2/3; an error: 0)
+    assert env.turn_rewards(ep, ex) == pytest.approx([0.5 / 3, 0.0, 0.6])
 
 
 @pytest.mark.slow

@@ -40,6 +40,9 @@ class Trajectory:
     routing: Any = None  # torch.Tensor [tokens, MoE layers, k]
     mask: list[int] | None = None  # per completion token: 1 the model's, 0 the environment's (None: all 1)
     info: dict | None = None  # what the environment wants logged (turns, tool calls, ...)
+    # multi-turn: what the episode would have scored had it ended after each model turn (code: each
+    # attempt's own outcome), for per-turn credit (`rl.credit = "turn"`); None where it has no meaning
+    turn_rewards: list[float] | None = None
 
 
 class Environment(abc.ABC):

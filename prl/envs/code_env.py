@@ -58,6 +58,7 @@ class CodeEnv(MultiTurnEnv):
         passed = self.passed(result, example)
         ep.attempts.append(passed)
         ep.last_output = result.stdout.strip()
+        ep.outputs.append(ep.last_output)
         if passed:
             return None
         ep.replies.append(self.feedback(result))
@@ -108,11 +109,21 @@ class CodeEnv(MultiTurnEnv):
         return f"exit code 0\nstdout:\n{printed}\n\nstderr:\n"
 
     def score(self, ep: Episode, example: dict) -> float:
-        if ep.attempts and ep.attempts[-1]:
-            return 1.0 - self.attempt_penalty * (len(ep.attempts) - 1)
-        out = ep.last_output
-        got = out.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else out
+        if not ep.attempts:
+            return 0.0
+        return self.attempt_score(len(ep.attempts), ep.attempts[-1], ep.last_output, example)
+
+    def attempt_score(self, k: int, passed: bool, output: str, example: dict) -> float:
+        """The episode's score had it ended at attempt k (1-based) with this outcome."""
+        if passed:
+            return 1.0 - self.attempt_penalty * (k - 1)
+        got = output.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else output
         if not got or got.startswith("err:"):
             return 0.0
         return 0.5 * edit_similarity(got, example)
+
+    def turn_rewards(self, ep: Episode, example: dict) -> list[float]:
+        """Each attempt's own outcome (the credit of `rl.credit = "turn"`)."""
+        return [self.attempt_score(k, passed, out, example)
+                for k, (passed, out) in enumerate(zip(ep.attempts, ep.outputs), 1)]
 

@@ -33,6 +33,7 @@ class Episode:
     truncated: bool = False
     last_text: str = ""  # the model's last turn, decoded
     last_output: str = ""  # code: the last program's output
+    outputs: list[str] = field(default_factory=list)  # code: each program's output
     replies: list[str] = field(default_factory=list)  # the environment's answers, as text
     stats: Counter = field(default_factory=Counter)
     attempts: list[bool] = field(default_factory=list)  # code: did each program pass
@@ -93,7 +94,8 @@ class MultiTurnEnv(Environment):
                 break
             ep.add_env(reply)
         return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
-                          routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep))
+                          routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
+                          turn_rewards=self.turn_rewards(ep, example))
 
     async def sample_turn(self, ep: Episode, sampler: Sampler) -> None:
         held = sum(len(r) for r in ep.routing)  # input positions whose routing this episode holds
@@ -109,6 +111,10 @@ class MultiTurnEnv(Environment):
         ep.add_model(c)
         ep.turns += 1
         ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+    def turn_rewards(self, ep: Episode, example: dict) -> list[float] | None:
+        """Per model turn, the score had the episode ended there (None: only the end is scored)."""
+        return None
 
     @staticmethod
     def routing_of(ep: Episode):

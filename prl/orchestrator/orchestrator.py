@@ -52,6 +52,29 @@ def sequence_weighted(advantages: list[float], model_tokens: list[int]) -> list[
     return [a * mean / max(n, 1) for a, n in zip(advantages, model_tokens)]
 
 
+def turn_advantages(trajs) -> list[list[float]] | None:
+    """`rl.credit = "turn"`: each model turn's tokens get that turn's reward (`Trajectory.turn_rewards`:
+    the score had the episode ended there) minus the mean of the same turn over the members that
+    reached it, so a failed first attempt is not credited with a later fix, and a fix is compared with
+    the other fixes. Per completion token (environment tokens 0); None when the environment does not
+    score turns."""
+    if any(t.turn_rewards is None for t in trajs):
+        return None
+    means = []
+    for k in range(max(len(t.turn_rewards) for t in trajs)):
+        rs = [t.turn_rewards[k] for t in trajs if len(t.turn_rewards) > k]
+        means.append(sum(rs) / len(rs))
+    out = []
+    for t in trajs:
+        turn, prev, adv = -1, 0, []
+        for m in t.mask if t.mask is not None else [1] * len(t.completion_ids):
+            turn += bool(m and not prev)
+            prev = m
+            adv.append(t.turn_rewards[turn] - means[turn] if m and 0 <= turn < len(t.turn_rewards) else 0.0)
+        out.append(adv)
+    return out
+
+
 class GroupSampler:
     """The environment's handle to the inference pool, bound to one group: P/D prefill first (best
     effort), then the request on the group's server, re-issued elsewhere if that server goes down.
@@ -299,8 +322,10 @@ class Orchestrator:
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
         if self.rl.loss_weighting == "sequence":
             advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
+        per_token = turn_advantages(trajs) if self.rl.credit == "turn" else None
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
-                                    routing=t.routing, mask=t.mask) for t, a in zip(trajs, advantages)],
+                                    routing=t.routing, mask=t.mask, token_advantages=per_token[i] if per_token else None)
+                             for i, (t, a) in enumerate(zip(trajs, advantages))],
                      infos=[t.info or {} for t in trajs])
 
     # ---- weights ----

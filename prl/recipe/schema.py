@@ -174,6 +174,10 @@ class RlCfg(Section):
     # more) or "sequence" (each member the same: advantages scaled by the group's mean length over the
     # member's; prl.orchestrator.orchestrator.sequence_weighted)
     loss_weighting: Literal["token", "sequence"] = "token"
+    # multi-turn credit: "trajectory" (every model token gets the trajectory's advantage) or "turn"
+    # (each turn's tokens: its own outcome against the same turn of the group's other members, for
+    # environments that score turns, `env.kind = "code"`; prl.orchestrator.orchestrator.turn_advantages)
+    credit: Literal["trajectory", "turn"] = "trajectory"
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -27,6 +27,7 @@ class Sample:
     reward: float = 0.0
     routing: torch.Tensor | None = None  # [num_tokens, MoE layers, k]: experts the engine used per input token
     mask: list[int] | None = None  # per completion token: 1 the model's (trained), 0 the environment's; None: all 1
+    token_advantages: list[float] | None = None  # per completion token (per-turn credit); None: `advantage` for all
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +130,8 @@ def sample_arrays(s: Sample) -> dict[str, list]:
         "position_ids": list(range(n)),
         "target_ids": seq[1:],
         "loss_mask": loss,
-        "advantages": [s.advantage if m else 0.0 for m in loss],
+        "advantages": (pad + [a if m else 0.0 for a, m in zip(s.token_advantages, mask)] if s.token_advantages is not None
+                       else [s.advantage if m else 0.0 for m in loss]),
         "infer_logprobs": pad + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask)],
         "versions": [-1] * (p - 1) + [v if m else -1 for v, m in zip(s.versions, mask)],
     }
