@@ -33,4 +33,5 @@ def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_
         return ToolEnv(box, **common)
     from prl.envs.code_env import CodeEnv, LazySandbox
 
-    return CodeEnv(sandbox or LazySandbox(env.sandbox), env.language, env.max_env_chars, env.attempt_penalty, **common)
+    return CodeEnv(sandbox or LazySandbox(env.sandbox), env.language, env.max_env_chars, env.attempt_penalty,
+                   env.fail_credit, **common)

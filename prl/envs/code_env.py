@@ -42,10 +42,11 @@ FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
 class CodeEnv(MultiTurnEnv):
-    def __init__(self, sandbox, language: str, max_env_chars: int, attempt_penalty: float = 0.0, **kw):
+    def __init__(self, sandbox, language: str, max_env_chars: int, attempt_penalty: float = 0.0,
+                 fail_credit: float = 0.5, **kw):
         super().__init__(**kw)
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
-        self.attempt_penalty = attempt_penalty
+        self.attempt_penalty, self.fail_credit = attempt_penalty, fail_credit
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
         result = await self.execute(text, example)
@@ -120,7 +121,7 @@ class CodeEnv(MultiTurnEnv):
         got = output.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else output
         if not got or got.startswith("err:"):
             return 0.0
-        return 0.5 * edit_similarity(got, example)
+        return self.fail_credit * edit_similarity(got, example)
 
     def turn_rewards(self, ep: Episode, example: dict) -> list[float]:
         """Each attempt's own outcome (the credit of `rl.credit = "turn"`)."""

@@ -148,6 +148,8 @@ class EnvCfg(Section):
     # kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at
     # once beats passing after feedback (which still beats failing: at most half the output's similarity)
     attempt_penalty: float = Field(0.0, ge=0, le=0.25)
+    # kind = "code": a failing program scores this times its output's similarity to the target (0: pass or fail only)
+    fail_credit: float = Field(0.5, ge=0, le=0.5)
     sandbox: SandboxCfg = SandboxCfg()
 
     @model_validator(mode="after")
