@@ -273,23 +273,30 @@ def test_28_host_plan():
                        capture_output=True, text=True, timeout=60, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr
     plan = p.stdout[p.stdout.index("process plan:"):]
-    assert "process plan: 29 processes on 28 host(s)" in plan
+    assert "process plan: 41 processes on 28 host(s)" in plan
     hosts = set(re.findall(r"host=(h\d\d)", plan))
     assert hosts == {f"h{i:02d}" for i in range(28)}
     ranks = re.findall(r"--nnodes=16 --node-rank=(\d+) --master-addr=10\.0\.0\.11 --master-port=29500", plan)
     assert sorted(map(int, ranks)) == list(range(16))
-    servers = re.findall(r"inference-(\d+) +role=inference +host=(h\d\d)", plan)
-    assert [h for _, h in servers] == [f"h{i}" for i in range(16, 28)]
+    # one vLLM engine over the 12 inference hosts: the leader (API server) on h16, headless workers on the rest
+    assert re.findall(r"inference-0 +role=inference +host=(h\d\d)", plan) == ["h16"]
+    workers = re.findall(r"inference-0-host(\d+) role=engine_worker +host=(h\d\d)", plan)
+    assert workers == [(str(k), f"h{16 + k}") for k in range(1, 12)]
+    sandboxes = re.findall(r"sandbox-(\d+) +role=sandbox +host=(h\d\d)", plan)  # one per inference host
+    assert [h for _, h in sandboxes] == [f"h{i}" for i in range(16, 28)]
     assert plan.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 12
     assert re.search(r"orchestrator +role=orchestrator +host=h00", plan)
-    assert "trainer rank 0 -> 12 inference servers over nccl" in plan
-    # vLLM servers, each with its full command line: one per 8-GPU host, bound to that host's address
-    vllm = re.findall(r"-m vllm\.entrypoints\.openai\.api_server (.*)", plan)
-    assert len(vllm) == 12
-    for line in vllm:
-        for part in ("--tensor-parallel-size 8", "--enable-expert-parallel", "--enable-return-routed-experts",
-                     '--weight-transfer-config \'{"backend":"nccl"}\'', "--port 8000", "--logprobs-mode processed_logprobs"):
-            assert part in line, (part, line)
+    assert "trainer rank 0 -> 1 inference server(s) on 12 host(s) over nccl" in plan
+    common = ("--enable-expert-parallel", "--enable-return-routed-experts", '--weight-transfer-config \'{"backend":"nccl"}\'',
+              "--logprobs-mode processed_logprobs", "--data-parallel-size 96 --data-parallel-size-local 8 "
+              "--data-parallel-address 10.0.0.27 --data-parallel-rpc-port 13345")
+    leader = re.findall(r"-m vllm\.entrypoints\.openai\.api_server (.*)", plan)
+    headless = re.findall(r"-m vllm\.entrypoints\.cli\.main serve (.*)", plan)
+    assert len(leader) == 1 and len(headless) == 11
+    assert all(part in line for line in leader + headless for part in common)
+    assert "--port 8000" in leader[0] and "--headless" not in leader[0]
+    starts = [int(re.search(r"--headless --data-parallel-start-rank (\d+)", line).group(1)) for line in headless]
+    assert starts == [8 * k for k in range(1, 12)]
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -39,6 +39,57 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
 
 
+
+def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(tmp_path):
+    """`inference.hosts_per_engine = 2`: host b runs the API server and data-parallel ranks 0-7, host c
+    ranks 8-15 headless, joined to b's RPC port; vLLM 0.32's own parsers read both command lines as
+    that layout; the pair is one restart unit, and doctor checks the RPC port and the link to it."""
+    from vllm_rig import vllm_available
+
+    from prl.backends.vllm.launch import launch_command, vllm_args
+    from prl.launch.placement import links_needed, ports_needed
+    from prl.launch.processes import make_plan
+    from prl.recipe.load import load_recipe
+    from prl.recipe.resolve import resolve
+
+    hosts = "".join(f"[[cluster.hosts]]\nname = '{n}'\naddress = '10.0.0.{i}'\ngpus = 8\n" for i, n in enumerate("abc", 1))
+    (tmp_path / "r.toml").write_text(ROOT.joinpath("recipes/reverse-tiny-vllm.toml").read_text() + "\n[cluster]\n" + hosts)
+    recipe = load_recipe(tmp_path / "r.toml", ["placement.trainer=['a']", "placement.inference=['b','c']",
+                                               "placement.gpus_per_server=8", "inference.hosts_per_engine=2",
+                                               "inference.data_parallel_size=16", "inference.expert_parallel=true"])
+    configs = resolve(recipe, tmp_path)
+    lead, worker = (c for c in configs if c.role in ("inference", "engine_worker"))
+    assert (lead.name, lead.node, worker.name, worker.node, worker.engine) == ("inference-0", "b", "inference-0-host1", "c", "inference-0")
+    orch = next(c for c in configs if c.role == "orchestrator")
+    assert orch.servers == ["http://10.0.0.2:8000"]  # the run talks to the leader only
+    assert launch_command(worker, "py")[launch_command(worker, "py").index("--") + 1:][:4] == ["py", "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert 13345 in ports_needed(configs, recipe)["b"]
+    assert any((ln.src, ln.dst, ln.port) == ("c", "b", 13345) for ln in links_needed(configs, recipe))
+    plan = make_plan(configs, tmp_path)
+    assert [s.unit for s in plan if s.role in ("inference", "engine_worker")] == ["", "inference-0"]
+    from prl.launch.faults import Faults
+    from prl.launch.hosts import LocalHost
+    from prl.launch.supervisor import Supervisor
+    from prl.metrics import EventLog
+
+    faults = Faults(Supervisor(plan, {h: LocalHost(h) for h in "abc"}, tmp_path), EventLog(tmp_path / "m.jsonl", "t"), 1, 60)
+    for name in ("inference-0", "inference-0-host1"):  # either one's death restarts both
+        assert faults.members(faults.unit(name)) == ["inference-0", "inference-0-host1"]
+    if not vllm_available():
+        pytest.skip("vLLM is not installed: the command lines were checked by prl only")
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    leader = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_args(lead))
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers())
+    work = parser.parse_args(["serve", *vllm_args(worker)])
+    for a, headless, start in ((leader, False, None), (work, True, 8)):
+        assert (a.data_parallel_size, a.data_parallel_size_local, a.data_parallel_address, a.data_parallel_rpc_port,
+                a.enable_expert_parallel, a.headless, a.data_parallel_start_rank) == (16, 8, "10.0.0.2", 13345, True,
+                                                                                      headless, start)
+
 def per_engine(srv, metric: str) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {srv.secret}"}).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(metric + r'\{[^}]*engine="(\d+)"[^}]*\} (\S+)', text)}

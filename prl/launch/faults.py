@@ -5,7 +5,8 @@ Rules:
   the same command, at most `run.max_restarts` times; past that (or with 0) the run stops, naming it
   (a hung one is detected and killed whatever `max_restarts` is: with 0 its hang stops the run);
 - the trainer's processes are one unit: any rank that dies takes the others down and all restart
-  together (from the newest checkpoint, replaying the batches after it: `prl.trainer.ledger`);
+  together (from the newest checkpoint, replaying the batches after it: `prl.trainer.ledger`); so
+  are a multi-host engine's leader and its workers (`ProcessSpec.unit`);
 - hangs: the orchestrator reports a server or trainer endpoint that stops answering (`unresponsive`
   events); the driver itself watches the orchestrator, which logs at least every few seconds. A hung
   unit is SIGKILLed (a stopped process cannot honour TERM) and restarted like a dead one;
@@ -40,7 +41,8 @@ class Faults:
         self.quiet_since: dict[str, tuple[int, float | None]] = {}
 
     def unit(self, name: str) -> str:
-        return "trainer" if self.sup.procs[name].spec.role == "trainer" else name
+        spec = self.sup.procs[name].spec
+        return "trainer" if spec.role == "trainer" else spec.unit or name
 
     def members(self, unit: str) -> list[str]:
         return [n for n in self.sup.procs if self.unit(n) == unit]

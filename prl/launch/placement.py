@@ -18,6 +18,8 @@ def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list
             out.setdefault(c.node, []).append(c.port)
         if c.role == "trainer" and c.index == 0:
             out[c.node].append(recipe.cluster.rendezvous_port)
+        if c.role == "inference" and c.engine_rpc:  # a multi-host engine's data-parallel RPC, on its leader
+            out[c.node].append(int(c.engine_rpc.rpartition(":")[2]))
         if c.role == "kv_master":
             out.setdefault(c.node, []).extend(c.kv_master[k] for k in ("rpc_port", "metadata_port", "metrics_port"))
     return out
@@ -43,7 +45,11 @@ def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
              for c in configs if c.role == "trainer" and c.index > 0]
     links.append(Link(orch.node, *endpoint))
     links += [Link(orch.node, s.node, s.host, s.port) for s in configs if s.role in ("inference", "sandbox")]
-    links += [Link(s.node, *endpoint) for s in configs if s.role == "inference" and not s.shares_trainer_fs]
+    links += [Link(s.node, *endpoint) for s in configs if s.role in ("inference", "engine_worker") and not s.shares_trainer_fs]
+    leaders = {c.name: c for c in configs if c.role == "inference"}
+    for w in (c for c in configs if c.role == "engine_worker"):  # engine workers -> their leader's RPC
+        lead = leaders[w.engine]
+        links.append(Link(w.node, lead.node, lead.host, int(lead.engine_rpc.rpartition(":")[2])))
     for m in (c for c in configs if c.role == "kv_master"):  # servers -> the pool's master and metadata
         links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs if s.role == "inference"
                   for k in ("rpc_port", "metadata_port")]

@@ -33,6 +33,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     host_log: str = ""  # the log on its own host (== log for a local run)
     run_dir: str = ""  # the run directory on its own host
+    unit: str = ""  # restarted together with the processes of this unit (a multi-host engine: its leader's name)
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items() if k.startswith(SHOWN_ENV))
@@ -57,7 +58,7 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
         from prl.inference.kv_master import launch_command
 
         return launch_command(cfg, python)
-    if cfg.role == "inference":
+    if cfg.role in ("inference", "engine_worker"):
         command = registry.get(cfg.inference.backend).launch_command(cfg, python)
         if command is not None:
             return command
@@ -75,7 +76,7 @@ def make_plan(configs: list[ProcessConfig], run_dir: Path,
         specs.append(ProcessSpec(
             name=cfg.name, role=cfg.role, host=cfg.node, cmd=process_command(cfg, python_for(cfg.node)),
             log=run_dir / "logs" / f"{cfg.name}.log", env=env, host_log=f"{cfg.run_dir}/logs/{cfg.name}.log",
-            run_dir=cfg.run_dir,
+            run_dir=cfg.run_dir, unit=cfg.engine if cfg.role == "engine_worker" else "",
         ))
     return specs
 
@@ -88,6 +89,8 @@ def format_plan(specs: list[ProcessSpec], recipe: Recipe | None = None) -> str:
         lines.append(f"      {s.command_line()}")
         lines.append(f"      log: {s.host_log}" + (f" (streamed to {s.log})" if s.host_log != str(s.log) else ""))
     if recipe is not None and recipe.cluster is not None:
-        lines.append(f"weights: trainer rank 0 -> {sum(s.role == 'inference' for s in specs)} inference servers "
+        engines = sum(s.role == "inference" for s in specs)
+        hosts = engines + sum(s.role == "engine_worker" for s in specs)
+        lines.append(f"weights: trainer rank 0 -> {engines} inference server(s) on {hosts} host(s) "
                      f"over {recipe.cluster.weight_transfer}")
     return "\n".join(lines)

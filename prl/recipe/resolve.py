@@ -29,6 +29,7 @@ from pathlib import Path
 
 from prl.backends import registry
 from prl.recipe.roles import (
+    EngineWorkerConfig,
     KvMasterConfig,
     OrchestratorConfig,
     ProcessConfig,
@@ -158,7 +159,7 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
 
     trainers = trainer_configs(recipe, lay, common)
     trainer_url = f"http://{trainers[0].host}:{trainers[0].port}"
-    servers = server_configs(recipe, lay, common, trainer_url)
+    servers, workers = engines(recipe, server_configs(recipe, lay, common, trainer_url))
     if recipe.trainer.weight_transfer == "collective":  # rank 0 forms the weight group with every server
         for t in trainers:
             t.servers = [f"http://{s.host}:{s.port}" for s in servers]
@@ -166,7 +167,7 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
     sandboxes = sandbox_configs(recipe, lay, common)
     orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
     orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
-    return [*pool, *servers, *sandboxes, orch, *trainers]
+    return [*pool, *servers, *workers, *sandboxes, orch, *trainers]
 
 
 def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
@@ -196,6 +197,24 @@ def server_configs(recipe: Recipe, lay: Layout, common, trainer_url: str) -> lis
             gpus=list(range(k * per, (k + 1) * per)) if pl.gpus else [], **common(pl, picked=not inf.port),
         ))
     return out
+
+
+def engines(recipe: Recipe, hosts: list[ServerConfig]) -> tuple[list[ServerConfig], list[EngineWorkerConfig]]:
+    """`inference.hosts_per_engine = h > 1`: each h consecutive inference hosts are one engine; the
+    first host's server is its leader (the API server the run talks to, named inference-E), the
+    others run its headless data-parallel ranks. With h = 1 every host's server stands alone."""
+    h = recipe.inference.hosts_per_engine
+    if h == 1:
+        return hosts, []
+    leaders, workers, local = [], [], recipe.inference.local_replicas()
+    for e, group in enumerate(hosts[i:i + h] for i in range(0, len(hosts), h)):
+        leader = group[0].model_copy(update={"name": f"inference-{e}", "index": e,
+                                             "engine_rpc": f"{group[0].host}:{recipe.cluster.engine_rpc_port}"})
+        leaders.append(leader)
+        workers += [EngineWorkerConfig(**{**s.model_dump(exclude={"role", "name", "index"}),
+                                          "engine_rpc": leader.engine_rpc}, name=f"{leader.name}-host{k}", index=e,
+                                       engine=leader.name, start_rank=k * local) for k, s in enumerate(group) if k]
+    return leaders, workers
 
 
 def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[ServerConfig],

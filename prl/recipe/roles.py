@@ -7,6 +7,7 @@ section fails: the attribute does not exist.
 | inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
 | orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
 | trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
+| engine_worker | as inference | its engine's leader, its first data-parallel rank |
 | kv_master | run, kv_pool | its address |
 | sandbox | run, sandbox (env.sandbox) | its address |
 """
@@ -79,6 +80,17 @@ class ServerConfig(RoleConfig):
     trainer_url: str = ""  # weights are downloaded from there by servers on other hosts
     shares_trainer_fs: bool = True  # a server on the trainer's host reads weights in place
     kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
+    engine_rpc: str = ""  # inference.hosts_per_engine > 1: "address:port" of the engine's data-parallel RPC (its leader)
+
+
+class EngineWorkerConfig(ServerConfig):
+    """A host of a multi-host engine (`inference.hosts_per_engine`) other than its leader: the engine's
+    data-parallel ranks `start_rank`.. on this host, headless, joined to the leader's RPC port. It and
+    its leader are one unit: either dies, both restart."""
+
+    role: Literal["engine_worker"] = "engine_worker"
+    engine: str  # the leader's name
+    start_rank: int
 
 
 class OrchestratorConfig(RoleConfig):
@@ -127,7 +139,8 @@ class SandboxConfig(RoleConfig):
     sandbox: SandboxCfg
 
 
-ProcessConfig = Annotated[Union[ServerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig, SandboxConfig],
+ProcessConfig = Annotated[Union[ServerConfig, EngineWorkerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig,
+                                SandboxConfig],
                           Field(discriminator="role")]
 _ADAPTER = TypeAdapter(ProcessConfig)
 

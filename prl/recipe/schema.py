@@ -446,6 +446,7 @@ class ClusterCfg(Section):
     trainer_port: int = Field(29600, gt=0, le=65535)  # trainer endpoint (rollouts in, weights out) on rank 0
     inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
     sandbox_port: int = Field(8900, gt=0, le=65535)  # the sandbox worker on each sandbox host
+    engine_rpc_port: int = Field(13345, gt=0, le=65535)  # a multi-host engine's data-parallel RPC, on its leader
     weight_transfer: Literal["http", "nccl"] = "http"  # nccl: broadcast from rank 0 (GPU backend issue)
     heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
     env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)

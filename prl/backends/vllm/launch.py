@@ -23,6 +23,7 @@ from typing import Any
 from prl.recipe.roles import ServerConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_CLI = "vllm.entrypoints.cli.main"  # `serve --headless`: a multi-host engine's ranks without an API server
 AUTH_MIDDLEWARE = "prl.backends.vllm.auth.require_bearer"
 # set in [inference.vllm], any of these leaves the server's parallel layout to the user
 PARALLEL_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"})
@@ -81,16 +82,21 @@ def vllm_args(cfg: ServerConfig) -> list[str]:
 
 
 def layout_args(cfg: ServerConfig) -> list[str]:
-    """The serving layout on one host: `inference.data_parallel_size` attention replicas (each its own
-    sequences and KV), the experts split over them with `inference.expert_parallel`, each replica
-    tensor parallel over its share of the server's GPUs. What `[inference.vllm]` sets itself is left
-    to it."""
+    """The serving layout: `inference.data_parallel_size` attention replicas (each its own sequences and
+    KV), the experts split over them with `inference.expert_parallel`, each replica tensor parallel over
+    its share of the server's GPUs. Over several hosts (`engine_rpc` set) each host runs
+    `data_parallel_local` of the ranks: the leader's first, a worker's from its `start_rank`, headless.
+    What `[inference.vllm]` sets itself is left to it."""
     inf, given = cfg.inference, {k.replace("-", "_") for k in cfg.inference.vllm}
-    if inf.hosts_per_engine > 1:  # an engine over several hosts is refused (not built); its hosts' plan: TP
-        return ["--tensor-parallel-size", str(len(cfg.gpus))] if len(cfg.gpus) > 1 and not given & PARALLEL_ARGS else []
     args = []
     if inf.data_parallel_size > 1 and "data_parallel_size" not in given:
         args += ["--data-parallel-size", str(inf.data_parallel_size)]
+    if cfg.engine_rpc:  # one engine over several hosts, as vLLM's multi-node data parallel: ranks per host,
+        address, _, port = cfg.engine_rpc.rpartition(":")  # the leader's address and RPC port for all
+        args += ["--data-parallel-size-local", str(inf.local_replicas()), "--data-parallel-address", address,
+                 "--data-parallel-rpc-port", port]
+        if cfg.role == "engine_worker":
+            args += ["--headless", "--data-parallel-start-rank", str(cfg.start_rank)]
     if inf.expert_parallel and "enable_expert_parallel" not in given:
         args.append("--enable-expert-parallel")
     tp = len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1
@@ -120,8 +126,10 @@ def kv_transfer(run_name: str) -> dict:
 
 
 def launch_command(cfg: ServerConfig, python: str) -> list[str]:
+    """The leader (or a lone server): vLLM's API server; an engine worker: `vllm serve --headless`."""
+    vllm = [VLLM_CLI, "serve"] if cfg.role == "engine_worker" else [VLLM_MODULE]
     return [python, "-m", "prl.backends.vllm.launch", "--config", cfg.config_path, "--",
-            python, "-m", VLLM_MODULE, *vllm_args(cfg)]
+            python, "-m", *vllm, *vllm_args(cfg)]
 
 
 def main(argv: list[str]) -> None:

@@ -88,10 +88,6 @@ def check_fp8(recipe) -> None:
 def layout_not_built(inf) -> list[str]:
     """Serving-layout settings the launcher does not carry out yet, each naming the missing piece."""
     out = []
-    if inf.hosts_per_engine > 1:
-        out.append(f"inference.hosts_per_engine = {inf.hosts_per_engine}: one vLLM engine over several hosts (a "
-                   f"leader with the API server, headless engine workers on the other hosts over SSH) is not built "
-                   f"yet (issue 23 item 2); use 1")
     if inf.kv_cache_dtype == "fp8":
         out.append("inference.kv_cache_dtype = 'fp8': the vLLM launcher does not pass --kv-cache-dtype yet, and vLLM's "
                    "FP8 MLA and indexer cache runs on GPU only (needs a GPU to test)")
