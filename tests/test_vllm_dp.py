@@ -67,6 +67,12 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
     assert any((ln.src, ln.dst, ln.port) == ("c", "b", 13345) for ln in links_needed(configs, recipe))
     plan = make_plan(configs, tmp_path)
     assert [s.unit for s in plan if s.role in ("inference", "engine_worker")] == ["", "inference-0"]
+    pooled = resolve(load_recipe(tmp_path / "r.toml", ["placement.trainer=['a']", "placement.inference=['b','c']",
+                                                       "placement.gpus_per_server=8", "inference.hosts_per_engine=2",
+                                                       "inference.data_parallel_size=16", "inference.kv_pool.enabled=true"]),
+                     tmp_path)
+    ranks = [c for c in pooled if c.role in ("inference", "engine_worker")]
+    assert len(ranks) == 2 and ranks[0].kv_master and ranks[0].kv_master == ranks[1].kv_master  # every rank in the pool
     from prl.launch.faults import Faults
     from prl.launch.hosts import LocalHost
     from prl.launch.supervisor import Supervisor

@@ -51,6 +51,6 @@ def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
         lead = leaders[w.engine]
         links.append(Link(w.node, lead.node, lead.host, int(lead.engine_rpc.rpartition(":")[2])))
     for m in (c for c in configs if c.role == "kv_master"):  # servers -> the pool's master and metadata
-        links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs if s.role == "inference"
-                  for k in ("rpc_port", "metadata_port")]
+        links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs
+                  if s.role in ("inference", "engine_worker") for k in ("rpc_port", "metadata_port")]
     return [ln for ln in dict.fromkeys(links) if WORKSTATION not in (ln.src, ln.dst)]

@@ -163,7 +163,7 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
     if recipe.trainer.weight_transfer == "collective":  # rank 0 forms the weight group with every server
         for t in trainers:
             t.servers = [f"http://{s.host}:{s.port}" for s in servers]
-    pool = kv_master_configs(recipe, lay, common, servers)
+    pool = kv_master_configs(recipe, lay, common, [*servers, *workers])  # every engine rank joins the pool
     sandboxes = sandbox_configs(recipe, lay, common)
     orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
     orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
