@@ -291,7 +291,7 @@ def test_28_host_plan():
               "--logprobs-mode processed_logprobs", "--data-parallel-size 96 --data-parallel-size-local 8 "
               "--data-parallel-address 10.0.0.27 --data-parallel-rpc-port 13345")
     leader = re.findall(r"-m vllm\.entrypoints\.openai\.api_server (.*)", plan)
-    headless = re.findall(r"-m vllm\.entrypoints\.cli\.main serve (.*)", plan)
+    headless = re.findall(r"-m prl\.backends\.vllm\.headless (.*)", plan)
     assert len(leader) == 1 and len(headless) == 11
     assert all(part in line for line in leader + headless for part in common)
     assert "--port 8000" in leader[0] and "--headless" not in leader[0]

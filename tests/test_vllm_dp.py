@@ -62,7 +62,7 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
     assert (lead.name, lead.node, worker.name, worker.node, worker.engine) == ("inference-0", "b", "inference-0-host1", "c", "inference-0")
     orch = next(c for c in configs if c.role == "orchestrator")
     assert orch.servers == ["http://10.0.0.2:8000"]  # the run talks to the leader only
-    assert launch_command(worker, "py")[launch_command(worker, "py").index("--") + 1:][:4] == ["py", "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert launch_command(worker, "py")[launch_command(worker, "py").index("--") + 1:][:3] == ["py", "-m", "prl.backends.vllm.headless"]
     assert 13345 in ports_needed(configs, recipe)["b"]
     assert any((ln.src, ln.dst, ln.port) == ("c", "b", 13345) for ln in links_needed(configs, recipe))
     plan = make_plan(configs, tmp_path)

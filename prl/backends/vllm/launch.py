@@ -23,7 +23,7 @@ from typing import Any
 from prl.recipe.roles import ServerConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-VLLM_CLI = "vllm.entrypoints.cli.main"  # `serve --headless`: a multi-host engine's ranks without an API server
+HEADLESS = "prl.backends.vllm.headless"  # vLLM's `serve --headless`: a multi-host engine's ranks without an API server
 AUTH_MIDDLEWARE = "prl.backends.vllm.auth.require_bearer"
 # set in [inference.vllm], any of these leaves the server's parallel layout to the user
 PARALLEL_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"})
@@ -108,7 +108,7 @@ def layout_args(cfg: ServerConfig) -> list[str]:
 def cpu_binding(cfg: ServerConfig, env: dict) -> dict[str, str]:
     """On CPU with data parallel replicas, each replica's engine gets its own cores
     (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0|1"), unless the run's environment sets it."""
-    dp = cfg.inference.data_parallel_size
+    dp = cfg.inference.local_replicas()  # this host's engines (an engine over several hosts runs some on each)
     if cfg.gpus or dp <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     cores = sorted(os.sched_getaffinity(0))
@@ -126,10 +126,9 @@ def kv_transfer(run_name: str) -> dict:
 
 
 def launch_command(cfg: ServerConfig, python: str) -> list[str]:
-    """The leader (or a lone server): vLLM's API server; an engine worker: `vllm serve --headless`."""
-    vllm = [VLLM_CLI, "serve"] if cfg.role == "engine_worker" else [VLLM_MODULE]
+    """The leader (or a lone server): vLLM's API server; an engine worker: vLLM's `serve --headless`."""
     return [python, "-m", "prl.backends.vllm.launch", "--config", cfg.config_path, "--",
-            python, "-m", *vllm, *vllm_args(cfg)]
+            python, "-m", HEADLESS if cfg.role == "engine_worker" else VLLM_MODULE, *vllm_args(cfg)]
 
 
 def main(argv: list[str]) -> None:
