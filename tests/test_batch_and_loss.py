@@ -1,5 +1,6 @@
 """Packing keeps every token with its logprob, version and advantage; losses and staleness rules."""
 
+import pytest
 import torch
 
 from prl.orchestrator.buffer import Group, GroupBuffer
@@ -196,3 +197,7 @@ def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others(
                                   token_advantages=got[1]))
     assert arrays["advantages"] == [0.0] + [a if m else 0.0 for a, m in zip(got[1], s.mask)]
     assert turn_advantages([traj([1], [1.0]), Trajectory([1], [2], [0.0], [0], 0.0)]) is None
+    from prl.recipe.schema import Recipe
+
+    with pytest.raises(ValueError, match="rl.credit = 'turn' needs an environment that scores each turn"):
+        Recipe.model_validate({"rl": {"credit": "turn"}})

@@ -658,6 +658,9 @@ class Recipe(Section):
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold one whole sample "
                 f"({longest} tokens)"
             )
+        if self.rl.credit == "turn" and self.env.kind != "code":
+            raise ValueError(f"rl.credit = 'turn' needs an environment that scores each turn (env.kind = 'code'); "
+                             f"env.kind = {self.env.kind!r} scores only the end: use 'trajectory'")
         return self
 
 
