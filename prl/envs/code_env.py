@@ -2,8 +2,8 @@
 a pool of workers so a hung program never blocks generation), and its outcome (exit code, output,
 errors, capped) comes back as the next turn's environment tokens; the episode ends when a program
 passes or at a limit. The reward comes from the final state: 1 for a passing program (less
-`env.attempt_penalty` for each failed attempt before it), else half the similarity of its output to
-the target (a program that cannot run: 0).
+`env.attempt_penalty` for each failed attempt before it), else `env.fail_credit` (default half) times
+the similarity of its output to the target (a program that cannot run: 0).
 
 Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
 prints `ok` or `got:... want:...` as a test runner would) and `python` (a Hugging Face model's
@@ -34,9 +34,7 @@ class LazySandbox:
         if self.pool is None:
             from prl.sandbox import SandboxPool
 
-            c = self.cfg
-            self.pool = SandboxPool(concurrency=c.concurrency, isolation=c.isolation, timeout_s=c.timeout_s,
-                                    memory_mb=c.memory_mb, max_procs=c.max_procs, max_output_bytes=c.max_output_bytes)
+            self.pool = SandboxPool.from_config(self.cfg)
         return await self.pool.run(code, **kw)
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 

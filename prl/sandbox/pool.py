@@ -35,6 +35,12 @@ class SandboxPool:
         self.peak_in_flight = 0
         self.counts: Counter = Counter()
 
+    @classmethod
+    def from_config(cls, cfg) -> "SandboxPool":
+        """The pool a recipe's `[env.sandbox]` (`prl.recipe.schema.SandboxCfg`) describes."""
+        return cls(concurrency=cfg.concurrency, isolation=cfg.isolation, timeout_s=cfg.timeout_s,
+                   memory_mb=cfg.memory_mb, max_procs=cfg.max_procs, max_output_bytes=cfg.max_output_bytes)
+
     async def run(self, code_or_file, **kwargs) -> Result:
         """Run one program in the sandbox without blocking the event loop; see `prl.sandbox.run`.
         Cancelling the awaiting task stops the execution (killed_reason "cancelled" in `counts`)."""

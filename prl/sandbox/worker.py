@@ -35,12 +35,6 @@ class RunRequest(BaseModel):
     args: list[str] = Field(default_factory=list, max_length=64)
 
 
-def limits_of(cfg) -> dict:
-    """`prl.sandbox.run` keyword arguments from the recipe's `[env.sandbox]`."""
-    return dict(isolation=cfg.isolation, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
-                max_procs=cfg.max_procs, max_output_bytes=cfg.max_output_bytes)
-
-
 def create_app(pool, secret: str) -> FastAPI:
     def bearer(authorization: str = Header("")):
         if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
@@ -92,7 +86,7 @@ def main(cfg) -> None:
 
     log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
     try:
-        pool = SandboxPool(concurrency=cfg.sandbox.concurrency, **limits_of(cfg.sandbox))
+        pool = SandboxPool.from_config(cfg.sandbox)
     except SandboxUnavailable as e:
         log.emit("error", name=cfg.name, type="SandboxUnavailable", line=f"env.sandbox.isolation = "
                  f"{cfg.sandbox.isolation!r}: {e}")
