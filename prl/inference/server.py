@@ -8,13 +8,12 @@ otherwise. A failed weight load answers 409 and leaves the old version serving.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -36,6 +35,7 @@ from prl.inference.protocol import (
     UpdateWeightsResponse,
     encode_routing,
 )
+from prl.transport.auth import bearer
 from prl.transport.collective import GroupInfo
 from prl.transport.weights import WeightFetchError
 
@@ -69,14 +69,6 @@ class Served:
         if self.context and len(ids) + max_tokens > self.context:
             raise HTTPException(400, f"{field_name} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                      f"model's context of {self.context} tokens")
-
-
-def bearer(secret: str):
-    """The dependency of every route: the run's secret as a bearer token."""
-    def auth(authorization: str = Header("")):
-        if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
-    return auth
 
 
 def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None,

@@ -16,11 +16,12 @@ type, an oversize body) is answered 4xx and the worker keeps serving.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Optional
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
+
+from prl.transport.auth import bearer
 
 MAX_BODY_CHARS = 1 << 20  # code, stdin and each file
 
@@ -36,11 +37,7 @@ class RunRequest(BaseModel):
 
 
 def create_app(pool, secret: str) -> FastAPI:
-    def bearer(authorization: str = Header("")):
-        if not hmac.compare_digest(authorization.encode(), f"Bearer {secret}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token (the run's secret file)")
-
-    app = FastAPI(title="prl sandbox worker", dependencies=[Depends(bearer)])
+    app = FastAPI(title="prl sandbox worker", dependencies=[Depends(bearer(secret))])
 
     @app.get("/health")
     async def health():

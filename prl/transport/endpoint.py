@@ -18,7 +18,6 @@ Every request needs `Authorization: Bearer <run secret>`. stdlib only: a thread 
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from urllib.parse import parse_qs, urlparse
 
 from prl.model.weights import MANIFEST, published_versions, version_dir
 from prl.transport import ports
+from prl.transport.auth import UNAUTHORIZED, bearer_ok
 from prl.transport.batch import BadBatch, load_batch
 from prl.transport.rollouts import FilesystemRolloutTransport
 
@@ -128,10 +128,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"detail": f"bad request: {e}"})
 
     def _authorized(self) -> bool:
-        given = self.headers.get("Authorization", "").encode()
-        if hmac.compare_digest(given, f"Bearer {self.ep.secret}".encode()):
+        if bearer_ok(self.headers.get("Authorization", ""), self.ep.secret):
             return True
-        self._reply(401, {"detail": "missing or wrong bearer token (the run's secret file)"})
+        self._reply(401, {"detail": UNAUTHORIZED})
         return False
 
     def _reply(self, code: int, body: dict) -> None:

@@ -11,10 +11,11 @@ file (never on a command line, where `ps` would show it).
 
 from __future__ import annotations
 
-import hmac
 import os
 
 from starlette.responses import JSONResponse
+
+from prl.transport.auth import UNAUTHORIZED, bearer_ok
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no secret; they reveal nothing
 STAGED_PATH = "/prl/staged"  # prl's one route of its own on a vLLM server
@@ -25,8 +26,8 @@ async def require_bearer(request, call_next):
     if request.url.path in OPEN_PATHS:
         return await call_next(request)
     given = request.headers.get("authorization", "")
-    if not key or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        return JSONResponse({"error": {"message": "missing or wrong bearer token (the run's secret file)",
+    if not key or not bearer_ok(given, key):
+        return JSONResponse({"error": {"message": UNAUTHORIZED,
                                        "type": "authentication_error", "code": 401}}, status_code=401)
     if request.url.path == STAGED_PATH:
         return staged(request)
