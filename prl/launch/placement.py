@@ -19,7 +19,7 @@ def ports_needed(configs: list[ProcessConfig], recipe: Recipe) -> dict[str, list
         if c.role == "trainer" and c.index == 0:
             out[c.node].append(recipe.cluster.rendezvous_port)
         if c.role == "inference" and c.engine_rpc:  # a multi-host engine's data-parallel RPC, on its leader
-            out[c.node].append(int(c.engine_rpc.rpartition(":")[2]))
+            out[c.node].append(c.engine_rpc_address()[1])
         if c.role == "kv_master":
             out.setdefault(c.node, []).extend(c.kv_master[k] for k in ("rpc_port", "metadata_port", "metrics_port"))
     return out
@@ -49,7 +49,7 @@ def links_needed(configs: list[ProcessConfig], recipe: Recipe) -> list[Link]:
     leaders = {c.name: c for c in configs if c.role == "inference"}
     for w in (c for c in configs if c.role == "engine_worker"):  # engine workers -> their leader's RPC
         lead = leaders[w.engine]
-        links.append(Link(w.node, lead.node, lead.host, int(lead.engine_rpc.rpartition(":")[2])))
+        links.append(Link(w.node, lead.node, *lead.engine_rpc_address()))
     for m in (c for c in configs if c.role == "kv_master"):  # servers -> the pool's master and metadata
         links += [Link(s.node, m.node, m.host, m.kv_master[k]) for s in configs
                   if s.role in ("inference", "engine_worker") for k in ("rpc_port", "metadata_port")]

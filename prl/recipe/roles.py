@@ -82,6 +82,11 @@ class ServerConfig(RoleConfig):
     kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
     engine_rpc: str = ""  # inference.hosts_per_engine > 1: "address:port" of the engine's data-parallel RPC (its leader)
 
+    def engine_rpc_address(self) -> tuple[str, int]:
+        """(address, port) of `engine_rpc`."""
+        host, _, port = self.engine_rpc.rpartition(":")
+        return host, int(port)
+
 
 class EngineWorkerConfig(ServerConfig):
     """A host of a multi-host engine (`inference.hosts_per_engine`) other than its leader: the engine's

@@ -20,6 +20,7 @@ import json
 import math
 import os
 
+from prl.backends.vllm.launch import replica_tp
 from prl.transport.collective import GroupInfo, Wire, WireError
 
 MEMBERS = "/weights/collective/members"
@@ -54,9 +55,9 @@ def receive_read(engine, wire: Wire):
 # ---------------------------------------------------------------- in the API server (middleware)
 def members(cfg) -> int:
     """Workers of this server, each a member of the group (tensor x data parallel)."""
-    opts, inf = cfg.inference.vllm, cfg.inference
-    tp = int(opts.get("tensor_parallel_size", 0)) or (len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1)
-    return max(tp, 1) * int(opts.get("data_parallel_size", inf.data_parallel_size))
+    opts = cfg.inference.vllm
+    tp = int(opts.get("tensor_parallel_size", 0)) or replica_tp(cfg)
+    return max(tp, 1) * int(opts.get("data_parallel_size", cfg.inference.data_parallel_size))
 
 
 async def handle(request, cfg):

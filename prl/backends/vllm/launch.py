@@ -92,17 +92,22 @@ def layout_args(cfg: ServerConfig) -> list[str]:
     if inf.data_parallel_size > 1 and "data_parallel_size" not in given:
         args += ["--data-parallel-size", str(inf.data_parallel_size)]
     if cfg.engine_rpc:  # one engine over several hosts, as vLLM's multi-node data parallel: ranks per host,
-        address, _, port = cfg.engine_rpc.rpartition(":")  # the leader's address and RPC port for all
+        address, port = cfg.engine_rpc_address()  # the leader's address and RPC port for all
         args += ["--data-parallel-size-local", str(inf.local_replicas()), "--data-parallel-address", address,
-                 "--data-parallel-rpc-port", port]
+                 "--data-parallel-rpc-port", str(port)]
         if cfg.role == "engine_worker":
             args += ["--headless", "--data-parallel-start-rank", str(cfg.start_rank)]
     if inf.expert_parallel and "enable_expert_parallel" not in given:
         args.append("--enable-expert-parallel")
-    tp = len(cfg.gpus) // inf.local_replicas() if cfg.gpus else 1
+    tp = replica_tp(cfg)
     if tp > 1 and not given & PARALLEL_ARGS:
         args += ["--tensor-parallel-size", str(tp)]  # a replica spans its share of placement.gpus_per_server
     return args
+
+
+def replica_tp(cfg: ServerConfig) -> int:
+    """GPUs of one attention replica: the server's GPUs over its replicas on this host (1 on CPU)."""
+    return len(cfg.gpus) // cfg.inference.local_replicas() if cfg.gpus else 1
 
 
 def cpu_binding(cfg: ServerConfig, env: dict) -> dict[str, str]:
