@@ -186,8 +186,7 @@ def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, 
         return Check(name, False, f"{cfg.python} could not be asked about {name} ({why}): {e}")
     if r.code == 0 and not missing:
         return Check(name, True, r.stdout.strip() if code else f"{name} {r.stdout.strip()}")
-    error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
-    return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {error[0][:200]}{apt}; "
+    return Check(name, False, f"{cfg.python} cannot {'run' if code else 'import'} {name} ({why}): {last_line(r)[:200]}{apt}; "
                               f"install it in the host image or add '{extra}' to cluster.extras")
 
 
@@ -202,10 +201,14 @@ def sandbox_check(host: Host, cfg: ClusterCfg, isolation: str) -> Check:
         return Check("sandbox", False, f"could not try the sandbox: {e}")
     if r.code == 0:
         return Check("sandbox", True, r.stdout.strip())
-    error = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
     return Check("sandbox", False, f"model-written code cannot run here (env.sandbox.isolation = {isolation!r}): "
-                                   f"{error[0][:300]}; install bubblewrap (apt-get install bubblewrap), run prl as "
+                                   f"{last_line(r)[:300]}; install bubblewrap (apt-get install bubblewrap), run prl as "
                                    f"root, or place the sandbox elsewhere (placement.sandbox)")
+
+
+def last_line(r) -> str:
+    """The last line a failed remote command wrote (stderr first): usually the exception."""
+    return ((r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"])[0]
 
 
 def lib_package(soname: str) -> str:
