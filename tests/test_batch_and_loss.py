@@ -201,3 +201,6 @@ def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others(
 
     with pytest.raises(ValueError, match="rl.credit = 'turn' needs an environment that scores each turn"):
         Recipe.model_validate({"rl": {"credit": "turn"}})
+    with pytest.raises(ValueError, match="has no effect with rl.credit = 'turn'"):
+        Recipe.model_validate({"rl": {"credit": "turn", "loss_weighting": "sequence"},
+                               "env": {"kind": "code", "max_total_tokens": 64}})

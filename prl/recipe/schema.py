@@ -661,6 +661,9 @@ class Recipe(Section):
         if self.rl.credit == "turn" and self.env.kind != "code":
             raise ValueError(f"rl.credit = 'turn' needs an environment that scores each turn (env.kind = 'code'); "
                              f"env.kind = {self.env.kind!r} scores only the end: use 'trajectory'")
+        if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
+            raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
+                             "carry their own advantage, compared within the same turn): use one of them")
         return self
 
 
