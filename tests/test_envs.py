@@ -288,6 +288,8 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert env.score(ep, ex) == pytest.approx(0.6)
     # per-turn credit: each attempt's own score (abc for cba: half of 1 - 2/3; an error: 0)
     assert env.turn_rewards(ep, ex) == pytest.approx([0.5 / 3, 0.0, 0.6])
+    env.fail_credit = 0.0  # env.fail_credit = 0: a failing program scores nothing, however close
+    assert env.turn_rewards(ep, ex) == pytest.approx([0.0, 0.0, 0.6])
 
 
 @pytest.mark.slow
