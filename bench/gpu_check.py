@@ -4,15 +4,20 @@ checks the reference paths, so it cannot rot between GPU sessions.
 1. FP8 GEMMs: every GPU backend prl can pick (`torch._scaled_mm` with block scales; DeepGEMM) against
    the exact CPU reference on the same quantised operands, for the three GEMMs of a training step
    (forward, dgrad with the 128x128 weight blocks transposed, wgrad with 1x128 tiles along tokens),
-   with TFLOP/s beside bf16 matmul. On a CPU: the reference against float64.
+   with TFLOP/s beside bf16 matmul. On a CPU: the reference against float64. And the FP8 expert
+   dispatch's packing (quantise, pack bytes and scales, unpack) on the device against the CPU's.
 2. Collectives of the EP and CP code paths with 2 ranks: `all_to_all_single` with uneven splits
    (expert dispatch) and a differentiable all-gather (the CP exchange; its backward is a
    reduce-scatter): NCCL with one GPU per rank (2 GPUs), and gloo.
-3. R3: `bench/r3_mismatch.py` on the device (`--device cuda`: the engine's and trainer's GPU kernels).
-4. The tests marked `gpu` (`pytest -m gpu`, tests/test_gpu.py): which ran, passed, failed or skipped
+3. The collective weight path (`prl.transport.collective.Wire`) between 2 processes: one version of
+   bf16, fp32 and FP8 tensors arrives bit-equal, with GB/s; over NCCL (a GPU per rank, 2 GPUs) and
+   gloo. `--die` variant (the gpu tests): the sender dies mid-version and the receive must raise within
+   the group's timeout while the receiving process lives on.
+4. R3: `bench/r3_mismatch.py` on the device (`--device cuda`: the engine's and trainer's GPU kernels).
+5. The tests marked `gpu` (`pytest -m gpu`, tests/test_gpu.py): which ran, passed, failed or skipped
    and why. On a CPU every one of them must skip (saying why), so this also checks they still collect.
 
-    bin/gpu-check [--quick] [--only fp8,collectives,r3,gpu_tests] [--out results.json]
+    bin/gpu-check [--quick] [--only fp8,collectives,weights,r3,gpu_tests] [--out results.json]
 
 Every check ends in one of three results:
 - a result (figures, and `ok`);
@@ -125,10 +130,27 @@ def step_gemms(m: int, n: int, k: int, dev: str) -> dict[str, tuple[Quantized, Q
             "wgrad": (quantize_tiles(g.t()), quantize_tiles(x.t()))}
 
 
+def dispatch_rows(dev: str) -> dict:
+    """The FP8 expert dispatch's packing (`prl.trainer.ep_dispatch.pack`/`unpack`: E4M3 bytes and 1x128
+    scales in one byte row) on `dev` against the CPU's: the bytes that would travel, and the rows the
+    experts would see. On a CPU it checks the packing against quantize_tiles -> dequantize."""
+    from prl.model.fp8 import quantize_tiles
+    from prl.trainer.ep_dispatch import pack, unpack
+
+    rows = (torch.randn(300, 640, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    want = dequantize(quantize_tiles(rows)).bfloat16()
+    buf = pack(rows.to(dev))
+    got = unpack(buf, rows.shape[1], rows.dtype)
+    same_bytes = float((buf.cpu() == pack(rows)).float().mean())
+    err = rel_err(got, want)
+    return {"device": dev, "bytes_equal_to_cpu": same_bytes, "rel_err_vs_cpu": err,
+            "ok": same_bytes > 0.999 and err < 1e-3}
+
+
 def fp8_section(quick: bool) -> dict:
     gpu = torch.cuda.is_available()
     shapes = [(256, 384, 512)] if quick or not gpu else [(256, 384, 512), (4096, 4096, 6144), (4096, 6144, 2048)]
-    out: dict = {"prl_backend": backend()}
+    out: dict = {"prl_backend": backend(), "dispatch_packing": attempt(dispatch_rows, "cuda" if gpu else "cpu")}
     for m, n, k in shapes:
         for gemm, (a, b) in step_gemms(m, n, k, "cuda" if gpu else "cpu").items():
             ref = BACKENDS["reference"](to_cpu(a), to_cpu(b), torch.float32)
@@ -213,7 +235,76 @@ def collectives_section() -> dict:
     return {name: attempt(collectives, name) for name in ("nccl", "gloo")}
 
 
-# ---------------------------------------------------------------- 3. R3
+# ---------------------------------------------------------------- 3. the collective weight path
+def weight_version(mb: float, dev: str) -> dict[str, torch.Tensor]:
+    """A version both ranks can build alike: bf16, fp32 and FP8 tensors (with a scale), ~`mb` MB."""
+    g = torch.Generator().manual_seed(0)
+    n = max(int(mb * 2**20 / 2 / 3 / 1024), 1)  # rows of 1024 bf16 in each third
+    w = torch.randn(n, 1024, generator=g)
+    return {"a.weight": w.bfloat16().to(dev), "b.weight": w[: n // 2].to(dev),
+            "c.weight": w.clamp(-448, 448).to(torch.float8_e4m3fn).to(dev), "c.weight_scale_inv": torch.ones(n, 8).to(dev)}
+
+
+def weights_worker(rank: int, backend: str, port: int, result: str, mb: float, die: bool) -> None:
+    from prl.transport.collective import GroupInfo, Wire
+
+    dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
+    wire = Wire(GroupInfo("127.0.0.1", port, 2, rank, 1, 20.0, backend), store)
+    version = weight_version(mb, dev)
+    if rank == 0:
+        t0 = time.perf_counter()
+        if die:  # the first bucket only, then gone mid-version
+            wire.send_bucket({k: version[k] for k in list(version)[:2]})
+            os._exit(0)
+        n = wire.send_bucket(version)
+        wire.send_end({"version": 1})
+        Path(result + ".sender").write_text(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
+        return
+    expected = {k: (list(v.shape), v.numel() * 4) for k, v in version.items()}
+    t0 = time.perf_counter()
+    try:
+        got, meta = wire.receive(expected)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        equal = all(torch.equal(got[k].view(torch.uint8), version[k].view(torch.uint8)) for k in version)
+        row = {"equal": equal, "meta": meta, "device": str(next(iter(got.values())).device)}
+    except Exception as e:  # noqa: BLE001 - what the die variant expects
+        row = {"raised": f"{type(e).__name__}: {str(e)[:300]}"}
+    Path(result).write_text(json.dumps({**row, "receive_s": time.perf_counter() - t0}))
+
+
+def weights(backend: str, mb: float = 64, die: bool = False) -> dict:
+    """One version over a 2-rank weight group of `backend` (NCCL: a GPU per rank)."""
+    import torch.multiprocessing as mp
+
+    from prl.recipe.resolve import free_port
+
+    if backend == "nccl":
+        require_cuda(gpus=2)
+        if not torch.distributed.is_nccl_available():
+            raise Absent("this torch is built without NCCL")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = str(Path(tmp) / "result.json")
+        ctx = mp.start_processes(weights_worker, args=(backend, free_port("127.0.0.1"), result, mb, die), nprocs=2,
+                                 start_method="spawn", join=False)
+        while not ctx.join():
+            pass
+        r = json.loads(Path(result).read_text())
+        if not die:
+            sent = json.loads(Path(result + ".sender").read_text())
+            r["gb_per_s"] = sent["bytes"] / max(r["receive_s"], 1e-9) / 1e9
+    r["ok"] = "raised" in r if die else r.get("equal") is True
+    return {"backend": backend, **r}
+
+
+def weights_section(quick: bool) -> dict:
+    return {name: attempt(weights, name, 8 if quick else 256) for name in ("nccl", "gloo")}
+
+
+# ---------------------------------------------------------------- 4. R3
 def r3_section(quick: bool) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     args = ["--device", dev] + (["--layers", "2", "--experts", "8", "--top-k", "2", "--prompts", "4", "--group", "2",
@@ -227,7 +318,7 @@ def r3_section(quick: bool) -> dict:
     return {"ok": True, "device": dev, **{k: report[k] for k in keep}}
 
 
-# ---------------------------------------------------------------- 4. the tests marked gpu
+# ---------------------------------------------------------------- 5. the tests marked gpu
 def junit_outcomes(xml: str) -> dict[str, dict]:
     """node id -> {"outcome": passed|failed|skipped, "reason"/"error"} from pytest's JUnit XML."""
     out = {}
@@ -273,6 +364,7 @@ def gpu_tests_section(timeout_s: float) -> dict:
 SECTIONS = {
     "fp8": lambda args: fp8_section(args.quick),
     "collectives": lambda args: collectives_section(),
+    "weights": lambda args: weights_section(args.quick),
     "r3": lambda args: r3_section(args.quick),
     "gpu_tests": lambda args: attempt(gpu_tests_section, args.tests_timeout),
 }

@@ -68,7 +68,7 @@ def test_a_broadcast_version_is_staged_then_applied_whole(server):
     sink, state = sink_for(run_dir, url, secret), state_for(run_dir, 1)
     before = client.get("/health").json()["version"]
     send(sink, 1, state)
-    assert sink.last.error is None and sink.last.servers == 1, sink.last
+    assert sink.last.error is None and sink.last.servers == 1 and sink.last.backend == "gloo", sink.last
     assert sink.last.bytes == sum(v.numel() * v.element_size() for v in state.values())
     m = client.get("/metrics").json()
     assert m["collective_staged"] == 1 and m["version"] == before  # staged, not served yet
@@ -135,3 +135,30 @@ def test_a_version_that_does_not_fit_the_model_is_refused_before_it_is_staged(se
     assert sink.last.servers == 0 and "shape" in " ".join(sink.last.failed)
     r = client.post("/update_weights", json={"version": 9})
     assert r.status_code == 409 and client.get("/health").json()["version"] == served
+
+
+def test_the_group_is_nccl_only_when_every_member_holds_a_gpu():
+    from prl.transport.collective import pick_backend
+
+    assert pick_backend("cuda", ["cuda", "cuda"], nccl=True) == "nccl"
+    assert pick_backend("cuda", ["cuda", "cpu"], nccl=True) == "gloo"  # one CPU server: all through host memory
+    assert pick_backend("cpu", ["cuda"], nccl=True) == "gloo"
+    assert pick_backend("cuda", ["cuda"], nccl=False) == "gloo"  # a torch without NCCL
+    assert pick_backend("cuda", [], nccl=True) == "gloo"
+
+
+def test_a_cpu_server_refuses_an_nccl_group_by_name_and_keeps_serving(server):
+    """The server says where its tensors sit; asked to join an NCCL group anyway (a sender that did not
+    ask), it answers 409 naming why, keeps serving, and the next gloo group delivers."""
+    client, run_dir, url, secret = server
+    headers = {"Authorization": f"Bearer {secret}"}
+    import httpx
+
+    assert httpx.get(url + "/weights/collective/members", headers=headers).json() == {"members": 1, "device": "cpu"}
+    r = httpx.post(url + "/weights/collective/join", headers=headers, timeout=30,
+                   json={"addr": "127.0.0.1", "port": 1, "world": 2, "rank": 1, "epoch": 99, "backend": "nccl"})
+    assert r.status_code == 409 and "NCCL weight group needs CUDA" in r.json()["detail"], r.text
+    assert greedy(client)
+    sink = sink_for(run_dir, url, secret)
+    send(sink, 11, state_for(run_dir, 11))
+    assert sink.last.error is None and sink.last.servers == 1 and sink.last.backend == "gloo"

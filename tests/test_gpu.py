@@ -1,6 +1,6 @@
 """prl's GPU paths, each against a reference it must equal: the FP8 GEMM backends (torch._scaled_mm with
 block scales, DeepGEMM) and the FP8 linear on CUDA; a training step's forward/backward on CUDA, and expert
-and context parallelism over NCCL (2 GPUs); the trainer on CUDA; vLLM's CUDA build serving the trainer's
+and context parallelism over NCCL (2 GPUs); the collective weight path on NCCL (2 GPUs); the trainer on CUDA; vLLM's CUDA build serving the trainer's
 logprobs and taking new weights.
 
 Marked `gpu`: CPU CI deselects them (pyproject's addopts); `bin/gpu-check` runs them (`pytest -m gpu`)
@@ -26,7 +26,8 @@ import torch
 from conftest import ROOT, import_failure
 
 sys.path.append(str(ROOT / "bench"))
-from gpu_check import FP8_CAPABILITY, TOLERANCE, Absent, rel_err, require_cuda, require_module, step_gemms, to_cpu  # noqa: E402
+from gpu_check import (FP8_CAPABILITY, TOLERANCE, Absent, rel_err, require_cuda, require_module, step_gemms,  # noqa: E402
+                       to_cpu, weights)
 import test_parallel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -195,6 +196,18 @@ def test_fp8_expert_parallel_on_nccl(moe_model_dir, tmp_path):
     assert_close_step({**one, "grads": rest["one"]}, {**ep, "grads": rest["ep"]}, "fp8, ep=2 on NCCL", 1e-4, 1e-6)
     for n in stacks:
         assert rel_err(ep["grads"][n], one["grads"][n]) < 0.5 * rel_err(one["grads"][n], fp32["grads"][n]), n
+
+
+# ---------------------------------------------------------------- the weight path on NCCL
+def test_a_version_crosses_an_nccl_weight_group_and_a_dead_sender_fails_the_receive():
+    """`prl.transport.collective.Wire` on NCCL (a GPU per rank): a version of bf16, fp32 and FP8 tensors
+    arrives bit-equal in the receiver's GPU memory; a sender gone mid-version makes the receive raise
+    (blocking wait, the group's 20 s timeout) and the receiving process lives on to report it."""
+    need(require_cuda, gpus=2)
+    r = weights("nccl", 64)
+    assert r["equal"] and r["device"] == "cuda:1", r
+    dead = weights("nccl", 64, die=True)
+    assert "raised" in dead, dead
 
 
 # ---------------------------------------------------------------- the trainer on CUDA

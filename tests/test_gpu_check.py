@@ -1,7 +1,7 @@
 """`bin/gpu-check`: a path that is not present here (no device, a package not installed, too few GPUs)
 is listed as absent; a path that is present and raises fails the check, with its traceback. The
 script runs here too (CPU paths: the FP8 reference against float64, gloo collectives of the EP/CP
-exchanges, R3 on CPU kernels, the tests marked gpu skipping with reasons), so it cannot rot between
+exchanges, the weight path over gloo, R3 on CPU kernels, the tests marked gpu skipping with reasons), so it cannot rot between
 GPU sessions."""
 
 import json
@@ -94,14 +94,17 @@ def test_gpu_check_runs_its_cpu_paths(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["failed"] == [] and r["device"] == "CPU (no GPU present)"
-    assert set(r["fp8"]) == {"prl_backend"} | {f"{g} M=256 N=384 K=512" for g in ("fprop", "dgrad", "wgrad")}
+    assert set(r["fp8"]) == {"prl_backend", "dispatch_packing"} | {f"{g} M=256 N=384 K=512" for g in ("fprop", "dgrad", "wgrad")}
     assert r["fp8"]["prl_backend"] == "reference"
-    rows = [v for k, v in r["fp8"].items() if k != "prl_backend"]
+    assert r["fp8"]["dispatch_packing"]["ok"] and r["fp8"]["dispatch_packing"]["bytes_equal_to_cpu"] == 1.0
+    rows = [v for k, v in r["fp8"].items() if k not in ("prl_backend", "dispatch_packing")]
     assert all(row["reference_vs_float64"]["ok"] for row in rows)
     assert all(row[b] == {"absent": "no CUDA device"} for row in rows for b in ("scaled_mm", "deep_gemm"))
     assert r["collectives"]["nccl"] == {"absent": "no CUDA device"}
     gloo = r["collectives"]["gloo"]
     assert gloo["ok"] and gloo["all_to_all_uneven"] and gloo["all_gather_backward"], gloo
+    assert r["weights"]["nccl"] == {"absent": "no CUDA device"}
+    assert r["weights"]["gloo"]["equal"] and r["weights"]["gloo"]["device"] == "cpu", r["weights"]
     r3 = r["r3"]  # bf16 against bf16 on CPU kernels: agreement is near-exact (the figures are for a GPU)
     assert r3["ok"] and r3["mismatch_kl_no_replay"] >= 0 and r3["mismatch_kl_replay"] >= 0, r3
     assert 0.5 < r3["routing_agreement"] <= 1, r3

@@ -133,6 +133,7 @@ class CollectiveJoin(Msg):
     rank: int = Field(ge=1)
     epoch: int = Field(ge=1)
     timeout_s: float = Field(120.0, gt=0, le=3600)
+    backend: Literal["gloo", "nccl"] = "gloo"
 
 
 class CollectiveReceive(Msg):

@@ -33,6 +33,10 @@ class Receiver:
         self.received = 0  # versions staged from the collective
         self.receiving = -1  # tensors of the version on the wire so far (-1: no receive running)
 
+    def device(self) -> str:
+        """Where the staged tensors land: the model's device kind (the sender picks NCCL for "cuda")."""
+        return next(self.model.parameters()).device.type
+
     def join(self, info: GroupInfo) -> None:
         """Blocks until every member joined (or the group's timeout)."""
         with self.lock:

@@ -447,7 +447,7 @@ class ClusterCfg(Section):
     inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
     sandbox_port: int = Field(8900, gt=0, le=65535)  # the sandbox worker on each sandbox host
     engine_rpc_port: int = Field(13345, gt=0, le=65535)  # a multi-host engine's data-parallel RPC, on its leader
-    weight_transfer: Literal["http", "nccl"] = "http"  # nccl: broadcast from rank 0 (GPU backend issue)
+    weight_transfer: Literal["http", "nccl"] = "http"  # nccl: every trainer rank streams its share (not built)
     heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
     env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)
     # a folder every trainer host mounts at this path (NFS, Lustre): checkpoints of a trainer spanning
@@ -609,8 +609,9 @@ class Recipe(Section):
         them (the flagship plan needs them), `prl run` refuses them before starting anything."""
         out = []
         if self.cluster is not None and self.cluster.weight_transfer == "nccl":
-            out.append("cluster.weight_transfer = 'nccl' needs NCCL on GPUs (not built yet; gloo is: "
-                       "trainer.weight_transfer = 'collective'); use 'http'")
+            out.append("cluster.weight_transfer = 'nccl': every trainer rank streaming its share, each serving GPU "
+                       "taking only its own, is not built yet (trainer.weight_transfer = 'collective' is: whole "
+                       "versions from trainer rank 0, over NCCL where every member holds a GPU); use 'http'")
         pool = self.inference.kv_pool
         if pool.enabled and pool.protocol == "rdma":
             out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")

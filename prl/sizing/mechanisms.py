@@ -27,9 +27,11 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "mtp": (PLANNED, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config, "
                      "and logprobs, versions and routed experts of accepted draft tokens are checked (GPU only)"),
     "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
-    "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights into the servers over "
-                                    "NCCL (cluster.weight_transfer = 'nccl'; the gloo broadcast from rank 0 is built "
-                                    "for the embedded engine and vLLM: trainer.weight_transfer = 'collective')"),
+    "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights over NCCL and each "
+                                    "serving GPU takes only its own (cluster.weight_transfer = 'nccl'); built: the "
+                                    "broadcast of whole versions from trainer rank 0, NCCL on GPUs and gloo on CPU, "
+                                    "into the embedded engine and vLLM (trainer.weight_transfer = 'collective'), "
+                                    "staged whole on each receiver, which a 744B version does not fit"),
     "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
     "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
     "fused_dsa": (PLANNED, "fused sparse-attention and indexer kernels in the trainer (FlashMLA / DeepGEMM): the "

@@ -121,7 +121,7 @@ class Trainer:
             return [ports.url_of(cfg.run_dir, f"inference-{i}", u) for i, u in enumerate(cfg.servers)]
 
         return weight_sink("collective", root=root, keep=keep, servers=servers, secret=cfg.secret(), host=cfg.host,
-                           timeout_s=self.tcfg.weight_transfer_timeout_s)
+                           timeout_s=self.tcfg.weight_transfer_timeout_s, device=self.device.type)
 
     def make_optimizer(self, lr: float, total_steps: int):
         opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay)

@@ -1,6 +1,7 @@
 """The collective weight path: trainer rank 0 broadcasts each published bucket straight into the
-inference servers' memory over one process group (gloo on CPU; NCCL is the same protocol on GPU
-tensors, not built yet), beside the sealed folder, which stays the fallback.
+inference servers' memory over one process group, beside the sealed folder, which stays the fallback.
+The group is NCCL when the trainer and every server hold CUDA devices (each member broadcasts from and
+into its own current GPU), else gloo on CPU tensors (`pick_backend`); the protocol is the same.
 
 The group: trainer rank 0 is rank 0 and hosts its rendezvous store (`CollectiveSink.form`); each
 server brings as many ranks as it has receiving processes (`/weights/collective/members`: 1 for the
@@ -24,8 +25,10 @@ broadcasts each bucket; a failure to reach a server costs the collective for tha
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,18 +60,77 @@ class GroupInfo:
     rank: int
     epoch: int
     timeout_s: float = 120.0
+    backend: str = "gloo"  # or "nccl" (`pick_backend`)
+
+
+def local_device() -> str:
+    """The kind of device this process's tensors would sit on: what a member tells the sender."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_backend(sender: str, members: list[str], nccl: bool | None = None) -> str:
+    """NCCL when the sender and every member hold CUDA devices and this torch has NCCL; gloo otherwise
+    (a CPU member, or a CUDA trainer sending to CPU servers: the buckets go through host memory)."""
+    nccl = dist.is_nccl_available() if nccl is None else nccl
+    return "nccl" if nccl and sender == "cuda" and members and all(m == "cuda" for m in members) else "gloo"
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_backend(backend: str) -> None:
+    """Before anything connects: a backend this process can join."""
+    if backend not in ("gloo", "nccl"):
+        raise WireError(f"weight group backend {backend!r}: expected 'gloo' or 'nccl'")
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise WireError("an NCCL weight group needs CUDA and a torch built with NCCL; this process has "
+                        f"cuda={torch.cuda.is_available()}, nccl={dist.is_nccl_available()}")
+
+
+def nccl_group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta):
+    """An NCCL group on this process's current GPU. Its waits block and raise after `timeout` (a sender
+    that dies mid-version fails the receive instead of hanging the GPU stream), and its watchdog only
+    cleans up: it never kills the server it runs in (both settings are read when the group is built)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    with _env(TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+        pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    return pg, torch.device("cuda", torch.cuda.current_device())
 
 
 class Wire:
     """One formed group: rank 0 broadcasts, every other rank receives."""
 
     def __init__(self, info: GroupInfo, store: dist.Store | None = None):
+        check_backend(info.backend)
         timeout = datetime.timedelta(seconds=info.timeout_s)
         if store is None:  # a server joins the trainer's store
             store = dist.TCPStore(info.addr, info.port, info.world, is_master=False, timeout=timeout)
         self.info, self.store = info, store
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"prl-weights-{info.epoch}", store), info.rank, info.world,
-                                        timeout)
+        prefix = dist.PrefixStore(f"prl-weights-{info.epoch}", store)
+        self.device = torch.device("cpu")
+        if info.backend == "nccl":
+            self.pg, self.device = nccl_group(prefix, info.rank, info.world, timeout)
+            self._bcast(torch.zeros(1, device=self.device))  # NCCL connects lazily: join only once all are in
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, info.rank, info.world, timeout)
+
+    def _here(self):
+        """This group's GPU as the thread's current device (a receive runs on a staging thread, whose
+        current device is not the worker's); nothing on CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _bcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -77,22 +139,31 @@ class Wire:
 
     def _header(self, header: dict) -> None:
         raw = json.dumps(header).encode()
-        self._bcast(torch.tensor([len(raw)], dtype=torch.int64))
-        self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self._bcast(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
+        self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device))
 
     def send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
         """Broadcast one bucket; returns its bytes."""
-        parts = {k: v.detach().contiguous().cpu() for k, v in bucket.items()}
+        with self._here():
+            return self._send_bucket(bucket)
+
+    def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        parts = {k: v.detach().to(self.device).contiguous() for k, v in bucket.items()}
         self._header({"tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in parts.items()]})
         for v in parts.values():
             self._bcast(v.reshape(-1).view(torch.uint8))
         return sum(v.numel() * v.element_size() for v in parts.values())
 
     def send_end(self, meta: dict) -> None:
-        self._header({"end": True, "meta": meta})
+        with self._here():
+            self._header({"end": True, "meta": meta})
 
     def receive(self, expected: dict[str, tuple[list[int], int]], on_tensor=None) -> tuple[dict[str, torch.Tensor], dict]:
         """One version: (tensors, meta). `expected`: name -> (shape, max bytes) it may have."""
+        with self._here():
+            return self._receive(expected, on_tensor)
+
+    def _receive(self, expected, on_tensor) -> tuple[dict[str, torch.Tensor], dict]:
         out: dict[str, torch.Tensor] = {}
         while True:
             header = self._recv_header()
@@ -104,14 +175,14 @@ class Wire:
                     on_tensor()
 
     def _recv_header(self) -> dict:
-        n = torch.zeros(1, dtype=torch.int64)
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._bcast(n)
         if not 0 < int(n) <= MAX_HEADER:
             raise WireError(f"a bucket header of {int(n)} bytes (at most {MAX_HEADER})")
-        raw = torch.empty(int(n), dtype=torch.uint8)
+        raw = torch.empty(int(n), dtype=torch.uint8, device=self.device)
         self._bcast(raw)
         try:
-            return json.loads(bytes(raw.numpy()))
+            return json.loads(bytes(raw.cpu().numpy()))
         except ValueError as e:
             raise WireError(f"an unreadable bucket header: {e}") from None
 
@@ -123,7 +194,7 @@ class Wire:
         size = int(torch.Size(shape).numel()) * t.element_size()
         if (want is not None and list(shape) != list(want)) or size > limit:
             raise WireError(f"tensor {name!r}: shape {shape}, the model's is {want} ({size} bytes, at most {limit})")
-        raw = torch.empty(size, dtype=torch.uint8)
+        raw = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._bcast(raw)
         return raw.view(DTYPES[dtype]).reshape(shape)
 
@@ -147,6 +218,7 @@ class Delivery:
     """What one version's broadcast did (logged by the trainer)."""
 
     version: int
+    backend: str = ""  # of the group that carried it ("": none formed)
     servers: int = 0  # servers that staged it from the collective
     bytes: int = 0
     send_s: float = 0.0
@@ -156,13 +228,16 @@ class Delivery:
 
 @register_sink("collective")
 class CollectiveSink(WeightSink):
-    """`FolderSink` plus a broadcast of every bucket to the servers (`servers()`: their base URLs now)."""
+    """`FolderSink` plus a broadcast of every bucket to the servers (`servers()`: their base URLs now).
+    `device`: where the trainer's buckets sit ("cuda" with CUDA servers makes the group NCCL)."""
 
-    def __init__(self, root: Path, keep: int, servers, secret: str, host: str, timeout_s: float = 120.0):
+    def __init__(self, root: Path, keep: int, servers, secret: str, host: str, timeout_s: float = 120.0,
+                 device: str = "cpu"):
         self.folder = FolderSink(root, keep)
-        self.servers, self.host, self.timeout_s = servers, host, timeout_s
+        self.servers, self.host, self.timeout_s, self.device = servers, host, timeout_s, device
         self.headers = {"Authorization": f"Bearer {secret}"}
         self.wire: Wire | None = None
+        self.nccl_failed = False  # an NCCL group failed to form once: gloo from then on
         self.epoch = 0
         self.threads: list[threading.Thread] = []
         self.results: dict[str, str | None] = {}
@@ -175,6 +250,7 @@ class CollectiveSink(WeightSink):
             if self.wire is None:
                 self.form()
             self.start_receives(version)
+            self.last.backend = self.wire.info.backend
         except Exception as e:  # noqa: BLE001 - any failure to reach the servers: the folder serves this version
             self.broken(f"forming the group: {type(e).__name__}: {e}")
 
@@ -204,22 +280,31 @@ class CollectiveSink(WeightSink):
         down = [u for u in urls if not self.healthy(u)]
         if down:  # known now: no group can form (a join would wait out the timeout)
             raise WireError(f"servers not answering /health: {down}")
-        counts = [self.members(u) for u in urls]  # a server's ranks: its workers (vLLM: tp x dp), else 1
+        answers = [self.members(u) for u in urls]  # a server's ranks: its workers (vLLM: tp x dp), else 1
+        counts = [n for n, _ in answers]
+        backend = "gloo" if self.nccl_failed else pick_backend(self.device, [d for _, d in answers])
+        try:
+            self.wire = self.join_all(urls, counts, backend)
+        except Exception:
+            self.nccl_failed |= backend == "nccl"  # e.g. two members on one GPU: from now on through host memory
+            raise
+
+    def join_all(self, urls: list[str], counts: list[int], backend: str) -> Wire:
         firsts = [1 + sum(counts[:i]) for i in range(len(urls))]
         world = 1 + sum(counts)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         calls = [(u, "/weights/collective/join", {"addr": self.host, "port": store.port, "world": world, "rank": first,
-                                                  "epoch": self.epoch, "timeout_s": self.timeout_s})
+                                                  "epoch": self.epoch, "timeout_s": self.timeout_s, "backend": backend})
                  for u, first in zip(urls, firsts)]
         threads = self.call_all(calls)
-        wire = Wire(GroupInfo(self.host, store.port, world, 0, self.epoch, self.timeout_s), store)
+        wire = Wire(GroupInfo(self.host, store.port, world, 0, self.epoch, self.timeout_s, backend), store)
         for t in threads:
             t.join()
         failed = {u: e for u, e in self.results.items() if e}
         if failed:
             raise WireError(f"servers that did not join: {failed}")
-        self.wire = wire
+        return wire
 
     def start_receives(self, version: int) -> None:
         self.threads = self.call_all([(u, "/weights/collective/receive", {"version": version, "epoch": self.epoch})
@@ -234,13 +319,14 @@ class CollectiveSink(WeightSink):
         if self.last.failed and self.wire is not None:
             self.broken("; ".join(self.last.failed))
 
-    def members(self, url: str) -> int:
+    def members(self, url: str) -> tuple[int, str]:
+        """(ranks, device kind) a server brings to the group."""
         r = httpx.get(url + "/weights/collective/members", headers=self.headers, timeout=10.0)
         r.raise_for_status()
-        n = r.json().get("members")
-        if not isinstance(n, int) or not 1 <= n <= 4096:
+        n, device = r.json().get("members"), r.json().get("device", "cpu")
+        if not isinstance(n, int) or not 1 <= n <= 4096 or device not in ("cpu", "cuda"):
             raise WireError(f"{url}: /weights/collective/members answered {r.text[:100]}")
-        return n
+        return n, device
 
     def healthy(self, url: str) -> bool:
         try:

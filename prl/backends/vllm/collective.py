@@ -1,4 +1,5 @@
-"""vLLM's end of the collective weight path (`prl.transport.collective`), on gloo.
+"""vLLM's end of the collective weight path (`prl.transport.collective`): gloo on CPU, NCCL where the
+workers hold GPUs (each worker on its own).
 
 The trainer talks to a vLLM server as to the embedded one (`/weights/collective/members`, `join`,
 `receive`); prl's middleware in vLLM's API server (`prl.backends.vllm.auth`) answers those routes
@@ -21,7 +22,7 @@ import math
 import os
 
 from prl.backends.vllm.launch import replica_tp
-from prl.transport.collective import GroupInfo, Wire, WireError
+from prl.transport.collective import GroupInfo, Wire, WireError, local_device
 
 MEMBERS = "/weights/collective/members"
 JOIN = "/weights/collective/join"
@@ -32,7 +33,8 @@ PATHS = (MEMBERS, JOIN, RECEIVE)
 # ---------------------------------------------------------------- in the worker (plugin)
 def join(info, worker: int) -> Wire:
     """This worker's member of the trainer's group: rank = the server's first rank + its worker rank."""
-    return Wire(GroupInfo(info.addr, info.port, info.world, info.rank + worker, info.epoch, info.timeout_s))
+    return Wire(GroupInfo(info.addr, info.port, info.world, info.rank + worker, info.epoch, info.timeout_s,
+                          info.backend))
 
 
 def receive_read(engine, wire: Wire):
@@ -65,7 +67,7 @@ async def handle(request, cfg):
     from starlette.responses import JSONResponse
 
     if request.url.path == MEMBERS:
-        return JSONResponse({"members": members(cfg)})
+        return JSONResponse({"members": members(cfg), "device": local_device()})
     try:
         body = json.loads(await request.body() or b"{}")
         if request.url.path == JOIN:

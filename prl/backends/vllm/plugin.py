@@ -52,6 +52,7 @@ class PrlInitInfo(WeightTransferInitInfo):
     rank: int = 0
     epoch: int = 0
     timeout_s: float = 120.0
+    backend: str = "gloo"
     version: int = -1
 
 
