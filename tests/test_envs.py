@@ -290,6 +290,15 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert env.turn_rewards(ep, ex) == pytest.approx([0.5 / 3, 0.0, 0.6])
     env.fail_credit = 0.0  # env.fail_credit = 0: a failing program scores nothing, however close
     assert env.turn_rewards(ep, ex) == pytest.approx([0.0, 0.0, 0.6])
+    # minilang's outcome is a function of target and program: a program already run on this target is
+    # answered from the cache, the same answer; on another target it runs again
+    again = Episode([1])
+    assert tok.decode(asyncio.run(env.respond(again, " p abc ", ex))) == " got:abc want:cba="
+    assert again.stats["executions"] == 0 and again.stats["cached"] == 1 and again.attempts == [False]
+    other = Episode([1])
+    assert tok.decode(asyncio.run(env.respond(other, "p abc", {"prompt": "rev:cab=", "answer": "bac"}))) == \
+        " got:abc want:bac="
+    assert other.stats["executions"] == 1
 
 
 @pytest.mark.slow
@@ -309,7 +318,9 @@ def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):
     steps = [e for e in events if e["kind"] == "orch_step"]
     assert len(steps) == 2 and all(e["env_turns_mean"] >= 1 and e["env_model_tokens"] > 0 for e in steps)
     if recipe == "code-tiny":
-        assert all(e["sandbox_executions"] >= 32 for e in steps), steps  # every trajectory ran a program
+        # every trajectory ran a program (a repeat of one already run on the same target: from the cache)
+        assert all(e["sandbox_executions"] > 0 and e["sandbox_executions"] + e["sandbox_cached"] >= 32
+                   for e in steps), steps
     else:
         assert all("env_tool_calls_per_turn" in e for e in steps)
     assert sum(e["kind"] == "trainer_step" and e["stage"] == "rl" for e in events) == 2

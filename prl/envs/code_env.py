@@ -6,7 +6,9 @@ passes or at a limit. The reward comes from the final state: 1 for a passing pro
 the similarity of its output to the target (a program that cannot run: 0).
 
 Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
-prints `ok` or `got:... want:...` as a test runner would) and `python` (a Hugging Face model's
+prints `ok` or `got:... want:...` as a test runner would; its outcome is a function of the target and
+the program, so a program already run on the same target is answered from `ResultCache`, counted as
+`sandbox_cached`, and every distinct program still runs in the sandbox once) and `python` (a Hugging Face model's
 ```python block or its whole answer; it passes when its stdout, stripped, is the example's answer).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import OrderedDict
 from pathlib import Path
 
 from prl.envs.multi_turn import Episode, MultiTurnEnv
@@ -36,6 +39,26 @@ class LazySandbox:
 
             self.pool = SandboxPool.from_config(self.cfg)
         return await self.pool.run(code, **kw)
+class ResultCache:
+    """The last `size` outcomes of a deterministic harness, by (target, program)."""
+
+    def __init__(self, size: int = 4096):
+        self.size, self.items = size, OrderedDict()
+
+    def get(self, key):
+        hit = self.items.get(key)
+        if hit is not None:
+            self.items.move_to_end(key)
+        return hit
+
+    def put(self, key, result) -> None:
+        if result.timed_out or result.killed_reason:
+            return  # an outcome of the machine's load, not of the program
+        self.items[key] = result
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
@@ -45,11 +68,19 @@ class CodeEnv(MultiTurnEnv):
         super().__init__(**kw)
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
         self.attempt_penalty, self.fail_credit = attempt_penalty, fail_credit
+        self.cache = ResultCache() if language == "minilang" else None
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
-        result = await self.execute(text, example)
-        ep.stats["executions"] += 1
-        ep.stats["sandbox_s"] += result.wall_s
+        key = (example["answer"], text.strip())
+        result = self.cache.get(key) if self.cache is not None else None
+        if result is not None:
+            ep.stats["cached"] += 1
+        else:
+            result = await self.execute(text, example)
+            ep.stats["executions"] += 1
+            ep.stats["sandbox_s"] += result.wall_s
+            if self.cache is not None:
+                self.cache.put(key, result)
         if result.timed_out:
             ep.stats["timeouts"] += 1
         elif result.killed_reason:

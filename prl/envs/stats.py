@@ -27,6 +27,7 @@ def summarize(infos: list[dict]) -> dict:
     }
     if any("executions" in i for i in infos):
         out.update(sandbox_executions=sum(i.get("executions", 0) for i in infos),
+                   sandbox_cached=sum(i.get("cached", 0) for i in infos),
                    sandbox_timeouts=sum(i.get("timeouts", 0) for i in infos),
                    sandbox_kills=sum(i.get("kills", 0) for i in infos),
                    sandbox_s=round(sum(i.get("sandbox_s", 0.0) for i in infos), 3),
