@@ -1,7 +1,7 @@
 """prl's GPU paths, each against a reference it must equal: the FP8 GEMM backends (torch._scaled_mm with
 block scales, DeepGEMM) and the FP8 linear on CUDA; a training step's forward/backward on CUDA, and expert
 and context parallelism over NCCL (2 GPUs); the collective weight path on NCCL (2 GPUs); the trainer on CUDA; vLLM's CUDA build serving the trainer's
-logprobs and taking new weights.
+logprobs and taking new weights, and with an FP8 KV cache.
 
 Marked `gpu`: CPU CI deselects them (pyproject's addopts); `bin/gpu-check` runs them (`pytest -m gpu`)
 and prints which ran and passed. Each skips, saying why, where its path is not present (no CUDA device,
@@ -264,6 +264,28 @@ def test_vllm_on_cuda_serves_the_trainers_logprobs_and_takes_new_weights(tmp_pat
                 assert len(c.token_ids) == 24 and set(c.versions) == {version}
                 torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, PROMPT, c.token_ids),
                                            atol=1e-3, rtol=0)
+    finally:
+        srv.stop()
+
+
+
+def test_vllm_with_an_fp8_kv_cache_serves_close_to_the_trainers_logprobs(tmp_path):
+    """`inference.kv_cache_dtype = 'fp8'` (the launcher's --kv-cache-dtype fp8) on vLLM's CUDA build: the
+    server starts and its logprobs stay near the trainer's fp32 recomputation (FP8 keys and values move
+    them a little; a wrong scale would move them far)."""
+    from test_pretrained import make_pretrained
+    from test_vllm import PROMPT, call, hf_model, make, ready, reference_logprobs, req
+    from vllm_rig import require_cuda_vllm, start_server
+
+    require_cuda_vllm()
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder, inference__kv_cache_dtype="fp8")
+    try:
+        asyncio.run(ready(make(srv)))
+        model = hf_model(srv.run_dir / "model")
+        for c in call(srv, lambda b: b.generate(req(n=2))).completions:
+            gap = (torch.tensor(c.logprobs) - reference_logprobs(model, PROMPT, c.token_ids)).abs().max()
+            assert gap < 0.1, gap
     finally:
         srv.stop()
 

@@ -37,6 +37,11 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     assert cpu_binding(cfg, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == {}  # the run's environment wins
     refusal = SPEC.preflight(recipe, None)
     assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
+    kv = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.kv_cache_dtype='fp8'"])
+    assert not kv.not_built(), "the launcher passes --kv-cache-dtype"
+    cfg = next(c for c in resolve(kv, tmp_path, tmp_path / "secret") if c.role == "inference")
+    assert "--kv-cache-dtype fp8" in " ".join(vllm_args(cfg))
+    assert "inference.kv_cache_dtype = 'fp8'" in SPEC.preflight(kv, None)  # GPU servers only
 
 
 
@@ -56,7 +61,8 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
     (tmp_path / "r.toml").write_text(ROOT.joinpath("recipes/reverse-tiny-vllm.toml").read_text() + "\n[cluster]\n" + hosts)
     recipe = load_recipe(tmp_path / "r.toml", ["placement.trainer=['a']", "placement.inference=['b','c']",
                                                "placement.gpus_per_server=8", "inference.hosts_per_engine=2",
-                                               "inference.data_parallel_size=16", "inference.expert_parallel=true"])
+                                               "inference.data_parallel_size=16", "inference.expert_parallel=true",
+                                               "inference.kv_cache_dtype='fp8'"])
     configs = resolve(recipe, tmp_path)
     lead, worker = (c for c in configs if c.role in ("inference", "engine_worker"))
     assert (lead.name, lead.node, worker.name, worker.node, worker.engine) == ("inference-0", "b", "inference-0-host1", "c", "inference-0")
@@ -95,6 +101,7 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
         assert (a.data_parallel_size, a.data_parallel_size_local, a.data_parallel_address, a.data_parallel_rpc_port,
                 a.enable_expert_parallel, a.headless, a.data_parallel_start_rank) == (16, 8, "10.0.0.2", 13345, True,
                                                                                       headless, start)
+        assert a.kv_cache_dtype == "fp8"
 
 def per_engine(srv, metric: str) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {srv.secret}"}).text

@@ -22,8 +22,9 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "fp8_serving": (GPU, "prl's block-FP8 weights served by vLLM (inference.fp8): the layout from the model folder's "
                          "quantization_config, published per expert with 128x128 weight_scale_inv; loaded into "
                          "vLLM's own model classes on CPU, served on GPUs (or a CPU with AMX)"),
-    "fp8_kv": (PLANNED, "FP8 KV cache (inference.kv_cache_dtype): the launcher passes --kv-cache-dtype; vLLM's FP8 "
-                        "MLA + indexer cache runs on GPU only"),
+    "fp8_kv": (GPU, "FP8 KV cache (inference.kv_cache_dtype = 'fp8'): the launcher passes --kv-cache-dtype fp8 "
+                    "(command line tested with vLLM's parser); vLLM's FP8 MLA + indexer cache runs on GPU only, "
+                    "and its logprobs are checked by a gpu test"),
     "mtp": (PLANNED, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config, "
                      "and logprobs, versions and routed experts of accepted draft tokens are checked (GPU only)"),
     "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),

@@ -99,6 +99,8 @@ def layout_args(cfg: ServerConfig) -> list[str]:
             args += ["--headless", "--data-parallel-start-rank", str(cfg.start_rank)]
     if inf.expert_parallel and "enable_expert_parallel" not in given:
         args.append("--enable-expert-parallel")
+    if inf.kv_cache_dtype != "auto" and "kv_cache_dtype" not in given:  # fp8: MLA latent + DSA indexer keys in FP8
+        args += ["--kv-cache-dtype", inf.kv_cache_dtype]
     tp = replica_tp(cfg)
     if tp > 1 and not given & PARALLEL_ARGS:
         args += ["--tensor-parallel-size", str(tp)]  # a replica spans its share of placement.gpus_per_server

