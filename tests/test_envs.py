@@ -301,6 +301,30 @@ def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_
     assert other.stats["executions"] == 1
 
 
+def test_minilang_programs_arriving_together_share_a_sandbox_execution_each_with_its_own_answer():
+    """A group's programs go to the sandbox as one batch; each gets its own answer. A batch the sandbox
+    stops (here its output passes the cap) runs again one program at a time: same answers."""
+    from prl.envs.multi_turn import Episode
+
+    programs = ["p abc", "r abc", "q abc", "p cba, p x", "s cab"]
+    want = [" got:abc want:cba=", None, " err:unknown op q=", " got:cbax want:cba=", " got:abc want:cba="]
+    tok = char_tokenizer()
+    ex = {"prompt": "rev:abc=", "answer": "cba"}
+    for cap, runs in ((4096, 1), (48, 1 + len(programs))):
+        recipe = Recipe.model_validate({"env": {"kind": "code", "max_turns": 3, "max_total_tokens": 64,
+                                                "sandbox": {"max_output_bytes": cap}}})
+        env = make_env(recipe.env, recipe.task, 0, tok, recipe.sampling, 1, False)
+
+        async def group():
+            eps = [Episode([1]) for _ in programs]
+            return eps, await asyncio.gather(*(env.respond(ep, prog, ex) for ep, prog in zip(eps, programs)))
+
+        eps, replies = asyncio.run(group())
+        assert [r and tok.decode(r) for r in replies] == want, cap
+        assert [ep.attempts for ep in eps] == [[False], [True], [False], [False], [False]]
+        assert env.batcher.runs == runs, (cap, env.batcher.runs)  # one batch; or it, then each program alone
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["code-tiny"])  # tool calls end to end: the server-backed tests above
 def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):

@@ -8,12 +8,16 @@ the similarity of its output to the target (a program that cannot run: 0).
 Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
 prints `ok` or `got:... want:...` as a test runner would; its outcome is a function of the target and
 the program, so a program already run on the same target is answered from `ResultCache`, counted as
-`sandbox_cached`, and every distinct program still runs in the sandbox once) and `python` (a Hugging Face model's
+`sandbox_cached`, and every distinct program still runs in the sandbox once; programs arriving together
+share one sandbox execution, `MinilangBatcher`) and `python` (a Hugging Face model's
 ```python block or its whole answer; it passes when its stdout, stripped, is the example's answer).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import random
 import re
 from collections import OrderedDict
@@ -39,6 +43,71 @@ class LazySandbox:
 
             self.pool = SandboxPool.from_config(self.cfg)
         return await self.pool.run(code, **kw)
+class MinilangBatcher:
+    """minilang programs that arrive within `window_s` of each other (a group's members, every group in
+    flight) share one sandbox execution of the harness in batch mode, up to `max_batch` programs: the
+    programs are data to prl's interpreter, so sharing an execution shares nothing a program could
+    reach. Each program gets its own `Result` (its answer, its exit code, its share of the wall time);
+    a batch the sandbox stopped (timeout, output cap) or answered short is run again one program at a
+    time, so one bad batch never decides another program's outcome."""
+
+    def __init__(self, sandbox, window_s: float = 0.005, max_batch: int = 32):
+        self.sandbox, self.window_s, self.max_batch = sandbox, window_s, max_batch
+        self.pending: list[tuple[str, str, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.runs = 0  # sandbox executions (each a batch)
+
+    async def run(self, target: str, program: str):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((target, program, fut))
+        if len(self.pending) >= self.max_batch:
+            self.flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush)
+        return await fut
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            asyncio.ensure_future(self.execute(batch))
+
+    async def execute(self, batch) -> None:
+        try:
+            results = await self.answers([(t, p) for t, p, _ in batch])
+        except BaseException as e:  # noqa: BLE001 - every waiting program gets the error (no worker, cancelled)
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (*_, fut), result in zip(batch, results):
+            if not fut.done():
+                fut.set_result(result)
+
+    async def answers(self, items: list[tuple[str, str]]) -> list:
+        if len(items) == 1:
+            return [await self.one(*items[0])]
+        stdin = "#batch\n" + "\n".join(json.dumps({"target": t, "program": p.strip()}) for t, p in items)
+        res = await self.sandbox.run(HARNESS, language="python", stdin=stdin)
+        self.runs += 1
+        lines = res.stdout.splitlines()
+        if not res.ok or len(lines) != len(items):
+            return [await self.one(t, p) for t, p in items]
+        share = res.wall_s / len(items)
+        out = []
+        for line in lines:
+            answer = json.loads(line)
+            out.append(dataclasses.replace(res, exit_code=int(answer["code"]), stdout=str(answer["out"]) + "\n",
+                                           wall_s=share, cpu_s=res.cpu_s / len(items)))
+        return out
+
+    async def one(self, target: str, program: str):
+        self.runs += 1
+        return await self.sandbox.run(HARNESS, language="python", stdin=f"{target}\n{program.strip()}")
+
+
 class ResultCache:
     """The last `size` outcomes of a deterministic harness, by (target, program)."""
 
@@ -69,6 +138,7 @@ class CodeEnv(MultiTurnEnv):
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
         self.attempt_penalty, self.fail_credit = attempt_penalty, fail_credit
         self.cache = ResultCache() if language == "minilang" else None
+        self.batcher = MinilangBatcher(sandbox) if language == "minilang" else None
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
         key = (example["answer"], text.strip())
@@ -96,7 +166,7 @@ class CodeEnv(MultiTurnEnv):
 
     async def execute(self, text: str, example: dict):
         if self.language == "minilang":
-            return await self.sandbox.run(HARNESS, language="python", stdin=f"{example['answer']}\n{text.strip()}")
+            return await self.batcher.run(example["answer"], text)
         m = FENCE.search(text)
         return await self.sandbox.run(m.group(1) if m else text, language="python")
 

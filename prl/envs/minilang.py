@@ -6,6 +6,10 @@ it reversed, `s WORD` prints its letters sorted; the outputs are joined. The har
 on stdin's first line and the program after it, runs the program, and prints `ok` (exit 0) when the
 output is the target, else `got:OUTPUT want:TARGET` (exit 1), or `err:...` for a program it cannot
 run (exit 2), as a test runner would.
+
+Batch mode (stdin's first line `#batch`, then one JSON object `{"target": ..., "program": ...}` a
+line): each program runs as above and its answer is one JSON line `{"out": ..., "code": ...}`. The
+programs are data to this interpreter, so many can share one sandbox execution (`prl.envs.code_env`).
 """
 
 import sys
@@ -29,18 +33,29 @@ def run(program: str) -> str:
     return "".join(out)
 
 
-def main() -> int:
-    target, _, program = sys.stdin.read().partition("\n")
+def judge(target: str, program: str) -> tuple[str, int]:
     try:
         got = run(program.strip())
     except ValueError as e:
-        print(f"err:{e}")
-        return 2
+        return f"err:{e}", 2
     if got == target.strip():
-        print("ok")
+        return "ok", 0
+    return f"got:{got} want:{target.strip()}", 1
+
+
+def main() -> int:
+    target, _, program = sys.stdin.read().partition("\n")
+    if target.strip() == "#batch":
+        import json
+
+        for line in program.splitlines():
+            item = json.loads(line)
+            out, code = judge(str(item["target"]), str(item["program"]))
+            print(json.dumps({"out": out, "code": code}))
         return 0
-    print(f"got:{got} want:{target.strip()}")
-    return 1
+    out, code = judge(target, program)
+    print(out)
+    return code
 
 
 if __name__ == "__main__":
