@@ -34,14 +34,14 @@ class Receiver:
         self.receiving = -1  # tensors of the version on the wire so far (-1: no receive running)
 
     def device(self) -> str:
-        """Where the staged tensors land: the model's device kind (the sender picks NCCL for "cuda")."""
+        """The model's device kind, which the sender picks the group's backend by ("cuda": NCCL)."""
         return next(self.model.parameters()).device.type
 
     def join(self, info: GroupInfo) -> None:
         """Blocks until every member joined (or the group's timeout)."""
         with self.lock:
             self.wire = None
-            self.wire = Wire(info)
+            self.wire = Wire(info, device=next(self.model.parameters()).device)
 
     def receive(self, version: int, epoch: int) -> dict:
         with self.lock:
@@ -55,7 +55,7 @@ class Receiver:
                     raise WireError(f"the wire carried v{meta.get('version')}, not v{version}")
                 policy = make_policy(self.model, tensors, version, f"v{version} from the collective")
             except (RuntimeError, WeightLoadError, ValueError, TypeError, KeyError) as e:  # gloo: RuntimeError
-                self.wire.close()  # the group goes now: the sender fails at once, not after its timeout
+                self.wire.close()  # the group goes now: on gloo the sender fails at once (NCCL: at its timeout)
                 self.wire = None
                 raise ReceiveError(f"v{version}: {type(e).__name__}: {e}") from None
             finally:

@@ -252,7 +252,7 @@ class Trainer:
         sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
         if sent is not None:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
-                          send_s=sent.send_s, error=sent.error)
+                          send_s=sent.send_s, error=sent.error, backend=sent.backend)
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,

@@ -99,38 +99,60 @@ def check_backend(backend: str) -> None:
 
 
 def nccl_group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta):
-    """An NCCL group on this process's current GPU. Its waits block and raise after `timeout` (a sender
-    that dies mid-version fails the receive instead of hanging the GPU stream), and its watchdog only
-    cleans up: it never kills the server it runs in (both settings are read when the group is built)."""
+    """An NCCL group. Its waits block the calling thread and raise after `timeout` (a sender that dies
+    mid-version fails the receive instead of hanging), read when the group is built; with blocking
+    waits torch runs no watchdog that could kill the server the group lives in."""
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
     opts._timeout = timeout
     with _env(TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
-        pg = dist.ProcessGroupNCCL(store, rank, world, opts)
-    return pg, torch.device("cuda", torch.cuda.current_device())
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+
+
+def store_barrier(store: dist.Store, world: int, timeout_s: float) -> None:
+    """Every member reached this point, or a WireError after `timeout_s`. NCCL connects inside its first
+    collective with no timeout of its own, so a member that never comes must be found before that."""
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while (n := store.add("joined", 0)) < world:
+        if time.monotonic() > deadline:
+            raise WireError(f"{n} of {world} weight-group members joined within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 class Wire:
     """One formed group: rank 0 broadcasts, every other rank receives."""
 
-    def __init__(self, info: GroupInfo, store: dist.Store | None = None):
+    def __init__(self, info: GroupInfo, store: dist.Store | None = None, device: torch.device | str | None = None):
+        """`device`: where an NCCL member's buffers live (its model's GPU; default the current one)."""
         check_backend(info.backend)
         timeout = datetime.timedelta(seconds=info.timeout_s)
         if store is None:  # a server joins the trainer's store
             store = dist.TCPStore(info.addr, info.port, info.world, is_master=False, timeout=timeout)
         self.info, self.store = info, store
         prefix = dist.PrefixStore(f"prl-weights-{info.epoch}", store)
-        self.device = torch.device("cpu")
+        self.device, self.stream = torch.device("cpu"), None
         if info.backend == "nccl":
-            self.pg, self.device = nccl_group(prefix, info.rank, info.world, timeout)
-            self._bcast(torch.zeros(1, device=self.device))  # NCCL connects lazily: join only once all are in
+            self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+            self.stream = torch.cuda.Stream(self.device)  # its own: waits never stall the engine's stream
+            store_barrier(prefix, info.world, info.timeout_s)
+            self.pg = nccl_group(prefix, info.rank, info.world, timeout)
+            with self._here():
+                self._bcast(torch.zeros(1, device=self.device))  # NCCL connects here
         else:
             self.pg = dist.ProcessGroupGloo(prefix, info.rank, info.world, timeout)
 
+    @contextlib.contextmanager
     def _here(self):
-        """This group's GPU as the thread's current device (a receive runs on a staging thread, whose
-        current device is not the worker's); nothing on CPU."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        """This group's GPU and its own stream for the calling thread (a receive runs on a staging thread,
+        whose current device is not the worker's); nothing on CPU."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # a bucket made on the caller's stream
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
 
     def _bcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -196,9 +218,13 @@ class Wire:
             raise WireError(f"tensor {name!r}: shape {shape}, the model's is {want} ({size} bytes, at most {limit})")
         raw = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._bcast(raw)
+        if raw.is_cuda:  # staged in host memory, as on gloo: a whole version need not fit the GPU's free memory
+            raw = raw.cpu()
         return raw.view(DTYPES[dtype]).reshape(shape)
 
     def close(self) -> None:
+        if self.stream is not None and self.pg is not None:
+            self.pg.abort()  # NCCL: its communicator goes now, not when collected
         self.pg = self.store = None
 
 
@@ -285,8 +311,9 @@ class CollectiveSink(WeightSink):
         backend = "gloo" if self.nccl_failed else pick_backend(self.device, [d for _, d in answers])
         try:
             self.wire = self.join_all(urls, counts, backend)
-        except Exception:
-            self.nccl_failed |= backend == "nccl"  # e.g. two members on one GPU: from now on through host memory
+        except Exception as e:
+            if backend == "nccl" and "nccl" in str(e).lower():  # e.g. two members on one GPU: gloo from now on
+                self.nccl_failed = True
             raise
 
     def join_all(self, urls: list[str], counts: list[int], backend: str) -> Wire:
@@ -324,7 +351,7 @@ class CollectiveSink(WeightSink):
         r = httpx.get(url + "/weights/collective/members", headers=self.headers, timeout=10.0)
         r.raise_for_status()
         n, device = r.json().get("members"), r.json().get("device", "cpu")
-        if not isinstance(n, int) or not 1 <= n <= 4096 or device not in ("cpu", "cuda"):
+        if not isinstance(n, int) or not 1 <= n <= 4096 or not isinstance(device, str):
             raise WireError(f"{url}: /weights/collective/members answered {r.text[:100]}")
         return n, device
 

@@ -31,10 +31,11 @@ PATHS = (MEMBERS, JOIN, RECEIVE)
 
 
 # ---------------------------------------------------------------- in the worker (plugin)
-def join(info, worker: int) -> Wire:
-    """This worker's member of the trainer's group: rank = the server's first rank + its worker rank."""
+def join(info, worker: int, device) -> Wire:
+    """This worker's member of the trainer's group: rank = the server's first rank + its worker rank, on
+    the worker's own device (NCCL)."""
     return Wire(GroupInfo(info.addr, info.port, info.world, info.rank + worker, info.epoch, info.timeout_s,
-                          info.backend))
+                          info.backend), device=device)
 
 
 def receive_read(engine, wire: Wire):
@@ -47,7 +48,7 @@ def receive_read(engine, wire: Wire):
             engine.check(f"v{version} from the collective", tensors)
             return tensors
         except BaseException:
-            wire.close()  # drops the group now: the sender's broadcast fails at once instead of timing out
+            wire.close()  # drops the group now: on gloo the sender fails at once (NCCL: at its timeout)
             engine.wire = None
             raise
 

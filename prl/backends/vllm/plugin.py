@@ -91,7 +91,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         from prl.backends.vllm.collective import join, receive_read
 
         if init_info.kind == "join":
-            self.wire = join(init_info, self.member)
+            self.wire = join(init_info, self.member, self.device)
         elif init_info.kind == "receive":
             if self.wire is None or self.wire.info.epoch != init_info.epoch:
                 raise ValueError(f"{REJECTED}: not a member of weight group epoch {init_info.epoch}; form it anew")
