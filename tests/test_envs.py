@@ -348,3 +348,17 @@ def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):
     else:
         assert all("env_tool_calls_per_turn" in e for e in steps)
     assert sum(e["kind"] == "trainer_step" and e["stage"] == "rl" for e in events) == 2
+
+
+def test_a_code_demonstrations_failing_attempt_is_a_near_miss_and_never_the_answer():
+    import random
+
+    from prl.envs.code_env import mistake
+    from prl.tasks.builtin import edit_similarity
+
+    rng = random.Random(0)
+    for word in ["a", "ab", "aaa", "abc", "cbadfe"] * 40:
+        wrong = mistake(word, rng)
+        assert wrong and wrong != word, word
+        if len(set(word)) > 1 and sorted(wrong) != sorted(word):  # a shuffle may be far; the edits are near
+            assert edit_similarity(wrong, {"answer": word}) >= 0.5, (word, wrong)

@@ -131,6 +131,28 @@ class ResultCache:
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
+def mistake(answer: str, rng: random.Random) -> str:
+    """A wrong output near `answer`: a letter dropped, doubled or changed, two neighbours swapped, or
+    the letters shuffled; never the answer itself."""
+    letters = sorted(set(answer)) + ["a", "e", "z"]
+    for _ in range(20):
+        i = rng.randrange(len(answer))
+        kind = rng.choice(["drop", "double", "change", "swap", "shuffle"])
+        if kind == "drop" and len(answer) > 1:
+            wrong = answer[:i] + answer[i + 1:]
+        elif kind == "double":
+            wrong = answer[:i + 1] + answer[i:]
+        elif kind == "change":
+            wrong = answer[:i] + rng.choice(letters) + answer[i + 1:]
+        elif kind == "swap" and i + 1 < len(answer):
+            wrong = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
+        else:
+            wrong = "".join(rng.sample(answer, len(answer)))
+        if wrong and wrong != answer:
+            return wrong
+    return answer + answer[-1]
+
+
 class CodeEnv(MultiTurnEnv):
     def __init__(self, sandbox, language: str, max_env_chars: int, attempt_penalty: float = 0.0,
                  fail_credit: float = 0.5, **kw):
@@ -185,14 +207,13 @@ class CodeEnv(MultiTurnEnv):
 
     def demonstration(self, index: int):
         """A passing program; for half the examples first a failing one (context only, not learned),
-        the harness's real feedback on it, then the fix."""
+        the harness's real feedback on it, then the fix. The failing one makes a mistake of the kind
+        a model makes (`mistake`), so the fix is learned in the contexts RL will meet."""
         example, rng = self.task.example(index), random.Random(index)
         ep = Episode(self.prompt_ids(example))
         answer = example["answer"]
-        if rng.random() < 0.5 and len(set(answer)) > 1:
-            wrong = "".join(rng.sample(answer, len(answer)))
-            while wrong == answer:
-                wrong = "".join(rng.sample(answer, len(answer)))
+        if rng.random() < 0.5:
+            wrong = mistake(answer, rng)
             self.model_turn(ep, self.program(wrong), learn=False)
             self.env_turn(ep, self.fmt.reply_ids("feedback", self.expected_feedback(wrong, answer)))
         self.model_turn(ep, self.program(answer))
