@@ -26,6 +26,28 @@ def rewards_per_step(run_dir: Path) -> list[float]:
     return RunState().update_from(run_dir / "metrics.jsonl").reward_curve()
 
 
+def per_10(rows: list[dict], key: str) -> list[float]:
+    vals = [r.get(key) for r in rows]
+    out = []
+    for i in range(0, len(vals), 10):
+        got = [v for v in vals[i:i + 10] if v is not None]
+        out.append(round(sum(got) / len(got), 3) if got else None)
+    return out
+
+
+def env_figures(run_dir: Path) -> dict:
+    """Agentic recipes: the RL phase's own time, and the code environment's success rates per 10 steps."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("kind") == "orch_step"]
+    out = {"rl_s": round(steps[-1]["t"] - steps[0]["t"], 1)} if len(steps) > 1 else {}
+    if any("first_attempt_success" in r for r in steps):
+        out["first_attempt_per_10"] = per_10(steps, "first_attempt_success")
+        out["second_turn_per_10"] = per_10(steps, "second_turn_success")
+    if any(r.get("env_tool_calls_per_turn") for r in steps):
+        out["tool_calls_per_turn_per_10"] = per_10(steps, "env_tool_calls_per_turn")
+    return out
+
+
 def one(recipe: str, overrides: list[str], out: Path) -> dict:
     name = Path(recipe).stem
     cmd = [str(ROOT / "bin" / "prl"), "run", recipe, "--no-tui", "--set", f"run.output_dir={out}",
@@ -41,7 +63,7 @@ def one(recipe: str, overrides: list[str], out: Path) -> dict:
     tens = [round(sum(per_step[i:i + 10]) / len(per_step[i:i + 10]), 3) for i in range(0, len(per_step), 10)]
     return {"first5": round(summary["first5_reward"], 3), "last5": round(summary["last5_reward"], 3),
             "improvement": round(summary["improvement"], 3), "rl_steps": summary["rl_steps"],
-            "wall_s": summary["wall_s"], "per_10_steps": tens}
+            "wall_s": summary["wall_s"], "per_10_steps": tens, **env_figures(run_dir)}
 
 
 def main() -> None:
@@ -55,7 +77,9 @@ def main() -> None:
             r = report[Path(recipe).stem] = one(recipe, args.overrides, Path(tmp))
             print(f"{recipe}: first 5 RL steps {r['first5']:.3f}, last 5 {r['last5']:.3f} "
                   f"({r['improvement']:+.3f}) over {r['rl_steps']} steps, {r['wall_s']:.0f} s; "
-                  f"per 10 steps {' '.join(f'{x:.2f}' for x in r['per_10_steps'])}", flush=True)
+                  f"per 10 steps {' '.join(f'{x:.2f}' for x in r['per_10_steps'])}"
+                  + "".join(f"; {k} {r[k]}" for k in ("rl_s", "first_attempt_per_10", "second_turn_per_10",
+                                                      "tool_calls_per_turn_per_10") if k in r), flush=True)
     print(json.dumps(report))
 
 
