@@ -362,3 +362,12 @@ def test_a_code_demonstrations_failing_attempt_is_a_near_miss_and_never_the_answ
         assert wrong and wrong != word, word
         if len(set(word)) > 1 and sorted(wrong) != sorted(word):  # a shuffle may be far; the edits are near
             assert edit_similarity(wrong, {"answer": word}) >= 0.5, (word, wrong)
+
+
+def test_the_lookup_reward_counts_characters_past_the_code_against_it():
+    from prl.tasks.lookup import reward
+
+    ex = {"answer": "50ae"}
+    assert reward("50ae", ex) == 1.0 and reward("50ax", ex) == 0.75
+    assert reward("50aexxxx", ex) == 0.5  # an answer that runs on scores less than a short wrong one
+    assert reward("", ex) == 0.0

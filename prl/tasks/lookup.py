@@ -23,6 +23,7 @@ def dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
 
 
 def reward(completion: str, example: dict) -> float:
-    """1 for the code, else the share of its four digits in place."""
+    """1 for the code, else its digits in place over the longer of answer and code: characters past the
+    code's four count against it (else an answer that never ends would score as well as a short one)."""
     got, want = completion.strip(), example["answer"]
-    return sum(a == b for a, b in zip(got, want)) / len(want) if got != want else 1.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want)) if got != want else 1.0
