@@ -315,14 +315,29 @@ def test_minilang_programs_arriving_together_share_a_sandbox_execution_each_with
                                                 "sandbox": {"max_output_bytes": cap}}})
         env = make_env(recipe.env, recipe.task, 0, tok, recipe.sampling, 1, False)
 
-        async def group():
+        async def group(env=env):
             eps = [Episode([1]) for _ in programs]
             return eps, await asyncio.gather(*(env.respond(ep, prog, ex) for ep, prog in zip(eps, programs)))
 
         eps, replies = asyncio.run(group())
         assert [r and tok.decode(r) for r in replies] == want, cap
         assert [ep.attempts for ep in eps] == [[False], [True], [False], [False], [False]]
-        assert env.batcher.runs == runs, (cap, env.batcher.runs)  # one batch; or it, then each program alone
+        assert env.minilang.runs == runs, (cap, env.minilang.runs)  # one batch; or it, then each program alone
+    # copies of one program written at the same moment (a group's members): it runs once, the copies wait
+    recipe = Recipe.model_validate({"env": {"kind": "code", "max_turns": 3, "max_total_tokens": 64}})
+    env = make_env(recipe.env, recipe.task, 0, tok, recipe.sampling, 1, False)
+
+    async def copies():
+        eps = [Episode([1]) for _ in range(4)]
+        await asyncio.gather(*(env.respond(ep, "p abc", ex) for ep in eps))
+        return eps
+
+    eps = asyncio.run(copies())
+    assert env.minilang.runs == 1 and sum(ep.stats["cached"] for ep in eps) == 3
+    from prl.envs.stats import summarize
+
+    step = summarize([env.info(ep) for ep in eps[1:]])  # a step of cache answers only still reports them
+    assert step["sandbox_cached"] == 3 and step["sandbox_executions"] == 0 and step["first_attempt_success"] == 0
 
 
 @pytest.mark.slow

@@ -7,27 +7,20 @@ the similarity of its output to the target (a program that cannot run: 0).
 
 Languages: `minilang` (prl's tiny language, `prl.envs.minilang`, for the tiny models; its harness
 prints `ok` or `got:... want:...` as a test runner would; its outcome is a function of the target and
-the program, so a program already run on the same target is answered from `ResultCache`, counted as
-`sandbox_cached`, and every distinct program still runs in the sandbox once; programs arriving together
-share one sandbox execution, `MinilangBatcher`) and `python` (a Hugging Face model's
+the program: `prl.envs.minilang_runner` answers repeats from a cache, counted as `sandbox_cached`, and
+runs programs arriving together in one sandbox execution) and `python` (a Hugging Face model's
 ```python block or its whole answer; it passes when its stdout, stripped, is the example's answer).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import random
 import re
-from collections import OrderedDict
-from pathlib import Path
 
+from prl.envs.minilang_runner import MinilangRunner
 from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.tools import cap
 from prl.tasks.builtin import edit_similarity
-
-HARNESS = (Path(__file__).parent / "minilang.py").read_text()
 
 
 class LazySandbox:
@@ -43,108 +36,27 @@ class LazySandbox:
 
             self.pool = SandboxPool.from_config(self.cfg)
         return await self.pool.run(code, **kw)
-class MinilangBatcher:
-    """minilang programs that arrive within `window_s` of each other (a group's members, every group in
-    flight) share one sandbox execution of the harness in batch mode, up to `max_batch` programs: the
-    programs are data to prl's interpreter, so sharing an execution shares nothing a program could
-    reach. Each program gets its own `Result` (its answer, its exit code, its share of the wall time);
-    a batch the sandbox stopped (timeout, output cap) or answered short is run again one program at a
-    time, so one bad batch never decides another program's outcome."""
-
-    def __init__(self, sandbox, window_s: float = 0.005, max_batch: int = 32):
-        self.sandbox, self.window_s, self.max_batch = sandbox, window_s, max_batch
-        self.pending: list[tuple[str, str, asyncio.Future]] = []
-        self.timer: asyncio.TimerHandle | None = None
-        self.runs = 0  # sandbox executions (each a batch)
-
-    async def run(self, target: str, program: str):
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append((target, program, fut))
-        if len(self.pending) >= self.max_batch:
-            self.flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush)
-        return await fut
-
-    def flush(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        batch, self.pending = self.pending, []
-        if batch:
-            asyncio.ensure_future(self.execute(batch))
-
-    async def execute(self, batch) -> None:
-        try:
-            results = await self.answers([(t, p) for t, p, _ in batch])
-        except BaseException as e:  # noqa: BLE001 - every waiting program gets the error (no worker, cancelled)
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-            return
-        for (*_, fut), result in zip(batch, results):
-            if not fut.done():
-                fut.set_result(result)
-
-    async def answers(self, items: list[tuple[str, str]]) -> list:
-        if len(items) == 1:
-            return [await self.one(*items[0])]
-        stdin = "#batch\n" + "\n".join(json.dumps({"target": t, "program": p.strip()}) for t, p in items)
-        res = await self.sandbox.run(HARNESS, language="python", stdin=stdin)
-        self.runs += 1
-        lines = res.stdout.splitlines()
-        if not res.ok or len(lines) != len(items):
-            return [await self.one(t, p) for t, p in items]
-        share = res.wall_s / len(items)
-        out = []
-        for line in lines:
-            answer = json.loads(line)
-            out.append(dataclasses.replace(res, exit_code=int(answer["code"]), stdout=str(answer["out"]) + "\n",
-                                           wall_s=share, cpu_s=res.cpu_s / len(items)))
-        return out
-
-    async def one(self, target: str, program: str):
-        self.runs += 1
-        return await self.sandbox.run(HARNESS, language="python", stdin=f"{target}\n{program.strip()}")
-
-
-class ResultCache:
-    """The last `size` outcomes of a deterministic harness, by (target, program)."""
-
-    def __init__(self, size: int = 4096):
-        self.size, self.items = size, OrderedDict()
-
-    def get(self, key):
-        hit = self.items.get(key)
-        if hit is not None:
-            self.items.move_to_end(key)
-        return hit
-
-    def put(self, key, result) -> None:
-        if result.timed_out or result.killed_reason:
-            return  # an outcome of the machine's load, not of the program
-        self.items[key] = result
-        if len(self.items) > self.size:
-            self.items.popitem(last=False)
-
-
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
 def mistake(answer: str, rng: random.Random) -> str:
     """A wrong output near `answer`: a letter dropped, doubled or changed, two neighbours swapped, or
     the letters shuffled; never the answer itself."""
+    if not answer:
+        return "a"
     letters = sorted(set(answer)) + ["a", "e", "z"]
     for _ in range(20):
         i = rng.randrange(len(answer))
         kind = rng.choice(["drop", "double", "change", "swap", "shuffle"])
-        if kind == "drop" and len(answer) > 1:
+        if kind == "drop":
             wrong = answer[:i] + answer[i + 1:]
         elif kind == "double":
             wrong = answer[:i + 1] + answer[i:]
         elif kind == "change":
             wrong = answer[:i] + rng.choice(letters) + answer[i + 1:]
-        elif kind == "swap" and i + 1 < len(answer):
+        elif kind == "swap":
+            if i + 1 >= len(answer):
+                continue
             wrong = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
         else:
             wrong = "".join(rng.sample(answer, len(answer)))
@@ -159,20 +71,15 @@ class CodeEnv(MultiTurnEnv):
         super().__init__(**kw)
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
         self.attempt_penalty, self.fail_credit = attempt_penalty, fail_credit
-        self.cache = ResultCache() if language == "minilang" else None
-        self.batcher = MinilangBatcher(sandbox) if language == "minilang" else None
+        self.minilang = MinilangRunner(sandbox) if language == "minilang" else None
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
-        key = (example["answer"], text.strip())
-        result = self.cache.get(key) if self.cache is not None else None
-        if result is not None:
+        result, cached = await self.execute(text, example)
+        if cached:
             ep.stats["cached"] += 1
         else:
-            result = await self.execute(text, example)
             ep.stats["executions"] += 1
             ep.stats["sandbox_s"] += result.wall_s
-            if self.cache is not None:
-                self.cache.put(key, result)
         if result.timed_out:
             ep.stats["timeouts"] += 1
         elif result.killed_reason:
@@ -187,10 +94,11 @@ class CodeEnv(MultiTurnEnv):
         return self.fmt.reply_ids("feedback", ep.replies[-1])
 
     async def execute(self, text: str, example: dict):
-        if self.language == "minilang":
-            return await self.batcher.run(example["answer"], text)
+        """(result, answered from the cache)."""
+        if self.minilang is not None:
+            return await self.minilang.run(example["answer"], text)
         m = FENCE.search(text)
-        return await self.sandbox.run(m.group(1) if m else text, language="python")
+        return await self.sandbox.run(m.group(1) if m else text, language="python"), False
 
     def passed(self, result, example: dict) -> bool:
         if self.language == "minilang":
