@@ -11,12 +11,9 @@ import random
 LETTERS = "abcdefgh"
 
 
-CODE_DIGITS = 2
-
-
 def get(key: str) -> str:
-    """The code of `key` (two hexadecimal digits)."""
-    return hashlib.sha256(f"prl-lookup:{key}".encode()).hexdigest()[:CODE_DIGITS]
+    """The code of `key` (four hexadecimal digits)."""
+    return hashlib.sha256(f"prl-lookup:{key}".encode()).hexdigest()[:4]
 
 
 def dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
