@@ -350,7 +350,8 @@ def test_the_agentic_recipes_run_end_to_end(tmp_path, recipe):
     from conftest import ROOT, prl_cmd
 
     p = subprocess.run(prl_cmd("run", ROOT / "recipes" / f"{recipe}.toml", "--no-tui", "--set", "sft.steps=3",
-                               "--set", "rl.max_steps=2", "--set", f"run.output_dir={tmp_path}"),
+                               "--set", "rl.max_steps=2", "--set", "rl.batch_size=32", "--set",
+                               "rl.max_inflight_rollouts=32", "--set", f"run.output_dir={tmp_path}"),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / recipe / "metrics.jsonl").read_text().splitlines()]
