@@ -1,7 +1,8 @@
 """The collective weight path: trainer rank 0 broadcasts each published bucket straight into the
 inference servers' memory over one process group, beside the sealed folder, which stays the fallback.
-The group is NCCL when the trainer and every server hold CUDA devices (each member broadcasts from and
-into its own current GPU), else gloo on CPU tensors (`pick_backend`); the protocol is the same.
+The group is NCCL when the trainer and every server hold CUDA devices (each member on its own GPU and
+CUDA stream, staging what it receives in host memory), else gloo on CPU tensors (`pick_backend`); the
+protocol is the same.
 
 The group: trainer rank 0 is rank 0 and hosts its rendezvous store (`CollectiveSink.form`); each
 server brings as many ranks as it has receiving processes (`/weights/collective/members`: 1 for the
