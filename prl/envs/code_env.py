@@ -36,6 +36,8 @@ class LazySandbox:
 
             self.pool = SandboxPool.from_config(self.cfg)
         return await self.pool.run(code, **kw)
+
+
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
