@@ -125,3 +125,22 @@ def test_warm_start_is_off_by_default_for_a_pretrained_model():
     assert SftCfg().steps_for(ModelCfg(path="/some/folder")) == 0
     assert SftCfg().steps_for(ModelCfg()) == 40
     assert SftCfg(steps=5).steps_for(ModelCfg(path="/some/folder")) == 5
+
+
+def test_a_tiny_model_folder_is_written_once_then_copied_from_the_cache(tmp_path, monkeypatch):
+    """transformers' config classes take seconds to import, so the files of a model section are kept
+    (keyed by the section, prl's code and the library versions) and copied: the same bytes."""
+    from prl.model.tiny import cache_dir, write_model_dir
+    from prl.recipe.schema import Recipe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = Recipe.model_validate({}).model
+    assert not cache_dir(model).exists()
+    first = write_model_dir(model, tmp_path / "a")
+    assert cache_dir(model).is_dir()
+    second = write_model_dir(model, tmp_path / "b")
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir()) and "config.json" in names
+    assert all((first / n).read_bytes() == (second / n).read_bytes() for n in names)
+    other = Recipe.model_validate({"model": {"num_layers": 2}}).model
+    assert cache_dir(other) != cache_dir(model)  # another section, another entry

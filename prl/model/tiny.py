@@ -9,6 +9,10 @@ keep the same keys (`prl.model.dsa` breaks the indexer's frequent score ties by 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
 from prl.recipe.schema import ModelCfg
@@ -104,7 +108,37 @@ def write_model_dir(cfg: ModelCfg, out: Path) -> Path:
         from prl.model.pretrained import link_pretrained
 
         return link_pretrained(Path(cfg.path), out)
+    cached = cache_dir(cfg)
+    if (cached / "config.json").is_file():  # transformers' config classes take seconds to import: same files
+        for f in cached.iterdir():
+            shutil.copyfile(f, out / f.name)
+        return out
     tok = char_tokenizer()
     tok.save_pretrained(out)
     tiny_config(cfg, len(tok)).save_pretrained(out)
+    fill_cache(out, cached)
     return out
+
+
+def cache_dir(cfg: ModelCfg) -> Path:
+    """Where the files of this model section are kept once written: keyed by the section, this file's
+    code and the transformers and tokenizers versions that wrote them ($XDG_CACHE_HOME/prl/tiny-models)."""
+    from importlib.metadata import version
+
+    key = json.dumps([cfg.model_dump(mode="json"), version("transformers"), version("tokenizers"),
+                      Path(__file__).read_text()], sort_keys=True)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "prl" / "tiny-models"
+    return root / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def fill_cache(written: Path, cached: Path) -> None:
+    """Best effort, atomic: a whole folder appears or none (another process may fill it first)."""
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in written.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        os.rename(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
