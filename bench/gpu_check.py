@@ -31,6 +31,7 @@ Every figure is printed and written as JSON (`--out`).
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -251,7 +252,8 @@ def weights_worker(rank: int, backend: str, port: int, result: str, mb: float, d
     dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                                       timeout=datetime.timedelta(seconds=60))
     wire = Wire(GroupInfo("127.0.0.1", port, 2, rank, 1, 20.0, backend), store)
     version = weight_version(mb, dev)
     if rank == 0:

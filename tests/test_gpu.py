@@ -201,13 +201,14 @@ def test_fp8_expert_parallel_on_nccl(moe_model_dir, tmp_path):
 # ---------------------------------------------------------------- the weight path on NCCL
 def test_a_version_crosses_an_nccl_weight_group_and_a_dead_sender_fails_the_receive():
     """`prl.transport.collective.Wire` on NCCL (a GPU per rank): a version of bf16, fp32 and FP8 tensors
-    arrives bit-equal in the receiver's GPU memory; a sender gone mid-version makes the receive raise
+    arrives bit-equal through the receiver's GPU (staged in its host memory, as `Wire` stages every
+    version); a sender gone mid-version makes the receive raise
     (blocking wait, the group's 20 s timeout) and the receiving process lives on to report it."""
     need(require_cuda, gpus=2)
     r = weights("nccl", 64)
-    assert r["equal"] and r["device"] == "cuda:1", r
+    assert r["equal"] and r["device"] == "cpu", r  # received on cuda:1, copied to host tensor by tensor
     dead = weights("nccl", 64, die=True)
-    assert "raised" in dead, dead
+    assert dead["ok"] and "raised" in dead, dead  # the group's error, not a protocol error
 
 
 # ---------------------------------------------------------------- the trainer on CUDA

@@ -33,15 +33,15 @@ class Receiver:
         self.received = 0  # versions staged from the collective
         self.receiving = -1  # tensors of the version on the wire so far (-1: no receive running)
 
-    def device(self) -> str:
-        """The model's device kind, which the sender picks the group's backend by ("cuda": NCCL)."""
-        return next(self.model.parameters()).device.type
+    def device(self):
+        """The model's device: an NCCL member's; its kind picks the group's backend ("cuda": NCCL)."""
+        return next(self.model.parameters()).device
 
     def join(self, info: GroupInfo) -> None:
         """Blocks until every member joined (or the group's timeout)."""
         with self.lock:
             self.wire = None
-            self.wire = Wire(info, device=next(self.model.parameters()).device)
+            self.wire = Wire(info, device=self.device())
 
     def receive(self, version: int, epoch: int) -> dict:
         with self.lock:
