@@ -37,9 +37,19 @@ class TrainerClient:
     async def close(self) -> None:
         await self.http.aclose()
 
+    def retarget(self) -> bool:
+        """Follow the endpoint to where it published that it listens, before every attempt: a listener
+        on the configured port may be another process that accepts and never answers. True if it moved."""
+        moved = self.locate() if self.locate else self.base_url
+        if moved == self.base_url:
+            return False
+        self.base_url = self.http.base_url = moved
+        return True
+
     async def _request(self, method: str, path: str, **kw) -> httpx.Response:
         deadline, delay, last = time.monotonic() + self.deadline_s, 0.1, ""
         while True:
+            self.retarget()
             try:
                 r = await self.http.request(method, path, **kw)
                 self.hung = False
@@ -49,9 +59,7 @@ class TrainerClient:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
-                moved = self.locate() if self.locate else self.base_url
-                if moved != self.base_url:  # it moved: not a hang, ask there now
-                    self.base_url = self.http.base_url = moved
+                if self.retarget():  # it moved: not a hang, ask there now
                     continue
                 if isinstance(e, httpx.TimeoutException) and not self.hung and self.on_hang:
                     self.hung = True
