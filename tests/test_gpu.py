@@ -16,10 +16,12 @@ Doubles as the torchrun script of the NCCL tests:
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -287,6 +289,57 @@ def test_vllm_with_an_fp8_kv_cache_serves_close_to_the_trainers_logprobs(tmp_pat
         for c in call(srv, lambda b: b.generate(req(n=2))).completions:
             gap = (torch.tensor(c.logprobs) - reference_logprobs(model, PROMPT, c.token_ids)).abs().max()
             assert gap < 0.1, gap
+    finally:
+        srv.stop()
+
+
+def mla_folder(out: Path) -> Path:
+    """A tiny DeepSeek-V3 (MLA attention with the latent and rope sizes vLLM's GPU MLA kernels take),
+    random weights, char tokenizer, and one MTP layer (`prl.model.mtp_weights.add_draft_layer`)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from prl.model.mtp_weights import add_draft_layer
+    from prl.model.tiny import char_tokenizer
+
+    tok = char_tokenizer()
+    config = DeepseekV3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                              topk_group=1, n_shared_experts=1, kv_lora_rank=512, q_lora_rank=192,
+                              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=1024,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, architectures=["DeepseekV3ForCausalLM"])
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    add_draft_layer(out)
+    return out
+
+
+def test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logprobs(tmp_path):
+    """`inference.mtp_tokens = 1` (the launcher's --speculative-config method mtp) on vLLM's CUDA build:
+    the folder's MTP layer drafts (vLLM counts draft tokens), and the tokens kept, drafted or not, carry
+    the target model's logprobs as the trainer recomputes them."""
+    from test_vllm import PROMPT, call, hf_model, make, ready, reference_logprobs, req
+    from vllm_rig import require_cuda_vllm, start_server
+
+    require_cuda_vllm((9, 0))
+    folder = mla_folder(tmp_path / "ds-mtp")
+    srv = start_server(tmp_path, folder, inference__mtp_tokens=1, inference__dtype="bfloat16")  # MLA kernels: 16-bit
+    try:
+        try:
+            asyncio.run(ready(make(srv)))
+        except Exception:
+            print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
+            raise
+        model = hf_model(srv.run_dir / "model")
+        for c in call(srv, lambda b: b.generate(req(n=2))).completions:
+            assert len(c.token_ids) == 24
+            gap = (torch.tensor(c.logprobs) - reference_logprobs(model, PROMPT, c.token_ids)).abs().max()
+            assert gap < 0.1, gap  # bf16 activations served, fp32 recomputation
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {srv.secret}"}).text
+        drafted = sum(float(v) for v in re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)", metrics, re.M))
+        assert drafted > 0, "no MTP draft tokens were proposed"
     finally:
         srv.stop()
 

@@ -62,8 +62,8 @@ class BackendSpec:
         """The server's command line; None: `python -m prl.inference --config CFG`."""
         return None
 
-    def client_options(self, tokenizer) -> dict:
-        """Keyword arguments its client needs beyond url and secret."""
+    def client_options(self, tokenizer, cfg) -> dict:
+        """Keyword arguments its client needs beyond url and secret (`cfg`: the orchestrator's config)."""
         return {}
 
     def make_client(self, base_url: str, secret: str, max_connections: int = 128, **options):

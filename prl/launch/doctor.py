@@ -154,6 +154,9 @@ def role_needs(recipe) -> dict[str, list[str]]:
     if recipe.model.path:
         for h in dict.fromkeys([*p.trainer, *p.inference]):
             needs.setdefault(h, []).append("model")
+        if recipe.inference.mtp_tokens:  # the servers draft with the folder's MTP layer
+            for h in p.inference:
+                needs[h].append("mtp")
     for package in registry.get(recipe.inference.backend).host_packages:
         for h in p.inference:
             needs.setdefault(h, []).append(package)
@@ -170,6 +173,23 @@ def model_check(host: Host, path: str) -> Check:
     return Check("model", r.code == 0, f"{path} has config and weights" if r.code == 0 else
                  f"model.path {path}: no config.json and safetensors weights on this host (the folder must "
                  f"exist at the same path on every trainer and inference host)")
+
+
+def mtp_check(host: Host, cfg: ClusterCfg, path: str) -> Check:
+    """`inference.mtp_tokens`: the host's copy of the folder has the MTP layer(s) its config declares."""
+    code = (f"from prl.model.pretrained import check_pretrained; i = check_pretrained({path!r}); "
+            "print(i.draft_layers, list(i.missing_draft))")
+    try:
+        r = host.run(_py(cfg, code), timeout=120)
+    except (HostError, subprocess.TimeoutExpired) as e:
+        return Check("model", False, f"could not read {path}'s MTP layers: {e}")
+    if r.code != 0:
+        return Check("model", False, f"model.path {path}: unreadable ({last_line(r)[:200]})")
+    layers, _, missing = r.stdout.strip().partition(" ")
+    if layers != "0":
+        return Check("model", True, f"{path} has {layers} MTP layer(s) for inference.mtp_tokens")
+    return Check("model", False, f"inference.mtp_tokens: {path} has no MTP layer on this host (config.json's "
+                                 f"num_nextn_predict_layers is 0 or absent; missing layers {missing}); use mtp_tokens = 0")
 
 
 def package_check(host: Host, cfg: ClusterCfg, name: str, extra: str, why: str, code: str | None = None,
@@ -250,6 +270,8 @@ def host_checks(host: Host, h: HostCfg, cfg: ClusterCfg, ports: list[int] | None
         out.append(port_check(host, h, cfg, ports))
     if "model" in needs and model_path:
         out.append(model_check(host, model_path))
+        if "mtp" in needs and out[-1].ok:
+            out.append(mtp_check(host, cfg, model_path))
     for name, extra in (n for n in needs if isinstance(n, tuple)):  # the backend's packages
         out.append(package_check(host, cfg, name, extra, "inference.backend"))
     for iso in (n.partition(":")[2] for n in needs if isinstance(n, str) and n.startswith("sandbox:")):

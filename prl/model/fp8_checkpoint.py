@@ -115,10 +115,14 @@ def to_fp8_checkpoint(model, part: dict[str, torch.Tensor], fp8_names: list[str]
 def serving_config(model) -> dict:
     """The `quantization_config` under which an engine (vLLM's `Fp8Config`) builds exactly the FP8
     layers prl publishes: `modules_to_not_convert` names every module whose weight stays in high
-    precision (routers, embeddings, head, the indexer, kept linears and expert stacks)."""
+    precision (routers, embeddings, head, the indexer, kept linears and expert stacks), the same in a
+    checkpoint's MTP draft layers (`prl.model.mtp`)."""
+    from prl.model.mtp import draft_kept_modules
+
     fp8 = set(apply_fp8(model, swap=False)["fp8"])
-    kept = {name.rpartition(".")[0] for name, p in model.named_parameters() if p.dim() >= 2}
-    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(kept - fp8)}
+    kept = sorted({name.rpartition(".")[0] for name, p in model.named_parameters() if p.dim() >= 2} - fp8)
+    drafts = draft_kept_modules(kept, model.config.to_dict())  # MTP layers: FP8 exactly where the last layer is
+    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(kept + drafts)}
 
 
 def write_serving_config(model_dir: str | Path, fp8: bool) -> dict | None:

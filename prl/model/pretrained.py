@@ -9,7 +9,8 @@ Rules:
   weight files: a 1.5 TB checkpoint is never copied, and on a cluster the path must exist on
   every host that trains or serves;
 - loading fails if any tensor is missing, unexpected or of the wrong shape: transformers would
-  otherwise random-init it silently, and step 0 would not train the model the user gave.
+  otherwise random-init it silently, and step 0 would not train the model the user gave. The one
+  exception is a checkpoint's MTP draft layers, set aside by name (`prl.model.mtp`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class FolderInfo:
     max_position_embeddings: int | None
     head_dim: int | None  # attention head size, where the config says (nested configs: None)
     num_experts: int | None = None  # routed experts per MoE layer, where the config says
+    draft_layers: int = 0  # MTP layers the config declares and the folder holds (`prl.model.mtp`)
+    missing_draft: tuple[int, ...] = ()  # MTP layers the config declares whose tensors are missing
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -105,12 +108,14 @@ def check_pretrained(folder: str | Path) -> FolderInfo:
         raise PretrainedError(f"{config_path}: no model_type; not a transformers model folder")
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise PretrainedError(f"{folder}: no tokenizer (tokenizer.json or tokenizer_config.json)")
+    from prl.model.mtp import draft_layers, missing_draft_layers
+
     files = weight_files(folder)
-    tensors = 0
-    for f in files:
-        tensors += sum(1 for k in read_header(f) if k != "__metadata__")
-    return FolderInfo(config["model_type"], files, tensors, sum(f.stat().st_size for f in files),
-                      config.get("max_position_embeddings"), attention_head_dim(config), routed_experts(config))
+    names = [k for f in files for k in read_header(f) if k != "__metadata__"]
+    missing = tuple(missing_draft_layers(names, config))
+    return FolderInfo(config["model_type"], files, len(names), sum(f.stat().st_size for f in files),
+                      config.get("max_position_embeddings"), attention_head_dim(config), routed_experts(config),
+                      len(draft_layers(config)) - len(missing), missing)
 
 
 def attention_head_dim(config: dict) -> int | None:
@@ -138,7 +143,17 @@ def load_pretrained(folder: Path, dtype):
     """`from_pretrained`, refusing a folder whose tensors do not match its config exactly."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    from transformers import AutoConfig
+
+    from prl.model.mtp import draft_layers
+
+    config = AutoConfig.from_pretrained(folder)
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    drafts = [rf"^model\.layers\.{i}\." for i in draft_layers(config.to_dict())]
+    if drafts:  # a checkpoint's MTP layers (`prl.model.mtp`): not trained, set aside by name, not reported
+        cls = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected":
+                                          [*(cls._keys_to_ignore_on_load_unexpected or []), *drafts]})
+    model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
         detail = "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in problems.items())

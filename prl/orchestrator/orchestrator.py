@@ -145,7 +145,7 @@ class Orchestrator:
 
     def backend(self, index: int, url: str) -> InferenceBackend:
         spec, conns = registry.get(self.cfg.backend), self.rl.max_inflight_rollouts + 8
-        client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer))
+        client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer, self.cfg))
         client.locate = self.locator(f"inference-{index}", url)
         return client
 

@@ -113,6 +113,7 @@ class OrchestratorConfig(RoleConfig):
     sandboxes: list[str] = []  # env.kind = "code": the sandbox workers' base URLs
     data_parallel: int = 1  # trainer ranks that take their own micro-batches (packed for them)
     micro_batch_tokens: int = 4096
+    draft_weights: bool = False  # vLLM MTP on dummy-started (FP8) servers: load the drafter after the first version
 
 
 class TrainerConfig(RoleConfig):

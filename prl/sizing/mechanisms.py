@@ -25,8 +25,10 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "fp8_kv": (GPU, "FP8 KV cache (inference.kv_cache_dtype = 'fp8'): the launcher passes --kv-cache-dtype fp8 "
                     "(command line tested with vLLM's parser); vLLM's FP8 MLA + indexer cache runs on GPU only, "
                     "and its logprobs are checked by a gpu test"),
-    "mtp": (PLANNED, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config, "
-                     "and logprobs, versions and routed experts of accepted draft tokens are checked (GPU only)"),
+    "mtp": (GPU, "MTP speculative decoding (inference.mtp_tokens): the launcher passes vLLM's speculative config "
+                 "(method mtp), the checkpoint's MTP layer drafts; the trainer's loaders set its tensors aside; under "
+                 "FP8 serving the drafter gets the folder's draft layer, block-FP8 where the last layer is, after "
+                 "the first version (prl.model.mtp; CPU-tested up to vLLM, whose MLA drafters run on GPU only)"),
     "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
     "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights over NCCL and each "
                                     "serving GPU takes only its own (cluster.weight_transfer = 'nccl'); built: the "

@@ -27,6 +27,7 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prl.model.build import load_tokenizer
+    from prl.model.mtp_weights import copy_draft_layers
     from prl.trainer.checkpoint import read_model_state
 
     run_dir = Path(run_dir)
@@ -49,6 +50,7 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     else:
         model.save_pretrained(out)
     load_tokenizer(model_dir).save_pretrained(out)
+    copy_draft_layers(model_dir, out)  # MTP layers: not trained, kept so the export still drafts
     return out
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from prl.model import families
+from prl.model.mtp import draft_names
 from prl.model.pretrained import PretrainedError, weight_files
 from prl.parallel_dims import shard_layout
 
@@ -145,7 +146,7 @@ def load_sharded(model, folder: Path) -> int:
         if not direct:
             local.data.copy_(target)
         read += local.numel() * local.element_size()
-    unused = sorted(set(ckpt.entries) - used)
+    unused = sorted(set(ckpt.entries) - used - draft_names(ckpt.entries, model.config.to_dict()))  # MTP: not trained
     if unused:
         raise PretrainedError(f"{folder}: {len(unused)} tensors the model has no place for, e.g. {unused[:3]} "
                               f"(a different architecture or config?)")

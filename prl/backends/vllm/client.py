@@ -49,9 +49,12 @@ def parse_version(label: str) -> int:
 
 
 class VllmBackend(InferenceBackend):
-    def __init__(self, base_url: str, secret: str, max_connections: int = 128, eos_token_id: int | None = None):
+    def __init__(self, base_url: str, secret: str, max_connections: int = 128, eos_token_id: int | None = None,
+                 draft_weights: bool = False):
+        """`draft_weights`: the server drafts with MTP but started on dummy weights (FP8 serving): after
+        its first version, its drafter loads the model folder's draft layer (`prl.model.mtp`)."""
         super().__init__(base_url, secret, max_connections)
-        self.eos = eos_token_id
+        self.eos, self.draft_weights, self.drafted = eos_token_id, draft_weights, False
         self.salt_version = STARTUP_VERSION
         self.staged_version: int | None = None  # staged in an open weight-update session
         self._rate: list[tuple[float, float]] = []
@@ -123,6 +126,7 @@ class VllmBackend(InferenceBackend):
     def reset(self) -> None:
         super().reset()
         self.staged_version = None  # a restarted server holds no staged session
+        self.drafted = False  # nor its drafter's weights
         self.weight_loads, self.busy = 0, BusyClock()  # counted per server process, as the embedded engine does
 
     async def load_weights(self, version: int) -> float:
@@ -168,6 +172,8 @@ class VllmBackend(InferenceBackend):
             loading = True
             await self.update(version, "load")
             await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
+            if self.draft_weights and not self.drafted:
+                await self.load_draft(version)
         except ServerStuck:
             raise
         except WeightsRejected:
@@ -189,6 +195,14 @@ class VllmBackend(InferenceBackend):
         self.version = version
         self.weight_loads += 1
         return time.perf_counter() - t0
+
+    async def load_draft(self, version: int) -> None:
+        """The drafter's session (vLLM retargets prl's engine at the draft model): the folder's MTP layer,
+        read and checked by each worker, then loaded; once per server process, while it is paused."""
+        await self.weight_call("/start_draft_weight_update")
+        await self.update(version, "draft")
+        await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
+        self.drafted = True
 
     async def wait_staged(self, version: int, timeout: float = 600.0) -> None:
         """Poll prl's status route (not vLLM's engine loop) until every worker staged `version`."""

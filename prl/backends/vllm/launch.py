@@ -101,6 +101,9 @@ def layout_args(cfg: ServerConfig) -> list[str]:
         args.append("--enable-expert-parallel")
     if inf.kv_cache_dtype != "auto" and "kv_cache_dtype" not in given:  # fp8: MLA latent + DSA indexer keys in FP8
         args += ["--kv-cache-dtype", inf.kv_cache_dtype]
+    if inf.mtp_tokens and "speculative_config" not in given:  # the checkpoint's MTP layer drafts (prl.model.mtp)
+        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": inf.mtp_tokens},
+                                                    separators=(",", ":"))]
     tp = replica_tp(cfg)
     if tp > 1 and not given & PARALLEL_ARGS:
         args += ["--tensor-parallel-size", str(tp)]  # a replica spans its share of placement.gpus_per_server

