@@ -197,9 +197,17 @@ def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others(
                                   token_advantages=got[1]))
     assert arrays["advantages"] == [0.0] + [a if m else 0.0 for a, m in zip(got[1], s.mask)]
     assert turn_advantages([traj([1], [1.0]), Trajectory([1], [2], [0.0], [0], 0.0)]) is None
+    # tools: every turn carries the episode's score, compared within the same state (the tool results
+    # got so far): the answers to result "x" with each other, the one answer to "y" with itself
+    calls = [traj([1, 0, 1], [r, r]) for r in (0.9, 0.5, 0.1)]
+    for t, result in zip(calls, "xxy"):
+        t.turn_states = [(), (result,)]
+    mean, xs = (0.9 + 0.5 + 0.1) / 3, (0.9 + 0.5) / 2
+    want = [[0.9 - mean, 0.0, 0.9 - xs], [0.5 - mean, 0.0, 0.5 - xs], [0.1 - mean, 0.0, 0.0]]
+    assert [[round(a, 9) for a in row] for row in turn_advantages(calls)] == [[round(a, 9) for a in row] for row in want]
     from prl.recipe.schema import Recipe
 
-    with pytest.raises(ValueError, match="rl.credit = 'turn' needs an environment that scores each turn"):
+    with pytest.raises(ValueError, match="rl.credit = 'turn' needs a multi-turn environment"):
         Recipe.model_validate({"rl": {"credit": "turn"}})
     with pytest.raises(ValueError, match="has no effect with rl.credit = 'turn'"):
         Recipe.model_validate({"rl": {"credit": "turn", "loss_weighting": "sequence"},

@@ -387,3 +387,22 @@ def test_the_lookup_reward_counts_characters_past_the_code_against_it():
     assert reward("50ae", ex) == 1.0 and reward("50ax", ex) == 0.75
     assert reward("50aexxxx", ex) == 0.5  # an answer that runs on scores less than a short wrong one
     assert reward("", ex) == 0.0
+
+
+@pytest.mark.parametrize("recipe", ["tool-tiny", "code-tiny"])
+def test_the_agentic_recipes_sample_turns_as_long_as_their_demonstrations(recipe):
+    """A turn longer than `sampling.max_tokens` is cut while sampling: tool-tiny's 5-letter keys once lost
+    their end (`call:get abcde` is 14 tokens and the end-of-turn one, over a cap of 12), so RL could
+    never call with the key the warm start taught. The trainer says so at step 0 of the warm start."""
+    from conftest import ROOT
+
+    from prl.envs import make_env
+    from prl.model.tiny import char_tokenizer
+    from prl.recipe.load import load_recipe
+    from prl.trainer.trainer import model_turn_lengths
+
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.toml")
+    env = make_env(r.env, r.task, 0, char_tokenizer(), r.sampling, 1, False)
+    longest = max(max(model_turn_lengths(env.demonstration(i).mask)) for i in range(200))
+    assert longest <= r.sampling.max_tokens, (longest, r.sampling.max_tokens)
+    assert model_turn_lengths([1, 1, 0, 0, 1, 1, 1, 0, 1]) == [2, 3, 1]

@@ -43,6 +43,9 @@ class Trajectory:
     # multi-turn: what the episode would have scored had it ended after each model turn (code: each
     # attempt's own outcome), for per-turn credit (`rl.credit = "turn"`); None where it has no meaning
     turn_rewards: list[float] | None = None
+    # with turn_rewards: what the environment had answered before each model turn (hashable), so a
+    # turn is compared only with the members that reached it in the same state; None: by turn index
+    turn_states: list | None = None
 
 
 class Environment(abc.ABC):

@@ -95,7 +95,7 @@ class MultiTurnEnv(Environment):
             ep.add_env(reply)
         return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
                           routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
-                          turn_rewards=self.turn_rewards(ep, example))
+                          turn_rewards=self.turn_rewards(ep, example), turn_states=self.turn_states(ep))
 
     async def sample_turn(self, ep: Episode, sampler: Sampler) -> None:
         held = sum(len(r) for r in ep.routing)  # input positions whose routing this episode holds
@@ -114,6 +114,10 @@ class MultiTurnEnv(Environment):
 
     def turn_rewards(self, ep: Episode, example: dict) -> list[float] | None:
         """Per model turn, the score had the episode ended there (None: only the end is scored)."""
+        return None
+
+    def turn_states(self, ep: Episode) -> list | None:
+        """Per model turn, the state it started from, for its baseline (None: turns by index only)."""
         return None
 
     @staticmethod

@@ -46,6 +46,15 @@ class ToolEnv(MultiTurnEnv):
         self.model_turn(ep, example["answer"])
         return self.demo(ep)
 
+    def turn_rewards(self, ep: Episode, example: dict) -> list[float]:
+        """`rl.credit = "turn"`: every turn is credited with the episode's score, but against the members
+        that reached that turn with the same tool results (`turn_states`): an answer is judged by what it
+        made of the results it got, not by whether an earlier call fetched the right ones."""
+        return [self.score(ep, example)] * ep.turns
+
+    def turn_states(self, ep: Episode) -> list:
+        return [tuple(ep.replies[:k]) for k in range(ep.turns)]
+
     def score(self, ep: Episode, example: dict) -> float:
         if self.fmt.parse_calls(ep.last_text, self.toolbox.tools):
             return 0.0  # cut by a limit while still calling tools: no answer

@@ -53,24 +53,32 @@ def sequence_weighted(advantages: list[float], model_tokens: list[int]) -> list[
 
 
 def turn_advantages(trajs) -> list[list[float]] | None:
-    """`rl.credit = "turn"`: each model turn's tokens get that turn's reward (`Trajectory.turn_rewards`:
-    the score had the episode ended there) minus the mean of the same turn over the members that
-    reached it, so a failed first attempt is not credited with a later fix, and a fix is compared with
-    the other fixes. Per completion token (environment tokens 0); None when the environment does not
-    score turns."""
+    """`rl.credit = "turn"`: each model turn's tokens get that turn's reward (`Trajectory.turn_rewards`;
+    code: the score had the episode ended there) minus the mean of the same turn over the members that
+    reached it, in the same state where the environment says (`turn_states`: tools, the results got so
+    far), so a failed first attempt is not credited with a later fix, a fix is compared with the other
+    fixes, and an answer with the answers to the same tool results (alone in its state: 0). Per
+    completion token (environment tokens 0); None when the environment does not score turns."""
     if any(t.turn_rewards is None for t in trajs):
         return None
-    means = []
-    for k in range(max(len(t.turn_rewards) for t in trajs)):
-        rs = [t.turn_rewards[k] for t in trajs if len(t.turn_rewards) > k]
-        means.append(sum(rs) / len(rs))
+    def key(t, k):
+        return (k, t.turn_states[k]) if t.turn_states is not None else (k,)
+
+    groups: dict = {}
+    for t in trajs:
+        for k, r in enumerate(t.turn_rewards):
+            groups.setdefault(key(t, k), []).append(r)
     out = []
     for t in trajs:
         turn, prev, adv = -1, 0, []
         for m in t.mask if t.mask is not None else [1] * len(t.completion_ids):
             turn += bool(m and not prev)
             prev = m
-            adv.append(t.turn_rewards[turn] - means[turn] if m and 0 <= turn < len(t.turn_rewards) else 0.0)
+            if m and 0 <= turn < len(t.turn_rewards):
+                rs = groups[key(t, turn)]
+                adv.append(t.turn_rewards[turn] - sum(rs) / len(rs))
+            else:
+                adv.append(0.0)
         out.append(adv)
     return out
 

@@ -178,7 +178,8 @@ class RlCfg(Section):
     loss_weighting: Literal["token", "sequence"] = "token"
     # multi-turn credit: "trajectory" (every model token gets the trajectory's advantage) or "turn"
     # (each turn's tokens: its own outcome against the same turn of the group's other members, for
-    # environments that score turns, `env.kind = "code"`; prl.orchestrator.orchestrator.turn_advantages)
+    # multi-turn environments: `code` scores each attempt; `tools` compares a turn only with members
+    # that got the same tool results before it; prl.orchestrator.orchestrator.turn_advantages)
     credit: Literal["trajectory", "turn"] = "trajectory"
 
     @model_validator(mode="after")
@@ -659,9 +660,9 @@ class Recipe(Section):
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold one whole sample "
                 f"({longest} tokens)"
             )
-        if self.rl.credit == "turn" and self.env.kind != "code":
-            raise ValueError(f"rl.credit = 'turn' needs an environment that scores each turn (env.kind = 'code'); "
-                             f"env.kind = {self.env.kind!r} scores only the end: use 'trajectory'")
+        if self.rl.credit == "turn" and self.env.kind not in ("code", "tools"):
+            raise ValueError(f"rl.credit = 'turn' needs a multi-turn environment (env.kind = 'code' or 'tools'); "
+                             f"env.kind = {self.env.kind!r} has one turn: use 'trajectory'")
         if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
                              "carry their own advantage, compared within the same turn): use one of them")

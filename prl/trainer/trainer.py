@@ -172,12 +172,24 @@ class Trainer:
                        self.cfg.sampling, 1, False)
         for step in range(steps):
             t0 = time.perf_counter()
-            samples = [sft_sample(env.demonstration(step * sft.batch_size + i)) for i in range(sft.batch_size)]
+            demos = [env.demonstration(step * sft.batch_size + i) for i in range(sft.batch_size)]
+            if step == 0:
+                self.check_turn_lengths(demos)
+            samples = [sft_sample(d) for d in demos]
             mbs = pack(samples, self.dims.dp_size, self.tcfg.micro_batch_tokens)[self.dims.dp_rank(self.rank)]
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
             self.log_main("trainer_step", stage="sft", step=step, total=steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
+
+    def check_turn_lengths(self, demos) -> None:
+        """Say when demonstrations teach turns longer than `sampling.max_tokens`: sampling cuts such a
+        turn (a tool call loses its argument's end), so RL starts from what the warm start did not teach."""
+        cap = self.cfg.sampling.max_tokens
+        over = [d for d in demos if max(model_turn_lengths(d.mask or [1] * len(d.completion_ids)), default=0) > cap]
+        if over:
+            self.log_main("error", name="trainer", line=f"sft: {len(over)} of {len(demos)} demonstrations have a model "
+                          f"turn longer than sampling.max_tokens = {cap}; sampling cuts such turns: raise it")
 
     def rl_step(self, step: int) -> None:
         """Train `step`; after a restart, a step the ledger holds is replayed (same batch): its
@@ -284,3 +296,15 @@ def main(config_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def model_turn_lengths(mask: list[int]) -> list[int]:
+    """Lengths of the runs of model tokens (mask 1) of a completion."""
+    runs, n = [], 0
+    for m in [*mask, 0]:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
