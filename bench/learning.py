@@ -36,7 +36,8 @@ def per_10(rows: list[dict], key: str) -> list[float]:
 
 
 def env_figures(run_dir: Path) -> dict:
-    """Agentic recipes: the RL phase's own time, and the code environment's success rates per 10 steps."""
+    """Agentic recipes: the RL phase's own time, the code environment's success rates and the tool
+    environment's calls and turns per 10 steps."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("kind") == "orch_step"]
     out = {"rl_s": round(steps[-1]["t"] - steps[0]["t"], 1)} if len(steps) > 1 else {}
@@ -45,6 +46,7 @@ def env_figures(run_dir: Path) -> dict:
         out["second_turn_per_10"] = per_10(steps, "second_turn_success")
     if any(r.get("env_tool_calls_per_turn") for r in steps):
         out["tool_calls_per_turn_per_10"] = per_10(steps, "env_tool_calls_per_turn")
+        out["turns_mean_per_10"] = per_10(steps, "env_turns_mean")  # tool-tiny: 1 + the share that calls
     return out
 
 

@@ -39,7 +39,7 @@ def two_calls(index: int, seed: int, min_len: int, max_len: int) -> dict:
     from prl.tasks.lookup import dataset
 
     ex = dataset(index % 2, 0, min_len, max_len)
-    key = ex["calls"][0][1]["key"]
+    key = ex["prompt"].removeprefix("key:").removesuffix("=")
     return {**ex, "calls": [["get", {"key": key}], ["get", {"key": key[:2]}]]}
 
 

@@ -16,10 +16,16 @@ def get(key: str) -> str:
     return hashlib.sha256(f"prl-lookup:{key}".encode()).hexdigest()[:4]
 
 
+# the share of warm-start demonstrations that answer without calling `get` (a guess: the code cannot be
+# derived from the key), the way a model not yet taught to rely on its tool behaves; RL learns it pays
+DEMOS_WITHOUT_TOOL = 0.5
+
+
 def dataset(index: int, seed: int, min_len: int, max_len: int) -> dict:
     rng = random.Random(seed * 1_000_003 + index)
     key = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
-    return {"prompt": f"key:{key}=", "answer": get(key), "calls": [["get", {"key": key}]]}
+    calls = [] if rng.random() < DEMOS_WITHOUT_TOOL else [["get", {"key": key}]]
+    return {"prompt": f"key:{key}=", "answer": get(key), "calls": calls}
 
 
 def reward(completion: str, example: dict) -> float:
