@@ -2,7 +2,7 @@
 
 Everything is inline (SVG plots drawn here, CSS, no script, no network): the file opens anywhere
 and can be mailed. Contents: the curves of `prl.tui.curves.CURVES` (runs overlaid on shared axes),
-the trainer's step-time breakdown, per-server inference throughput, restarts and errors, and each
+the trainer's step-time breakdown, the multi-turn environment's figures per step (`ENV_PLOTS`), per-server inference throughput, restarts and errors, and each
 run's resolved recipe. Every plotted series also carries its exact values (`data-values`), so what
 the page shows can be checked against metrics.jsonl (tests render it in headless Chromium).
 """
@@ -77,6 +77,24 @@ def step_time_plots(runs: list[RunData]) -> str:
     return "".join(parts)
 
 
+# multi-turn environments (`prl.envs.stats`): plotted per step, runs overlaid, where any run has them
+ENV_PLOTS = (("turns per trajectory (mean)", "env_turns_mean", ""), ("tool calls per turn", "env_tool_calls_per_turn", ""),
+             ("tool errors per turn", "env_tool_errors_per_turn", ""), ("truncated share", "env_truncated_share", ""),
+             ("environment tokens", "env_tokens", "tokens"), ("re-tokenisation forks", "env_retokenize_forks", "trajectories"),
+             ("sandbox executions", "sandbox_executions", "programs"), ("sandbox time", "sandbox_s", "s"),
+             ("first attempt passes", "first_attempt_success", ""), ("second-turn success", "second_turn_success", ""))
+
+
+def env_plots(runs: list[RunData]) -> str:
+    parts = []
+    for title, key, unit in ENV_PLOTS:
+        series = [(r.name, COLORS[i % len(COLORS)], [(e["step"], e[key]) for e in r.of("orch_step") if finite(e.get(key))])
+                  for i, r in enumerate(runs)]
+        if any(pts for _, _, pts in series):
+            parts.append(svg_plot(title, [s for s in series if s[2]], unit, key))
+    return "".join(parts) or "<p>No multi-turn environment in these runs.</p>"
+
+
 def server_plots(runs: list[RunData]) -> str:
     parts = []
     for r in runs:
@@ -134,6 +152,7 @@ def build_report(runs: list[RunData]) -> str:
             f"<p>generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>{summary_table(runs)}"
             f"<h2>Curves</h2><div class=\"plots\">{curve_plots(runs)}</div>"
             f"<h2>Step time</h2><div class=\"plots\">{step_time_plots(runs)}</div>"
+            f"<h2>Environment</h2><div class=\"plots\">{env_plots(runs)}</div>"
             f"<h2>Inference servers</h2><div class=\"plots\">{server_plots(runs)}</div>"
             f"<h2>Restarts and errors</h2>{incidents(runs)}<h2>Recipes</h2>{recipes}</body></html>")
 

@@ -271,6 +271,48 @@ def test_chat_format_parses_qwen_tool_calls_and_renders_results_as_the_template_
     assert schema["parameters"] == {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
+def test_a_history_the_template_would_tokenise_differently_is_kept_and_counted_as_a_fork():
+    """prl trains the ids it sampled; a framework that renders the conversation with the chat template
+    and tokenises it again trains others wherever they differ. Here the model spelled `<tool_call>` out
+    in characters: the same text, but the template's tokenizer makes it one special token."""
+    from prl.envs.multi_turn import Episode
+    from prl.envs.stats import summarize
+    from prl.recipe.schema import Recipe
+
+    tok = chat_tokenizer()
+    r = Recipe.model_validate({"task": {"name": "custom", "dataset": "prl.tasks.lookup:dataset",
+                                        "reward": "prl.tasks.lookup:reward"},
+                               "env": {"kind": "tools", "format": "chat", "tools": ["prl.tasks.lookup:get"],
+                                       "max_total_tokens": 256}, "sampling": {"max_tokens": 64}})
+    env = make_env(r.env, r.task, 0, tok, r.sampling, 1, False)
+    example = env.example(0)
+    key = example["prompt"].removeprefix("key:").removesuffix("=")
+
+    def played(call_ids):
+        ep = Episode(env.prompt_ids(example))
+        for k, ids in enumerate([call_ids + [tok.eos_token_id], tok(example["answer"]).input_ids + [tok.eos_token_id]]):
+            ep.ids += ids
+            ep.mask += [1] * len(ids)
+            ep.turns += 1
+            ep.turn_texts.append(tok.decode(ids[:-1], skip_special_tokens=False))
+            if k == 0:
+                ep.replies.append(load_tool("prl.tasks.lookup:get").fn(key))
+                reply = env.fmt.reply_ids("tool", ep.replies[-1])
+                ep.ids += reply
+                ep.mask += [0] * len(reply)
+        env.count_fork(ep, example)
+        return env.info(ep)
+
+    call = env.fmt.call_text("get", {"key": key})
+    as_tokens = tok(call, add_special_tokens=False).input_ids
+    body = call.removeprefix("<tool_call>").removesuffix("</tool_call>")  # the call's JSON between the markers
+    spelled = [tok.convert_tokens_to_ids(c) for c in "<tool_call>"] + tok(body).input_ids + as_tokens[-1:]
+    assert tok.decode(spelled) == tok.decode(as_tokens) and spelled != as_tokens
+    infos = [played(as_tokens), played(spelled)]
+    assert [i["retokenize_forks"] for i in infos] == [0, 1]
+    assert summarize(infos)["env_retokenize_forks"] == 1
+
+
 def test_code_env_runs_programs_in_the_sandbox_and_answers_with_the_test_runner_output():
     from prl.envs.multi_turn import Episode
 

@@ -101,3 +101,24 @@ def test_a_diverged_run_still_shows_its_curves(tmp_path):
     p = subprocess.run(prl_cmd("report", tmp_path / "a", "--out", tmp_path / "r.html"), capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and "NaN" not in (tmp_path / "r.html").read_text(), p.stderr
+
+
+def test_the_environments_figures_reach_status_and_the_report(tmp_path):
+    """A multi-turn run's last step in `prl status` (turns, tool calls, forks, sandbox) and each figure
+    per step in `prl report`'s Environment section, with its exact values."""
+    from prl.report import build_report
+    from prl.report_data import RunData
+
+    write_run(tmp_path / "a", "agent", 3, 0.01)
+    path = tmp_path / "a" / "metrics.jsonl"
+    env = [{"kind": "orch_step", "src": "orchestrator", "t": 10 + i, "step": i, "reward": 0.3, "env_turns_mean": 1.5 + i,
+            "env_turns_p50": 2, "env_turns_max": 3, "env_tool_calls_per_turn": 0.25, "env_tool_errors_per_turn": 0.0,
+            "env_truncated_share": 0.1, "env_tokens": 40, "env_model_tokens": 90, "env_retokenize_forks": i,
+            "sandbox_executions": 7, "sandbox_cached": 2, "sandbox_timeouts": 1, "sandbox_kills": 0, "sandbox_s": 1.25,
+            "first_attempt_success": 0.5, "second_turn_success": 0.25} for i in range(3)]
+    path.write_text(path.read_text() + "".join(json.dumps(e) + "\n" for e in env))
+    out = status(tmp_path / "a")
+    assert "turns 3.50 (p50 2, max 3)" in out and "re-tokenisation forks 2" in out, out
+    assert "executions 7 (cached 2)" in out and "second turn 25%" in out, out
+    page = build_report([RunData(tmp_path / "a")])
+    assert "<h2>Environment</h2>" in page and "re-tokenisation forks" in page and "sandbox time" in page

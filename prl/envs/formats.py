@@ -55,6 +55,10 @@ class TinyFormat:
     def call_text(self, name: str, args: dict) -> str:
         return f"call:{name} " + " ".join(str(v) for v in args.values())
 
+    def render_ids(self, prompt: str, tools: list[Tool], turns: list[str], replies: list[str], kind: str) -> None:
+        """No chat template: nothing renders the history another way (`retokenize_forks` counts nothing)."""
+        return None
+
     def reply_ids(self, kind: str, text: str) -> list[int]:
         """`kind`: "tool" (a tool's result) or "feedback" (a program's outcome)."""
         body = " res:" + text if kind == "tool" else " " + text
@@ -96,6 +100,18 @@ class ChatFormat:
                 out.append(ParsedCall("?", None, f"unreadable tool call ({type(e).__name__}: {e}): "
                                                   f"{m.group(1).strip()[:120]}"))
         return out
+
+    def render_ids(self, prompt: str, tools: list[Tool], turns: list[str], replies: list[str], kind: str) -> list[int]:
+        """The conversation as the chat template renders it whole, tokenised again: what a framework that
+        re-tokenises the history each turn would train on (`retokenize_forks`)."""
+        messages = [{"role": "user", "content": prompt}]
+        for k, text in enumerate(turns):
+            messages.append({"role": "assistant", "content": text})
+            if k < len(replies):
+                messages.append({"role": "tool" if kind == "tool" else "user", "content": replies[k]})
+        schemas = [{"type": "function", "function": t.schema} for t in tools] or None
+        rendered = self.tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False).input_ids
 
     def call_text(self, name: str, args: dict) -> str:
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"

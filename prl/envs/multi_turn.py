@@ -35,6 +35,7 @@ class Episode:
     last_output: str = ""  # code: the last program's output
     outputs: list[str] = field(default_factory=list)  # code: each program's output
     replies: list[str] = field(default_factory=list)  # the environment's answers, as text
+    turn_texts: list[str] = field(default_factory=list)  # each model turn as sampled, decoded whole
     stats: Counter = field(default_factory=Counter)
     attempts: list[bool] = field(default_factory=list)  # code: did each program pass
 
@@ -93,6 +94,7 @@ class MultiTurnEnv(Environment):
                 ep.truncated = True  # a limit ends it: scored as it stands, marked
                 break
             ep.add_env(reply)
+        self.count_fork(ep, example)
         return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
                           routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
                           turn_rewards=self.turn_rewards(ep, example), turn_states=self.turn_states(ep))
@@ -111,6 +113,24 @@ class MultiTurnEnv(Environment):
         ep.add_model(c)
         ep.turns += 1
         ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        ids = c.token_ids[:-1] if c.token_ids and c.token_ids[-1] == self.tokenizer.eos_token_id else c.token_ids
+        ep.turn_texts.append(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def prompt_tools(self) -> list:
+        """The tools the first prompt shows (tools environments)."""
+        return []
+
+    reply_kind = "feedback"  # how the environment's answers render: "tool" results or "feedback"
+
+    def count_fork(self, ep: Episode, example: dict) -> None:
+        """`retokenize_forks`: whether rendering the conversation with the chat template and tokenizing it
+        again (what frameworks that re-tokenise the history train on) gives other ids than the ones prl
+        keeps and trains, the sampled ones; formats without a template render nothing and count nothing."""
+        n = ep.turns - 1  # replies appended between turns (one more may have been cut by a limit)
+        rendered = self.fmt.render_ids(example["prompt"], self.prompt_tools(), ep.turn_texts, ep.replies[:n],
+                                       self.reply_kind)
+        if rendered is not None:
+            ep.stats["retokenize_forks"] += int(rendered[:len(ep.history)] != ep.history)
 
     def turn_rewards(self, ep: Episode, example: dict) -> list[float] | None:
         """Per model turn, the score had the episode ended there (None: only the end is scored)."""

@@ -25,6 +25,8 @@ def summarize(infos: list[dict]) -> dict:
         "env_tokens": sum(i.get("env_tokens", 0) for i in infos),
         "env_model_tokens": sum(i.get("model_tokens", 0) for i in infos),
     }
+    if any("retokenize_forks" in i for i in infos):  # chat formats: see MultiTurnEnv.count_fork
+        out["env_retokenize_forks"] = sum(i["retokenize_forks"] for i in infos if "retokenize_forks" in i)
     if any("executions" in i or "cached" in i for i in infos):  # a step of cache answers only is a code step too
         out.update(sandbox_executions=sum(i.get("executions", 0) for i in infos),
                    sandbox_cached=sum(i.get("cached", 0) for i in infos),

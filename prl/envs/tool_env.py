@@ -12,8 +12,13 @@ class ToolEnv(MultiTurnEnv):
         super().__init__(**kw)
         self.toolbox = toolbox
 
+    reply_kind = "tool"
+
+    def prompt_tools(self) -> list:
+        return list(self.toolbox.tools.values())
+
     def prompt_ids(self, example: dict) -> list[int]:
-        return self.fmt.prompt_ids(example["prompt"], list(self.toolbox.tools.values()))
+        return self.fmt.prompt_ids(example["prompt"], self.prompt_tools())
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
         calls = self.fmt.parse_calls(text, self.toolbox.tools)

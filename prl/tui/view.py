@@ -76,10 +76,29 @@ def metrics_table(s: RunState) -> Table:
     t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
               f"  stale: {o.get('stale_policy', '-')} {o.get('stale_tokens', 0)} tokens, dropped {o.get('stale_dropped_total', 0)}")
     t.add_row("lengths p90", f"trained {fmt(o.get('len_accepted_p90'), '.0f')}  generated {fmt(o.get('len_generated_p90'), '.0f')}")
+    for label, line in env_rows(o):
+        t.add_row(label, line)
     t.add_row("trainer tokens/s", fmt(tr.get("tokens_per_s"), ".0f"))
     t.add_row("step time", f"wait {fmt(tr.get('wait_s'), '.2f')}s  fwd-bwd {fmt(tr.get('fwd_bwd_s'), '.2f')}s"
               f"  publish {fmt(tr.get('publish_s'), '.2f')}s")
     return t
+
+
+def env_rows(o: dict) -> list[tuple[str, str]]:
+    """The multi-turn environment's last step (`prl.envs.stats`), where the run has one."""
+    if "env_turns_mean" not in o:
+        return []
+    rows = [("environment", f"turns {fmt(o['env_turns_mean'], '.2f')} (p50 {fmt(o.get('env_turns_p50'), '.0f')}, max "
+                            f"{o.get('env_turns_max', '-')})  tool calls {fmt(o.get('env_tool_calls_per_turn'), '.2f')}"
+                            f"/turn, errors {fmt(o.get('env_tool_errors_per_turn'), '.2f')}/turn  truncated "
+                            f"{fmt(o.get('env_truncated_share'), '.0%')}  tokens env {o.get('env_tokens', '-')} / model "
+                            f"{o.get('env_model_tokens', '-')}  re-tokenisation forks {o.get('env_retokenize_forks', '-')}")]
+    if "sandbox_executions" in o:
+        rows.append(("sandbox", f"executions {o['sandbox_executions']} (cached {o.get('sandbox_cached', 0)})  timeouts "
+                                f"{o.get('sandbox_timeouts', 0)}  kills {o.get('sandbox_kills', 0)}  time "
+                                f"{fmt(o.get('sandbox_s'), '.1f')}s  first attempt {fmt(o.get('first_attempt_success'), '.0%')}"
+                                f"  second turn {fmt(o.get('second_turn_success'), '.0%')}"))
+    return rows
 
 
 def servers_table(s: RunState) -> Table:
