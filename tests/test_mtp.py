@@ -149,3 +149,13 @@ def test_doctor_reads_the_mtp_layer_on_each_server_host(glm, tmp_path):
     check_pretrained_tokenless(plain)
     bad = mtp_check(LocalHost(), cfg, str(plain))
     assert not bad.ok and "no MTP layer" in bad.detail, bad
+
+
+def test_a_folder_without_mtp_layers_reads_none_and_exports_none(tmp_path):
+    """A random-init tiny model's folder has a config and no weights: nothing to read or copy."""
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    folder = write_model_dir(ModelCfg(), tmp_path / "tiny")
+    assert read_draft(folder) == {} and draft_state(folder) == {}
+    assert copy_draft_layers(folder, tmp_path / "out") == 0

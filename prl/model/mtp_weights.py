@@ -16,6 +16,8 @@ def read_draft(folder) -> dict:
     from prl.model.pretrained import weight_files
 
     layers, out = draft_layers(read_config(folder)), {}
+    if not layers:  # no MTP layer declared (a random-init tiny model's folder has no weights at all)
+        return out
     for f in weight_files(Path(folder)):
         with safe_open(f, "pt") as st:
             out.update({k: st.get_tensor(k) for k in st.keys() if is_draft(k, layers)})
@@ -46,10 +48,11 @@ def copy_draft_layers(src, out) -> int:
     layout says), into the exported folder as a shard of their own; returns the tensors written."""
     from prl.model.hf_format import block_fp8_config
 
-    config = read_config(src)
-    state = quantize_draft(read_draft(src), block_fp8_config(out))
-    if state:
-        add_shard(out, state, {"num_nextn_predict_layers": config["num_nextn_predict_layers"]})
+    raw = read_draft(src)
+    if not raw:
+        return 0
+    state = quantize_draft(raw, block_fp8_config(out))
+    add_shard(out, state, {"num_nextn_predict_layers": read_config(src)["num_nextn_predict_layers"]})
     return len(state)
 
 
