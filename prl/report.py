@@ -2,8 +2,8 @@
 
 Everything is inline (SVG plots drawn here, CSS, no script, no network): the file opens anywhere
 and can be mailed. Contents: the curves of `prl.tui.curves.CURVES` (runs overlaid on shared axes),
-the trainer's step-time breakdown, the multi-turn environment's figures per step (`ENV_PLOTS`), per-server inference throughput, restarts and errors, and each
-run's resolved recipe. Every plotted series also carries its exact values (`data-values`), so what
+the trainer's step-time breakdown, the multi-turn environment's figures per step (`ENV_PLOTS`),
+per-server inference throughput, restarts and errors, and each run's resolved recipe. Every plotted series also carries its exact values (`data-values`), so what
 the page shows can be checked against metrics.jsonl (tests render it in headless Chromium).
 """
 

@@ -94,7 +94,7 @@ class MultiTurnEnv(Environment):
                 ep.truncated = True  # a limit ends it: scored as it stands, marked
                 break
             ep.add_env(reply)
-        self.count_fork(ep, example)
+        await asyncio.to_thread(self.count_fork, ep, example)  # a long history's template and tokenizer: off the loop
         return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
                           routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
                           turn_rewards=self.turn_rewards(ep, example), turn_states=self.turn_states(ep))
