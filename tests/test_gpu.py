@@ -325,7 +325,8 @@ def test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logp
 
     require_cuda_vllm((9, 0))
     folder = mla_folder(tmp_path / "ds-mtp")
-    srv = start_server(tmp_path, folder, inference__mtp_tokens=1, inference__dtype="bfloat16")  # MLA kernels: 16-bit
+    srv = start_server(tmp_path, folder, inference__mtp_tokens=1, inference__dtype="bfloat16",  # MLA kernels: 16-bit
+                       inference__vllm={"block_size": 64})  # FlashMLA's block size
     try:
         try:
             asyncio.run(ready(make(srv)))
