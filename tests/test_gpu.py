@@ -13,7 +13,6 @@ Doubles as the torchrun script of the NCCL tests:
     torchrun --nproc-per-node N tests/test_gpu.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}}' [--replay] [--cp-adapter]
 """
 
-import asyncio
 import json
 import os
 import re
@@ -245,18 +244,14 @@ def test_vllm_on_cuda_serves_the_trainers_logprobs_and_takes_new_weights(tmp_pat
     """prl's vLLM server (launcher, plugin, weight transfer) on vLLM's CUDA build: logprobs equal the trainer's
     recomputation (fp32), and after a weight update they are the new weights' and carry the new version."""
     from test_pretrained import make_pretrained
-    from test_vllm import PROMPT, call, hf_model, make, perturbed_state, publish, ready, reference_logprobs, req
+    from test_vllm import PROMPT, call, hf_model, perturbed_state, publish, reference_logprobs, req, wait_served
     from vllm_rig import require_cuda_vllm, start_server
 
     require_cuda_vllm()
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder)
     try:
-        try:
-            asyncio.run(ready(make(srv)))
-        except Exception:
-            print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
-            raise
+        wait_served(srv)
         model = hf_model(srv.run_dir / "model")
         for version in (-1, 1):
             if version == 1:
@@ -277,14 +272,14 @@ def test_vllm_with_an_fp8_kv_cache_serves_close_to_the_trainers_logprobs(tmp_pat
     server starts and its logprobs stay near the trainer's fp32 recomputation (FP8 keys and values move
     them a little; a wrong scale would move them far)."""
     from test_pretrained import make_pretrained
-    from test_vllm import PROMPT, call, hf_model, make, ready, reference_logprobs, req
+    from test_vllm import PROMPT, call, hf_model, reference_logprobs, req, wait_served
     from vllm_rig import require_cuda_vllm, start_server
 
     require_cuda_vllm()
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder, inference__kv_cache_dtype="fp8")
     try:
-        asyncio.run(ready(make(srv)))
+        wait_served(srv)
         model = hf_model(srv.run_dir / "model")
         for c in call(srv, lambda b: b.generate(req(n=2))).completions:
             gap = (torch.tensor(c.logprobs) - reference_logprobs(model, PROMPT, c.token_ids)).abs().max()
@@ -320,7 +315,7 @@ def test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logp
     """`inference.mtp_tokens = 1` (the launcher's --speculative-config method mtp) on vLLM's CUDA build:
     the folder's MTP layer drafts (vLLM counts draft tokens), and the tokens kept, drafted or not, carry
     the target model's logprobs as the trainer recomputes them."""
-    from test_vllm import PROMPT, call, hf_model, make, ready, reference_logprobs, req
+    from test_vllm import PROMPT, call, hf_model, reference_logprobs, req, wait_served
     from vllm_rig import require_cuda_vllm, start_server
 
     require_cuda_vllm((9, 0))
@@ -328,11 +323,7 @@ def test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logp
     srv = start_server(tmp_path, folder, inference__mtp_tokens=1, inference__dtype="bfloat16",  # MLA kernels: 16-bit
                        inference__vllm={"block_size": 64})  # FlashMLA's block size
     try:
-        try:
-            asyncio.run(ready(make(srv)))
-        except Exception:
-            print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
-            raise
+        wait_served(srv)
         model = hf_model(srv.run_dir / "model")
         for c in call(srv, lambda b: b.generate(req(n=2))).completions:
             assert len(c.token_ids) == 24

@@ -25,12 +25,10 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     folder = make_pretrained(root / "qwen3-tiny", shard="300KB")
     srv = start_server(root, folder)
-    backend = make(srv)
     try:
-        asyncio.run(ready(backend))
+        wait_served(srv)
     except Exception:
         srv.stop()
-        print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
         raise
     yield srv
     srv.stop()
@@ -41,6 +39,15 @@ def make(srv):
     from prl.backends.registry import make_backend
 
     return make_backend("vllm", srv.url, srv.secret, eos_token_id=2)
+
+
+def wait_served(srv) -> None:
+    """Until the server answers (warm-up included); its log's tail is printed if it never does."""
+    try:
+        asyncio.run(ready(make(srv)))
+    except Exception:
+        print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
+        raise
 
 
 async def ready(backend):

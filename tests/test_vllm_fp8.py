@@ -9,7 +9,6 @@ trainer's values bit for bit, and every other layer holds the trainer's weights.
 and what `prl run` refuses. Marked gpu: a vLLM server (CUDA build) serving them.
 """
 
-import asyncio
 import json
 import os
 import subprocess
@@ -261,18 +260,14 @@ def test_vllm_on_cuda_serves_prls_fp8_weights(tmp_path):
     the A8W8 model (these weights span 3 decades per block row), since vLLM's CPU kernel is W8A16."""
     sys.path.append(str(ROOT / "bench"))
     from test_pretrained import make_pretrained
-    from test_vllm import PROMPT, call, make, ready, reference_logprobs, req
+    from test_vllm import PROMPT, call, reference_logprobs, req, wait_served
     from vllm_rig import require_cuda_vllm, start_server
 
     require_cuda_vllm(capability=(8, 9))
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder, trainer__fp8=True, inference__fp8=True, inference__dtype="bfloat16")
     try:
-        try:
-            asyncio.run(ready(make(srv)))
-        except Exception:
-            print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
-            raise
+        wait_served(srv)
         model, names = fp8_trainer(folder)  # the run's folder now says FP8: from_pretrained would quantise
         publish_fp8(model, names, srv.run_dir / "weights")
         assert call(srv, lambda b: b.load_weights(1)) >= 0

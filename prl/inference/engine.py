@@ -31,6 +31,7 @@ import torch
 from prl.inference.kv_pool import fill_cache
 from prl.inference.kvcache import BatchCache, cache_row, clone_cache, narrow_cache
 from prl.inference.prefix_cache import Entry, Hit, PrefixCache
+from prl.model.weights import nonfinite_names
 
 
 @dataclass
@@ -535,7 +536,7 @@ def make_policy(model, raw: dict[str, torch.Tensor], version: int, where: str) -
     if missing or extra or bad or unscaled:
         raise WeightLoadError(f"{where}: missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}, "
                               f"FP8 without scales {unscaled[:5]}")
-    nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+    nonfinite = nonfinite_names(state)
     if nonfinite:
         raise WeightLoadError(f"{where}: non-finite values in {nonfinite[:5]}")
     state = {k: v if k in scales else v.to(expected[k].dtype) for k, v in state.items()}

@@ -134,6 +134,13 @@ def read_weights(path: Path) -> tuple[dict[str, "torch.Tensor"], dict]:
     return state, manifest
 
 
+def nonfinite_names(state: dict[str, "torch.Tensor"]) -> list[str]:
+    """Names of the floating-point tensors of `state` holding a NaN or an infinity."""
+    import torch
+
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+
+
 def sealed(root: Path, prefix: str) -> list[int]:
     """N for every sealed folder `root/{prefix}{N}` (has a manifest), ascending."""
     if not root.is_dir():

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from prl.backends.vllm.rejected import REJECTED
+from prl.model.weights import nonfinite_names
 
 BACKEND = "prl"
 REPACK_VERSIONS = ("0.32.",)  # vLLM versions whose CPU reload needs `repack_cpu_experts`
@@ -133,7 +134,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         state = draft_state(self.cfg.model_dir)
         if not state:
             raise ValueError(f"{self.cfg.model_dir}: no MTP layer tensors for the drafter")
-        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+        nonfinite = nonfinite_names(state)
         if nonfinite:
             raise ValueError(f"{self.cfg.model_dir}: non-finite values in {nonfinite[:5]}")
         return state
@@ -158,7 +159,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         if missing or extra or bad:
             raise ValueError(f"{path}: does not match the served model: missing {missing[:5]}, "
                              f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
-        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+        nonfinite = nonfinite_names(state)
         if nonfinite:
             raise ValueError(f"{path}: non-finite values in {nonfinite[:5]}")
 
