@@ -30,6 +30,7 @@ class ParsedCall:
 
 class TinyFormat:
     CALL = re.compile(r"call:(\w+)((?: +[^ ]+)*)")
+    templated = False  # no chat template: nothing renders the history another way
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -55,10 +56,6 @@ class TinyFormat:
     def call_text(self, name: str, args: dict) -> str:
         return f"call:{name} " + " ".join(str(v) for v in args.values())
 
-    def render_ids(self, prompt: str, tools: list[Tool], turns: list[str], replies: list[str], kind: str) -> None:
-        """No chat template: nothing renders the history another way (`retokenize_forks` counts nothing)."""
-        return None
-
     def reply_ids(self, kind: str, text: str) -> list[int]:
         """`kind`: "tool" (a tool's result) or "feedback" (a program's outcome)."""
         body = " res:" + text if kind == "tool" else " " + text
@@ -76,6 +73,7 @@ def coerce(value: str, json_type: str):
 
 class ChatFormat:
     CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    templated = True
     STANDIN = "prl-standin-reply"
 
     def __init__(self, tokenizer):

@@ -94,7 +94,8 @@ class MultiTurnEnv(Environment):
                 ep.truncated = True  # a limit ends it: scored as it stands, marked
                 break
             ep.add_env(reply)
-        await asyncio.to_thread(self.count_fork, ep, example)  # a long history's template and tokenizer: off the loop
+        if self.fmt.templated:  # a long history's template and tokenizer: off the loop
+            await asyncio.to_thread(self.count_fork, ep, example)
         return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
                           routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
                           turn_rewards=self.turn_rewards(ep, example), turn_states=self.turn_states(ep))
@@ -125,12 +126,11 @@ class MultiTurnEnv(Environment):
     def count_fork(self, ep: Episode, example: dict) -> None:
         """`retokenize_forks`: whether rendering the conversation with the chat template and tokenizing it
         again (what frameworks that re-tokenise the history train on) gives other ids than the ones prl
-        keeps and trains, the sampled ones; formats without a template render nothing and count nothing."""
+        keeps and trains, the sampled ones. Only for formats with a chat template (`fmt.templated`)."""
         n = ep.turns - 1  # replies appended between turns (one more may have been cut by a limit)
         rendered = self.fmt.render_ids(example["prompt"], self.prompt_tools(), ep.turn_texts, ep.replies[:n],
                                        self.reply_kind)
-        if rendered is not None:
-            ep.stats["retokenize_forks"] += int(rendered[:len(ep.history)] != ep.history)
+        ep.stats["retokenize_forks"] += int(rendered[:len(ep.history)] != ep.history)
 
     def turn_rewards(self, ep: Episode, example: dict) -> list[float] | None:
         """Per model turn, the score had the episode ended there (None: only the end is scored)."""
