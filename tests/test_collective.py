@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import start_server
+from sshd_rig import free_port
 from prl.recipe.schema import Recipe
 
 
@@ -154,7 +155,8 @@ def test_a_cpu_server_refuses_an_nccl_group_by_name_and_keeps_serving(server):
     headers = {"Authorization": f"Bearer {secret}"}
     import httpx
 
-    assert httpx.get(url + "/weights/collective/members", headers=headers).json() == {"members": 1, "device": "cpu"}
+    assert httpx.get(url + "/weights/collective/members", headers=headers).json() == {"members": 1, "device": "cpu",
+                                                                                   "experts": [None]}
     r = httpx.post(url + "/weights/collective/join", headers=headers, timeout=30,
                    json={"addr": "127.0.0.1", "port": 1, "world": 2, "rank": 1, "epoch": 99, "backend": "nccl"})
     assert r.status_code == 409 and "NCCL weight group needs CUDA" in r.json()["detail"], r.text
@@ -162,3 +164,135 @@ def test_a_cpu_server_refuses_an_nccl_group_by_name_and_keeps_serving(server):
     sink = sink_for(run_dir, url, secret)
     send(sink, 11, state_for(run_dir, 11))
     assert sink.last.error is None and sink.last.servers == 1 and sink.last.backend == "gloo"
+
+
+# ---------------------------------------------------------------- several senders (trainer.weight_transfer = "stream")
+WIRE_MEMBER = textwrap.dedent("""
+    import sys, torch
+    from prl.transport.collective import GroupInfo, Wire, routes
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    shares = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    def state():
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for layer in range(3):
+            out[f"model.layers.{layer}.self_attn.q_proj.weight"] = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+            for e in range(8):
+                out[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"] = torch.randn(8, 4, generator=g)
+        return out
+    full = state()
+    buckets = [[k for k in full if f".{layer}." in k] for layer in range(3)]
+    store = None
+    if rank == 0:
+        import datetime, torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", port, 4, is_master=True, timeout=datetime.timedelta(seconds=60))
+    wire = Wire(GroupInfo("127.0.0.1", port, 4, rank, 1, 60.0, "gloo", senders=2), store)
+    if rank < 2:
+        sent = 0
+        for b, names in enumerate(buckets):
+            if b % 2 == rank:
+                part = {n: full[n] for n in names}
+                sent += wire.send_bucket(part, routes(part, shares))
+        wire.send_end({"version": 5})
+        print("sent", sent, flush=True)
+    else:
+        mine = shares[rank - 2]
+        want = {k: v for k, v in full.items() if ".experts." not in k or int(k.split(".experts.")[1].split(".")[0]) in mine}
+        got, meta = wire.receive({k: (list(v.shape), v.numel() * 4) for k, v in full.items()})
+        assert meta == {"version": 5}, meta
+        assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        print("got", len(got), flush=True)
+""")
+
+
+def test_two_senders_stream_each_receiver_only_its_experts(tmp_path):
+    """Two senders (trainer ranks) each stream their buckets on their own link; each of two receivers
+    takes every dense tensor and only the experts it serves, bit-equal, nothing else allocated."""
+    port = free_port("127.0.0.1")
+    procs = [subprocess.Popen([sys.executable, "-c", WIRE_MEMBER, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert [o.split()[0] for o in outs] == ["sent", "sent", "got", "got"]
+    assert [int(o.split()[1]) for o in outs[2:]] == [3 + 3 * 4] * 2  # 3 dense, 3 layers x 4 experts each
+
+
+STREAM_SENDER = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[5])
+    from pathlib import Path
+    from test_collective import state_for
+    from prl.model.build import build_model
+    from prl.trainer.publish import publish
+    from prl.transport.collective import CollectiveSink
+    run_dir, url, secret, version, fmt = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[6]
+    die_at = int(os.environ.get("DIE_AT_BUCKET", "-1"))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if fmt == "hf":  # a pretrained folder served by vLLM: its weights moved as test_vllm.perturbed_state does
+        model = build_model(run_dir / "model")
+        g = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    else:
+        model = build_model(run_dir / "model", seed=0)
+        model.load_state_dict(state_for(run_dir, version))
+    def share(plan):
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    sink = CollectiveSink(run_dir / "weights", keep=3, servers=lambda: [url], secret=secret, host="127.0.0.1",
+                          timeout_s=30, rank=rank, senders=2, share=share)
+    if die_at >= 0 and rank == 1:
+        put = sink.put
+        def dying(bucket, stream=True):
+            put(bucket, stream)
+            sink.wait_sent()
+            os._exit(3)  # mid-version, after its first bucket
+        sink.put = dying
+    publish(model, sink, version, hf_format=fmt == "hf")
+    print("rank", rank, "error", sink.last.error, "servers", sink.last.servers, "senders", sink.last.senders, flush=True)
+""")
+
+
+def stream(run_dir, url, secret, version: int, die: bool = False, fmt: str = "memory") -> list[str]:
+    """Version `version` published by two real trainer ranks (a gloo group), each streaming its buckets
+    (`fmt` "hf": checkpoint names, for vLLM)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": "2",
+           **({"DIE_AT_BUCKET": "0"} if die else {})}
+    procs = [subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(run_dir), url, secret, str(version),
+                               os.path.dirname(__file__), fmt], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    return [p.communicate(timeout=180)[0] for p in procs]
+
+
+def test_two_trainer_ranks_stream_a_version_and_a_dead_one_costs_only_that_version(server):
+    """`publish` from two trainer ranks: each streams the buckets it owns into the embedded server, which
+    serves the same logprobs as the same weights from rank 0's folder. A rank that dies mid-version
+    fails the server's receive (rank 0 does not hang), the version comes by the folder, and the next
+    pair of ranks forms the group anew and streams again."""
+    from prl.model.weights import write_weights
+
+    client, run_dir, url, secret = server
+    staged = client.get("/metrics").json()["collective_staged"]
+    outs = stream(run_dir, url, secret, 21)
+    assert all("error None" in o and "senders 2" in o for o in outs), outs
+    assert "servers 1" in outs[0]
+    assert client.get("/metrics").json()["collective_staged"] == staged + 1
+    assert client.post("/update_weights", json={"version": 21}).json()["source"] == "collective"
+    streamed = greedy(client)
+    write_weights(run_dir / "weights" / "v22", state_for(run_dir, 21), {"version": 22})
+    assert client.post("/update_weights", json={"version": 22}).json()["source"] == "folder"
+    assert greedy(client) == streamed
+
+    outs = stream(run_dir, url, secret, 23, die=True)
+    assert "error None" not in outs[0] and "servers 0" in outs[0], outs  # rank 0 finished, the stream failed
+    assert client.get("/metrics").json()["collective_staged"] == staged + 1
+    r = client.post("/update_weights", json={"version": 23})
+    assert r.status_code == 200 and r.json()["source"] == "folder", r.text  # rank 0's folder is whole
+
+    outs = stream(run_dir, url, secret, 24)
+    assert all("error None" in o for o in outs), outs
+    assert client.post("/update_weights", json={"version": 24}).json()["source"] == "collective"

@@ -381,6 +381,25 @@ def test_a_version_over_the_collective_is_staged_in_the_workers_and_served(serve
     assert set(call(server, lambda b: b.generate(req(n=1, max_tokens=4))).completions[0].versions) == {8}
 
 
+def test_two_trainer_ranks_stream_a_version_into_the_workers(server):
+    """trainer.weight_transfer = "stream" into vLLM: two real trainer ranks publish (each converts and
+    streams the buckets it owns, gloo), prl's worker plugin reads both links at once and stages the
+    version; served without the folder, with the trainer's logprobs."""
+    import shutil
+
+    from test_collective import stream
+
+    from prl.model.build import build_model
+    from prl.model.weights import version_dir
+
+    outs = stream(server.run_dir, server.url, server.secret, 10, fmt="hf")
+    assert all("error None" in o and "senders 2" in o for o in outs) and "servers 1" in outs[0], outs
+    shutil.rmtree(version_dir(server.run_dir / "weights", 10))  # only the staged copy can serve it
+    model = build_model(server.run_dir / "model")
+    perturbed_state(model, seed=10)
+    load_and_check(server, model, 10)
+
+
 def test_every_route_needs_the_runs_secret(server):
     import httpx
 

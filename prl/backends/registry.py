@@ -37,8 +37,8 @@ class BackendSpec:
     publish_format: str = "memory"  # "memory" | "hf"
     owned_args: dict[str, str] = field(default_factory=dict)  # argument -> the recipe key that sets it
     host_packages: tuple[tuple[str, str], ...] = ()  # (import name, cluster.extras name) on its hosts
-    # trainer.weight_transfer values its servers take ("collective": `prl.transport.collective`)
-    weight_paths: tuple[str, ...] = ("folder", "collective")
+    # trainer.weight_transfer values its servers take ("collective", "stream": `prl.transport.collective`)
+    weight_paths: tuple[str, ...] = ("folder", "collective", "stream")
     # its passthrough table [inference.NAME] (any other argument of the engine) is the field of
     # InferenceCfg named like the backend, when it has one
 

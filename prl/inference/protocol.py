@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 SEED_LIMIT = 2**63 - 256  # torch generators take 64-bit seeds; seed + i must stay below 2**63
@@ -134,6 +134,13 @@ class CollectiveJoin(Msg):
     epoch: int = Field(ge=1)
     timeout_s: float = Field(120.0, gt=0, le=3600)
     backend: Literal["gloo", "nccl"] = "gloo"
+    senders: int = Field(1, ge=1, le=65535)  # group ranks 0..senders-1 are trainer ranks
+
+    @model_validator(mode="after")
+    def _a_receiver(self):
+        if not self.senders <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank}: a receiver's rank is in [senders, world) = [{self.senders}, {self.world})")
+        return self
 
 
 class CollectiveReceive(Msg):

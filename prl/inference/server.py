@@ -166,7 +166,8 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
 
     @app.get("/weights/collective/members", dependencies=guarded)
     async def collective_members() -> dict:
-        return {"members": 1, "device": s.receiver.device().type}  # the server process itself receives, on its model's device
+        # the server process itself receives, on its model's device, every expert
+        return {"members": 1, "device": s.receiver.device().type, "experts": [None]}
 
     @app.post("/weights/collective/join", dependencies=guarded)
     async def collective_join(req: CollectiveJoin) -> dict:

@@ -160,7 +160,7 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
     trainers = trainer_configs(recipe, lay, common)
     trainer_url = f"http://{trainers[0].host}:{trainers[0].port}"
     servers, workers = engines(recipe, server_configs(recipe, lay, common, trainer_url))
-    if recipe.trainer.weight_transfer == "collective":  # rank 0 forms the weight group with every server
+    if recipe.trainer.weight_transfer != "folder":  # rank 0 forms the weight group with every server
         for t in trainers:
             t.servers = [f"http://{s.host}:{s.port}" for s in servers]
     pool = kv_master_configs(recipe, lay, common, [*servers, *workers])  # every engine rank joins the pool

@@ -304,9 +304,10 @@ class TrainerCfg(Section):
     checkpoint_every: int = Field(10, ge=0)  # 0: only at the end
     keep_weights: int = Field(3, ge=2)
     # how a new version reaches the servers: "folder" (sealed folder, read in place or downloaded);
-    # "collective" (also broadcast from rank 0 straight into the servers' memory over gloo, the
-    # folder kept as the fallback; `prl.transport.collective`)
-    weight_transfer: Literal["folder", "collective"] = "folder"
+    # "collective" (also streamed from rank 0 straight into the servers' memory, gloo or NCCL, the
+    # folder kept as the fallback; `prl.transport.collective`); "stream": as "collective", every rank
+    # streaming its share of the buckets, each expert's tensors only to the receivers serving it
+    weight_transfer: Literal["folder", "collective", "stream"] = "folder"
     weight_transfer_timeout_s: float = Field(120.0, gt=0)  # a stalled broadcast fails after this
     # "sharded": every rank writes its own shards (torch.distributed.checkpoint), no gather; "full":
     # rank 0 gathers the whole state; "auto": sharded when the trainer runs on one host
@@ -448,7 +449,9 @@ class ClusterCfg(Section):
     inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
     sandbox_port: int = Field(8900, gt=0, le=65535)  # the sandbox worker on each sandbox host
     engine_rpc_port: int = Field(13345, gt=0, le=65535)  # a multi-host engine's data-parallel RPC, on its leader
-    weight_transfer: Literal["http", "nccl"] = "http"  # nccl: every trainer rank streams its share (not built)
+    # "nccl": trainer.weight_transfer = "stream" (every trainer rank streams its share; NCCL where every
+    # member holds a GPU, gloo otherwise); "http": the trainer's own setting
+    weight_transfer: Literal["http", "nccl"] = "http"
     heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
     env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)
     # a folder every trainer host mounts at this path (NFS, Lustre): checkpoints of a trainer spanning
@@ -526,6 +529,16 @@ class Recipe(Section):
                 f"{self.model.first_dense_layers} >= model.num_layers {self.model.num_layers}); "
                 f"set trainer.router_replay = false or add MoE layers"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _streamed_weights(self):
+        """cluster.weight_transfer = "nccl" is the cluster's name for the stream from every trainer rank."""
+        if self.cluster is not None and self.cluster.weight_transfer == "nccl":
+            if self.trainer.weight_transfer == "collective":
+                raise ValueError("cluster.weight_transfer = 'nccl' streams from every trainer rank, "
+                                 "trainer.weight_transfer = 'collective' from rank 0 only: set one of them")
+            self.trainer.weight_transfer = "stream"
         return self
 
     @model_validator(mode="after")
@@ -609,10 +622,6 @@ class Recipe(Section):
         """Valid settings whose implementation does not exist yet: `prl plan` and `--dry-run` take
         them (the flagship plan needs them), `prl run` refuses them before starting anything."""
         out = []
-        if self.cluster is not None and self.cluster.weight_transfer == "nccl":
-            out.append("cluster.weight_transfer = 'nccl': every trainer rank streaming its share, each serving GPU "
-                       "taking only its own, is not built yet (trainer.weight_transfer = 'collective' is: whole "
-                       "versions from trainer rank 0, over NCCL where every member holds a GPU); use 'http'")
         pool = self.inference.kv_pool
         if pool.enabled and pool.protocol == "rdma":
             out.append("inference.kv_pool.protocol = 'rdma': only the TCP transport is built and tested; use 'tcp'")

@@ -36,35 +36,34 @@ def buckets(names: list[str]) -> list[list[str]]:
     return [layers[i] for i in sorted(layers)] + ([rest] if rest else [])
 
 
-def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The whole tensor on rank 0 (`keep`, in CPU memory), None elsewhere. A sharded one is sent to
-    rank 0 shard by shard by the other ranks of rank 0's shard group (replicas elsewhere send
-    nothing): no rank but 0 ever holds the whole tensor, and rank 0 holds one shard at a time on its
-    device."""
+def gathered(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """The whole tensor on rank `dst` (in CPU memory), None elsewhere. A sharded one is sent to `dst`
+    shard by shard by the other ranks of `dst`'s shard group (replicas elsewhere send nothing): no
+    rank but `dst` ever holds the whole tensor, and `dst` holds one shard at a time on its device."""
     if isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements):
-        return gather_rows(tensor, keep)
+        return gather_rows(tensor, dst)
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.detach().to("cpu", copy=True) if keep else None
+    return local.detach().to("cpu", copy=True) if dist.get_rank() == dst else None
 
 
-def gather_rows(tensor: DTensor, keep: bool) -> torch.Tensor | None:
+def gather_rows(tensor: DTensor, dst: int) -> torch.Tensor | None:
     """`gathered` for a sharded tensor, along whichever dim its `shard_layout` names: the shards of
-    rank 0's group, in shard order, each sent padded to `per` (torch.chunk's size) and trimmed here."""
+    `dst`'s group, in shard order, each sent padded to `per` (torch.chunk's size) and trimmed there."""
     layout = shard_layout(tensor)
-    if 0 not in layout.ranks:
-        return None  # a replica of shards rank 0's group already has
+    if dst not in layout.ranks:
+        return None  # a replica of shards `dst`'s group already has
     local, d = tensor.to_local().detach(), layout.tensor_dim
     padded_shape = (*tensor.shape[:d], layout.per, *tensor.shape[d + 1:])
-    if not keep:
+    if dist.get_rank() != dst:
         padded = local.new_zeros(padded_shape)
         padded.narrow(d, 0, local.shape[d]).copy_(local)
-        dist.send(padded, dst=0)
+        dist.send(padded, dst=dst)
         return None
     full = torch.empty(tensor.shape, dtype=local.dtype)
     buf = local.new_empty(padded_shape)
     for k, src in enumerate(layout.ranks):
         start, stop = layout.bounds(k)
-        if src == 0:
+        if src == dst:
             part = local
         else:
             dist.recv(buf, src=src)
@@ -94,25 +93,32 @@ def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: 
 
 def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None = None,
             hf_format: bool = False) -> Path | None:
-    """Publish weights vN into `sink` (every rank calls; rank 0 feeds the sink and returns where the
-    version is). `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else
-    the model's in-memory names (what the embedded engine copies in). `fp8_names`: published
-    block-FP8; one in no bucket fails the version before it is sealed."""
+    """Publish weights vN into `sink` (every rank calls; rank 0 returns where the version is).
+    `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else the model's
+    in-memory names (what the embedded engine copies in). `fp8_names`: published block-FP8; one in no
+    bucket fails the version before it is sealed. A sink fed by several ranks (`sink.senders`: the
+    collective stream) takes bucket b from rank b % senders, its owner, which streams it; rank 0 also
+    gathers every other bucket for the sealed folder."""
     state = get_model_state_dict(model)  # this rank's shards, nothing gathered
-    rank0 = dist.get_rank() == 0
-    if rank0:
+    rank, senders = dist.get_rank(), getattr(sink, "senders", 1)
+    if rank < senders:
         sink.begin(version)
     unmatched = set(fp8_names or [])
-    for names in buckets(list(state)):
-        part = {name: gathered(state[name], rank0) for name in names}
-        if rank0:
-            unmatched -= part.keys()  # converted() fails on one it cannot place in the bucket's output
-            part = converted(model, part, hf_format, fp8_names)
-            sink.put(part)
+    for b, names in enumerate(buckets(list(state))):
+        owner = b % senders
+        part = {name: gathered(state[name], owner) for name in names}
+        if owner != 0:  # the folder's copy, on rank 0
+            folder = {name: gathered(state[name], 0) for name in names}
+        if rank == owner:
+            sink.put(converted(model, part, hf_format, fp8_names))
+        elif rank == 0:
+            sink.put(converted(model, folder, hf_format, fp8_names), stream=False)
+        if rank == 0:
+            unmatched -= set(names)  # converted() fails on one it cannot place in the bucket's output
         del part
-    if not rank0:
+    if rank >= senders:
         return None
-    if unmatched:  # the engine expects these in FP8: publishing them as they are would load wrong
+    if unmatched and rank == 0:  # the engine expects these in FP8: publishing them as they are would load wrong
         raise RuntimeError(f"weights v{version}: FP8 tensors {sorted(unmatched)[:5]} are in no bucket of the "
                            f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
     return sink.seal({"version": version, "format": "hf" if hf_format else "memory"})

@@ -106,10 +106,12 @@ class Trainer:
         self.model.train()
 
     def make_sink(self):
-        """Where rank 0 publishes: the sealed folder, and with trainer.weight_transfer = "collective" also a
-        broadcast into the servers (their addresses followed through RUN_DIR/ports on one machine)."""
-        root, keep = self.run_dir / "weights", self.tcfg.keep_weights
-        if self.tcfg.weight_transfer != "collective" or self.rank != 0:
+        """Where the trainer publishes: the sealed folder (rank 0); with trainer.weight_transfer =
+        "collective" also a stream into the servers from rank 0, with "stream" from every rank, each its
+        share of the buckets (their addresses followed through RUN_DIR/ports on one machine)."""
+        root, keep, path = self.run_dir / "weights", self.tcfg.keep_weights, self.tcfg.weight_transfer
+        senders = self.world if path == "stream" else 1
+        if path == "folder" or self.rank >= senders:
             return weight_sink("folder", root=root, keep=keep)
         import prl.transport.collective  # noqa: F401  (registers the sink)
         from prl.transport import ports
@@ -120,8 +122,14 @@ class Trainer:
                 return list(cfg.servers)
             return [ports.url_of(cfg.run_dir, f"inference-{i}", u) for i, u in enumerate(cfg.servers)]
 
+        def share(plan):  # rank 0's group to every sender
+            box = [plan]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
         return weight_sink("collective", root=root, keep=keep, servers=servers, secret=cfg.secret(), host=cfg.host,
-                           timeout_s=self.tcfg.weight_transfer_timeout_s, device=self.device.type)
+                           timeout_s=self.tcfg.weight_transfer_timeout_s, device=self.device.type, rank=self.rank,
+                           senders=senders, share=share if senders > 1 else None)
 
     def make_optimizer(self, lr: float, total_steps: int):
         opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay)
@@ -264,7 +272,7 @@ class Trainer:
         sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
         if sent is not None:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
-                          send_s=sent.send_s, error=sent.error, backend=sent.backend)
+                          send_s=sent.send_s, error=sent.error, backend=sent.backend, senders=sent.senders)
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,

@@ -26,10 +26,12 @@ broadcasts each bucket; a failure to reach a server costs the collective for tha
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,9 +53,13 @@ class WireError(RuntimeError):
     """The version on the wire broke off or does not fit the model (the old version keeps serving)."""
 
 
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
 @dataclass
 class GroupInfo:
-    """How a member joins: the rendezvous store on trainer rank 0's host, its rank, the group size."""
+    """How a member joins: the rendezvous store on trainer rank 0's host, its rank, the group size.
+    Ranks 0..senders-1 send (trainer ranks), the rest receive (servers' workers)."""
 
     addr: str
     port: int
@@ -62,6 +68,11 @@ class GroupInfo:
     epoch: int
     timeout_s: float = 120.0
     backend: str = "gloo"  # or "nccl" (`pick_backend`)
+    senders: int = 1
+
+    @property
+    def receivers(self) -> int:
+        return self.world - self.senders
 
 
 def local_device() -> str:
@@ -121,31 +132,28 @@ def store_barrier(store: dist.Store, world: int, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-class Wire:
-    """One formed group: rank 0 broadcasts, every other rank receives."""
+class Link:
+    """One sender and every receiver: a process group of its own (and a CUDA stream under NCCL), so
+    each sender streams on its own while a receiver reads every sender at once. Local ranks: the
+    sender 0, receiver j at 1 + j."""
 
-    def __init__(self, info: GroupInfo, store: dist.Store | None = None, device: torch.device | str | None = None):
-        """`device`: where an NCCL member's buffers live (its model's GPU; default the current one)."""
-        check_backend(info.backend)
-        timeout = datetime.timedelta(seconds=info.timeout_s)
-        if store is None:  # a server joins the trainer's store
-            store = dist.TCPStore(info.addr, info.port, info.world, is_master=False, timeout=timeout)
-        self.info, self.store = info, store
-        prefix = dist.PrefixStore(f"prl-weights-{info.epoch}", store)
-        self.device, self.stream = torch.device("cpu"), None
+    def __init__(self, info: GroupInfo, store: dist.Store, source: int, device: torch.device):
+        self.source, self.device, self.stream = source, device, None
+        self.rank = 0 if info.rank == source else info.rank - info.senders + 1
+        size, timeout = info.receivers + 1, datetime.timedelta(seconds=info.timeout_s)
+        prefix = dist.PrefixStore(f"prl-weights-{info.epoch}-from-{source}", store)
         if info.backend == "nccl":
-            self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
-            self.stream = torch.cuda.Stream(self.device)  # its own: waits never stall the engine's stream
-            store_barrier(prefix, info.world, info.timeout_s)
-            self.pg = nccl_group(prefix, info.rank, info.world, timeout)
-            with self._here():
-                self._bcast(torch.zeros(1, device=self.device))  # NCCL connects here
+            self.stream = torch.cuda.Stream(device)  # its own: waits never stall the engine's stream
+            store_barrier(prefix, size, info.timeout_s)
+            self.pg = nccl_group(prefix, self.rank, size, timeout)
+            with self.here():
+                self.bcast(torch.zeros(1, device=device))  # NCCL connects here
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, info.rank, info.world, timeout)
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, size, timeout)
 
     @contextlib.contextmanager
-    def _here(self):
-        """This group's GPU and its own stream for the calling thread (a receive runs on a staging thread,
+    def here(self):
+        """This link's GPU and its own stream for the calling thread (a receive runs on a staging thread,
         whose current device is not the worker's); nothing on CPU."""
         if self.stream is None:
             yield
@@ -155,78 +163,152 @@ class Wire:
             yield
         self.stream.synchronize()
 
-    def _bcast(self, t: torch.Tensor) -> None:
+    def bcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
 
-    def _header(self, header: dict) -> None:
+    def header(self, header: dict) -> None:
         raw = json.dumps(header).encode()
-        self._bcast(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
-        self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device))
+        self.bcast(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
+        self.bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device))
 
-    def send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        """Broadcast one bucket; returns its bytes."""
-        with self._here():
-            return self._send_bucket(bucket)
-
-    def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+    def send_bucket(self, bucket: dict[str, torch.Tensor], to: dict[str, list[int]]) -> int:
+        """The header to every receiver, then each tensor: broadcast, or sent only to the receivers
+        `to` names for it (an expert's rows to the GPUs serving that expert)."""
         parts = {k: v.detach().to(self.device).contiguous() for k, v in bucket.items()}
-        self._header({"tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in parts.items()]})
-        for v in parts.values():
-            self._bcast(v.reshape(-1).view(torch.uint8))
+        self.header({"tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape), to.get(k)]
+                                 for k, v in parts.items()]})
+        for k, v in parts.items():
+            flat = v.reshape(-1).view(torch.uint8)
+            if to.get(k) is None:
+                self.bcast(flat)
+            else:
+                for j in to[k]:
+                    self.pg.send([flat], 1 + j, 0).wait()
         return sum(v.numel() * v.element_size() for v in parts.values())
 
-    def send_end(self, meta: dict) -> None:
-        with self._here():
-            self._header({"end": True, "meta": meta})
-
-    def receive(self, expected: dict[str, tuple[list[int], int]], on_tensor=None) -> tuple[dict[str, torch.Tensor], dict]:
-        """One version: (tensors, meta). `expected`: name -> (shape, max bytes) it may have."""
-        with self._here():
-            return self._receive(expected, on_tensor)
-
-    def _receive(self, expected, on_tensor) -> tuple[dict[str, torch.Tensor], dict]:
-        out: dict[str, torch.Tensor] = {}
+    def receive(self, out: dict, expected, on_tensor) -> dict:
+        """This sender's buckets into `out` until its end header; returns the end's meta."""
+        me = self.rank - 1
         while True:
-            header = self._recv_header()
+            header = self.recv_header()
             if header.get("end"):
-                return out, header.get("meta") or {}
-            for name, dtype, shape in header.get("tensors", []):
-                out[name] = self._recv_tensor(name, dtype, shape, expected)
+                return header.get("meta") or {}
+            for name, dtype, shape, *rest in header.get("tensors", []):
+                to = rest[0] if rest else None
+                if to is not None and me not in to:
+                    continue  # another receiver's share
+                out[name] = self.recv_tensor(name, dtype, shape, expected, p2p=to is not None)
                 if on_tensor:
                     on_tensor()
 
-    def _recv_header(self) -> dict:
+    def recv_header(self) -> dict:
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._bcast(n)
+        self.bcast(n)
         if not 0 < int(n) <= MAX_HEADER:
             raise WireError(f"a bucket header of {int(n)} bytes (at most {MAX_HEADER})")
         raw = torch.empty(int(n), dtype=torch.uint8, device=self.device)
-        self._bcast(raw)
+        self.bcast(raw)
         try:
             return json.loads(bytes(raw.cpu().numpy()))
         except ValueError as e:
             raise WireError(f"an unreadable bucket header: {e}") from None
 
-    def _recv_tensor(self, name: str, dtype: str, shape: list[int], expected) -> torch.Tensor:
+    def recv_tensor(self, name: str, dtype: str, shape: list[int], expected, p2p: bool) -> torch.Tensor:
         if name not in expected or dtype not in DTYPES:
-            raise WireError(f"tensor {name!r} ({dtype}): not a tensor of this model, or a dtype prl does not take")
+            raise WireError(f"tensor {name!r} ({dtype}): not a tensor of this model, of this receiver's share, "
+                            f"or a dtype prl does not take")
         want, limit = expected[name]
         t = torch.empty(0, dtype=DTYPES[dtype])
         size = int(torch.Size(shape).numel()) * t.element_size()
         if (want is not None and list(shape) != list(want)) or size > limit:
             raise WireError(f"tensor {name!r}: shape {shape}, the model's is {want} ({size} bytes, at most {limit})")
         raw = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._bcast(raw)
+        if p2p:
+            self.pg.recv([raw], 0, 0).wait()
+        else:
+            self.bcast(raw)
         if raw.is_cuda:  # staged in host memory, as on gloo: a whole version need not fit the GPU's free memory
             raw = raw.cpu()
         return raw.view(DTYPES[dtype]).reshape(shape)
 
     def close(self) -> None:
-        if self.stream is not None and self.pg is not None:
-            self.pg.abort()  # NCCL: its communicator goes now, not when collected
-        self.pg = self.store = None
+        with contextlib.suppress(Exception):  # a peer that died first: its end is gone already
+            self.pg.abort()  # pending waits on the group fail now (gloo and NCCL)
+        self.pg = None
+
+
+class Wire:
+    """One formed group: each sender streams on its own link; a receiver holds a link per sender."""
+
+    def __init__(self, info: GroupInfo, store: dist.Store | None = None, device: torch.device | str | None = None):
+        """`device`: where an NCCL member's buffers live (its model's GPU; default the current one)."""
+        check_backend(info.backend)
+        if not 0 < info.senders < info.world:
+            raise WireError(f"a weight group of {info.world} with {info.senders} senders")
+        if store is None:  # a server, or a trainer rank but 0, joins the trainer's store
+            store = dist.TCPStore(info.addr, info.port, info.world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=info.timeout_s))
+        self.info, self.store = info, store
+        self.device = torch.device("cpu")
+        if info.backend == "nccl":
+            self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+        sources = [info.rank] if info.rank < info.senders else range(info.senders)
+        self.links: dict[int, Link] = {}
+        try:
+            for s in sources:  # every receiver forms the links in sender order
+                self.links[s] = Link(info, store, s, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def send_bucket(self, bucket: dict[str, torch.Tensor], to: dict[str, list[int]] | None = None) -> int:
+        """Stream one bucket from this sender; returns its bytes. `to`: tensor name -> the receivers
+        (0-based) that take it, for tensors not every receiver takes."""
+        link = self.links[self.info.rank]
+        with link.here():
+            return link.send_bucket(bucket, to or {})
+
+    def send_end(self, meta: dict) -> None:
+        link = self.links[self.info.rank]
+        with link.here():
+            link.header({"end": True, "meta": meta})
+
+    def receive(self, expected: dict[str, tuple[list[int], int]], on_tensor=None) -> tuple[dict[str, torch.Tensor], dict]:
+        """One version from every sender at once: (tensors, meta). `expected`: name -> (shape, max bytes)
+        this receiver may take. The first sender to fail fails the version and aborts the links, so the
+        others fail at once too."""
+        out: dict[str, torch.Tensor] = {}
+        metas: dict[int, dict] = {}
+        errors: list[BaseException] = []
+
+        def read(link: Link) -> None:
+            try:
+                with link.here():
+                    metas[link.source] = link.receive(out, expected, on_tensor)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                if not errors:
+                    errors.append(e)
+                    self.close()
+
+        threads = [threading.Thread(target=read, args=(link,), daemon=True) for link in self.links.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        versions = {m.get("version") for m in metas.values()}
+        if len(versions) != 1:
+            raise WireError(f"the senders ended different versions: {sorted(map(str, versions))}")
+        return out, metas[min(metas)]
+
+    def close(self) -> None:
+        for link in list(self.links.values()):
+            if link.pg is not None:
+                link.close()
+        self.store = None
 
 
 def expected_tensors(model, scale_suffix: str) -> dict[str, tuple[list[int] | None, int]]:
@@ -242,97 +324,170 @@ def expected_tensors(model, scale_suffix: str) -> dict[str, tuple[list[int] | No
 # ---------------------------------------------------------------- the trainer side
 @dataclass
 class Delivery:
-    """What one version's broadcast did (logged by the trainer)."""
+    """What one version's stream did (logged by the trainer)."""
 
     version: int
     backend: str = ""  # of the group that carried it ("": none formed)
     servers: int = 0  # servers that staged it from the collective
-    bytes: int = 0
+    bytes: int = 0  # sent by this rank
     send_s: float = 0.0
+    senders: int = 1
     error: str | None = None
     failed: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Plan:
+    """The group a version goes over, as trainer rank 0 formed it and every sender follows it: where
+    its store is, its epoch and backend, and each receiver's share of the experts (None: all)."""
+
+    addr: str
+    port: int
+    world: int
+    epoch: int
+    backend: str
+    shares: list[list[int] | None]
+
+
+def routes(names, shares: list[list[int] | None]) -> dict[str, list[int]]:
+    """Receivers (0-based) of each expert tensor not every receiver takes (`EXPERT` names: an
+    expert's own tensors, as checkpoints name them); the rest is broadcast."""
+    if all(s is None for s in shares):
+        return {}
+    held = [None if s is None else set(s) for s in shares]
+    out = {}
+    for name in names:
+        m = EXPERT.search(name)
+        if m:
+            e = int(m.group(1))
+            to = [j for j, h in enumerate(held) if h is None or e in h]
+            if len(to) < len(held):
+                out[name] = to
+    return out
+
+
 @register_sink("collective")
 class CollectiveSink(WeightSink):
-    """`FolderSink` plus a broadcast of every bucket to the servers (`servers()`: their base URLs now).
+    """The version streamed into the servers from `senders` trainer ranks, each bucket by its owner
+    (`prl.trainer.publish`); rank 0 also writes the sealed folder (`FolderSink`), the fallback and
+    what a restarted server reads, and forms the group: the servers' base URLs now (`servers()`),
+    handed to the other senders by `share` (a broadcast over the trainer's ranks).
     `device`: where the trainer's buckets sit ("cuda" with CUDA servers makes the group NCCL)."""
 
     def __init__(self, root: Path, keep: int, servers, secret: str, host: str, timeout_s: float = 120.0,
-                 device: str = "cpu"):
-        self.folder = FolderSink(root, keep)
+                 device: str = "cpu", rank: int = 0, senders: int = 1, share=None):
+        self.rank, self.senders, self.share = rank, senders, share or (lambda plan: plan)
+        self.folder = FolderSink(root, keep) if rank == 0 else None
         self.servers, self.host, self.timeout_s, self.device = servers, host, timeout_s, device
         self.headers = {"Authorization": f"Bearer {secret}"}
         self.wire: Wire | None = None
+        self.store: dist.Store | None = None  # rank 0: the group's rendezvous
+        self.plan: Plan | None = None
         self.nccl_failed = False  # an NCCL group failed to form once: gloo from then on
         self.epoch = 0
         self.threads: list[threading.Thread] = []
         self.results: dict[str, str | None] = {}
         self.last: Delivery | None = None
+        self.sending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prl-weights")
+        self.pending: concurrent.futures.Future | None = None
 
     def begin(self, version: int) -> None:
-        self.folder.begin(version)
-        self.last, self.t0 = Delivery(version), time.perf_counter()
+        self.last, self.t0 = Delivery(version, senders=self.senders), time.perf_counter()
+        if self.folder is not None:
+            self.folder.begin(version)
+        joins = None
+        if self.rank == 0:
+            try:
+                if self.wire is None:
+                    self.plan, joins = self.prepare()
+            except Exception as e:  # noqa: BLE001 - any failure to reach the servers: the folder serves this version
+                self.broken(f"forming the group: {type(e).__name__}: {e}")
+        plan = self.share(self.plan if self.wire is not None or joins is not None else None)
         try:
-            if self.wire is None:
-                self.form()
-            self.start_receives(version)
-            self.last.backend = self.wire.info.backend
-        except Exception as e:  # noqa: BLE001 - any failure to reach the servers: the folder serves this version
+            self.follow(plan, joins)
+            if self.rank == 0 and self.wire is not None:
+                self.start_receives(version)
+                self.last.backend = self.wire.info.backend
+        except Exception as e:  # noqa: BLE001
             self.broken(f"forming the group: {type(e).__name__}: {e}")
 
-    def put(self, bucket: dict[str, torch.Tensor]) -> None:
-        self.folder.put(bucket)
-        if self.wire is not None:
-            try:
-                self.last.bytes += self.wire.send_bucket(bucket)
-            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses
-                self.broken(f"broadcast: {type(e).__name__}: {e}")
+    def put(self, bucket: dict[str, torch.Tensor], stream: bool = True) -> None:
+        """A bucket this rank owns (`stream`: sent on the group) or, on rank 0, one for the folder only."""
+        if self.folder is not None:
+            self.folder.put(bucket)
+        if stream and self.wire is not None:
+            self.wait_sent()  # at most one bucket queued behind the one on the wire
+            to = routes(bucket, self.plan.shares)
+            self.pending = self.sending.submit(self.wire.send_bucket, bucket, to)
 
-    def seal(self, meta: dict) -> Path:
+    def seal(self, meta: dict) -> Path | None:
+        self.wait_sent()
         if self.wire is not None:
             try:
                 self.wire.send_end(meta)
             except Exception as e:  # noqa: BLE001
-                self.broken(f"broadcast: {type(e).__name__}: {e}")
-        self.finish_receives()
+                self.broken(f"stream: {type(e).__name__}: {e}")
         self.last.send_s = time.perf_counter() - self.t0
+        if self.folder is None:
+            return None
+        self.finish_receives()
         return self.folder.seal(meta)  # sealed after the servers staged it: staged comes before visible
 
+    def wait_sent(self) -> None:
+        if self.pending is None:
+            return
+        try:
+            self.last.bytes += self.pending.result()
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+            self.broken(f"stream: {type(e).__name__}: {e}")
+        self.pending = None
+
     # ---- the group ----
-    def form(self) -> None:
-        """A new group over every server (rank 0 here, hosting the store)."""
+    def prepare(self) -> tuple[Plan, list[threading.Thread]]:
+        """Rank 0: a new group over every server, its store here; the servers are asked to join (on
+        threads: a join answers once every member, the senders too, joined)."""
         self.epoch += 1
         urls = self.servers()
         down = [u for u in urls if not self.healthy(u)]
         if down:  # known now: no group can form (a join would wait out the timeout)
             raise WireError(f"servers not answering /health: {down}")
         answers = [self.members(u) for u in urls]  # a server's ranks: its workers (vLLM: tp x dp), else 1
-        counts = [n for n, _ in answers]
-        backend = "gloo" if self.nccl_failed else pick_backend(self.device, [d for _, d in answers])
+        counts = [len(shares) for _, shares in answers]
+        backend = "gloo" if self.nccl_failed else pick_backend(self.device, [d for d, _ in answers])
+        firsts = [self.senders + sum(counts[:i]) for i in range(len(urls))]
+        world = self.senders + sum(counts)
+        self.store = dist.TCPStore(self.host, 0, world, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        plan = Plan(self.host, self.store.port, world, self.epoch, backend, [s for _, sh in answers for s in sh])
+        calls = [(u, "/weights/collective/join", {"addr": self.host, "port": plan.port, "world": world, "rank": first,
+                                                  "epoch": self.epoch, "timeout_s": self.timeout_s, "backend": backend,
+                                                  "senders": self.senders})
+                 for u, first in zip(urls, firsts)]
+        return plan, self.call_all(calls)
+
+    def follow(self, plan: Plan | None, joins: list[threading.Thread] | None) -> None:
+        """Every sender: join `plan`'s group when its epoch is new (None: none this version)."""
+        if plan is None:
+            self.close_wire()
+            return
+        if self.wire is not None and self.wire.info.epoch == plan.epoch:
+            return
+        self.close_wire()
+        self.plan = plan
+        info = GroupInfo(plan.addr, plan.port, plan.world, self.rank, plan.epoch, self.timeout_s, plan.backend,
+                         self.senders)
         try:
-            self.wire = self.join_all(urls, counts, backend)
+            self.wire = Wire(info, self.store if self.rank == 0 else None)
         except Exception as e:
-            if backend == "nccl" and "nccl" in str(e).lower():  # e.g. two members on one GPU: gloo from now on
+            if plan.backend == "nccl" and "nccl" in str(e).lower():  # e.g. two members on one GPU: gloo from now on
                 self.nccl_failed = True
             raise
-
-    def join_all(self, urls: list[str], counts: list[int], backend: str) -> Wire:
-        firsts = [1 + sum(counts[:i]) for i in range(len(urls))]
-        world = 1 + sum(counts)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        calls = [(u, "/weights/collective/join", {"addr": self.host, "port": store.port, "world": world, "rank": first,
-                                                  "epoch": self.epoch, "timeout_s": self.timeout_s, "backend": backend})
-                 for u, first in zip(urls, firsts)]
-        threads = self.call_all(calls)
-        wire = Wire(GroupInfo(self.host, store.port, world, 0, self.epoch, self.timeout_s, backend), store)
-        for t in threads:
-            t.join()
-        failed = {u: e for u, e in self.results.items() if e}
+        finally:
+            for t in joins or []:
+                t.join()
+        failed = {u: e for u, e in self.results.items() if e} if joins else {}
         if failed:
             raise WireError(f"servers that did not join: {failed}")
-        return wire
 
     def start_receives(self, version: int) -> None:
         self.threads = self.call_all([(u, "/weights/collective/receive", {"version": version, "epoch": self.epoch})
@@ -347,14 +502,21 @@ class CollectiveSink(WeightSink):
         if self.last.failed and self.wire is not None:
             self.broken("; ".join(self.last.failed))
 
-    def members(self, url: str) -> tuple[int, str]:
-        """(ranks, device kind) a server brings to the group."""
+    def members(self, url: str) -> tuple[str, list[list[int] | None]]:
+        """(device kind, each member's experts) a server brings to the group: one member per receiving
+        process (vLLM: its tp x dp workers, each with the experts it serves; None: all)."""
         r = httpx.get(url + "/weights/collective/members", headers=self.headers, timeout=10.0)
         r.raise_for_status()
-        n, device = r.json().get("members"), r.json().get("device", "cpu")
+        body = r.json()
+        n, device = body.get("members"), body.get("device", "cpu")
         if not isinstance(n, int) or not 1 <= n <= 4096 or not isinstance(device, str):
             raise WireError(f"{url}: /weights/collective/members answered {r.text[:100]}")
-        return n, device
+        shares = body.get("experts") or [None] * n
+        if len(shares) != n or not all(s is None or (isinstance(s, list) and all(isinstance(e, int) for e in s))
+                                       for s in shares):
+            raise WireError(f"{url}: /weights/collective/members: 'experts' must list each member's experts "
+                            f"(or null), got {str(body.get('experts'))[:100]}")
+        return device, shares
 
     def healthy(self, url: str) -> bool:
         try:
@@ -379,10 +541,13 @@ class CollectiveSink(WeightSink):
             t.start()
         return threads
 
+    def close_wire(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+        self.wire = None
+
     def broken(self, why: str) -> None:
         """This version goes by the folder; the next forms a new group."""
         if self.last is not None and self.last.error is None:
             self.last.error = why
-        if self.wire is not None:
-            self.wire.close()
-        self.wire = None
+        self.close_wire()

@@ -35,17 +35,17 @@ def join(info, worker: int, device) -> Wire:
     """This worker's member of the trainer's group: rank = the server's first rank + its worker rank, on
     the worker's own device (NCCL)."""
     return Wire(GroupInfo(info.addr, info.port, info.world, info.rank + worker, info.epoch, info.timeout_s,
-                          info.backend), device=device)
+                          info.backend, info.senders), device=device)
 
 
 def receive_read(engine, wire: Wire):
     """The stager's read for one version off `wire` (checked like a folder; a failure drops the group)."""
     def read(version: int) -> dict:
         try:
-            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in engine.expected().items()})
+            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in engine.expected_share().items()})
             if int(meta.get("version", -1)) != version or meta.get("format") != "hf":
                 raise WireError(f"the wire carried v{meta.get('version')} ({meta.get('format')}), not v{version} (hf)")
-            engine.check(f"v{version} from the collective", tensors)
+            engine.check(f"v{version} from the collective", tensors, engine.expected_share())
             return tensors
         except BaseException:
             wire.close()  # drops the group now: on gloo the sender fails at once (NCCL: at its timeout)
@@ -63,12 +63,28 @@ def members(cfg) -> int:
     return max(tp, 1) * int(opts.get("data_parallel_size", cfg.inference.data_parallel_size))
 
 
+def shares(cfg, n: int, experts: int) -> list[list[int] | None]:
+    """The experts each of the server's `n` workers serves: all without expert parallelism; with it,
+    vLLM's linear placement over the workers (expert-parallel rank = data-parallel rank x tp + tensor
+    rank, the member order): contiguous, the remainder on the first ranks. Each worker checks what it
+    receives against its own model's expert map, so a placement that differs fails by name."""
+    if not (cfg.inference.expert_parallel or cfg.inference.vllm.get("enable_expert_parallel")) or n == 1 or not experts:
+        return [None] * n
+    base, rem = divmod(experts, n)
+    out = []
+    for r in range(n):
+        start = r * base + min(r, rem)
+        out.append(list(range(start, start + base + (r < rem))))
+    return out
+
+
 async def handle(request, cfg):
     """One of `PATHS` (the bearer check already passed)."""
     from starlette.responses import JSONResponse
 
     if request.url.path == MEMBERS:
-        return JSONResponse({"members": members(cfg), "device": local_device()})
+        n = members(cfg)
+        return JSONResponse({"members": n, "device": local_device(), "experts": shares(cfg, n, routed_experts(cfg))})
     try:
         body = json.loads(await request.body() or b"{}")
         if request.url.path == JOIN:
@@ -78,6 +94,12 @@ async def handle(request, cfg):
         return JSONResponse({"detail": str(e)[:1000]}, status_code=400)
     except Exception as e:  # noqa: BLE001 - a worker's error comes back through vLLM's RPC
         return JSONResponse({"detail": f"{type(e).__name__}: {e}"[:1000]}, status_code=409)
+
+
+def routed_experts(cfg) -> int:
+    """The model's routed experts (0 for a dense model), from its config.json."""
+    conf = json.loads((cfg.model_dir / "config.json").read_text())
+    return int(conf.get("n_routed_experts") or conf.get("num_experts") or conf.get("num_local_experts") or 0)
 
 
 async def _init(request, info: dict) -> None:

@@ -30,9 +30,9 @@ PARALLEL_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "pipeli
 
 
 def weight_engine(cfg: ServerConfig) -> str:
-    """prl's own engine (weights from the trainer endpoint); vLLM's NCCL engine when the cluster
-    broadcasts weights over NCCL (GPU only; `prl run` refuses it until the trainer side exists)."""
-    return json.dumps({"backend": "nccl" if cfg.weight_transfer == "nccl" else "prl"}, separators=(",", ":"))
+    """prl's own engine in every worker: the folder from the trainer endpoint, and the collective
+    stream (`prl.backends.vllm.collective`: gloo, or NCCL where every member holds a GPU)."""
+    return json.dumps({"backend": "prl"}, separators=(",", ":"))
 
 
 def option_flag(key: str) -> str:

@@ -57,6 +57,7 @@ class PrlInitInfo(WeightTransferInitInfo):
     epoch: int = 0
     timeout_s: float = 120.0
     backend: str = "gloo"
+    senders: int = 1
     version: int = -1
 
 
@@ -151,8 +152,9 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.check(path, state)
         return state
 
-    def check(self, path, state: dict[str, torch.Tensor]) -> None:
-        expected = self.expected()
+    def check(self, path, state: dict[str, torch.Tensor], expected: dict | None = None) -> None:
+        """`state` holds exactly `expected` (default: the whole checkpoint), shapes included, all finite."""
+        expected = expected if expected is not None else self.expected()
         missing = sorted(set(expected) - set(state))
         extra = sorted(set(state) - set(expected))
         bad = sorted(k for k in expected.keys() & state.keys() if tuple(state[k].shape) != expected[k])
@@ -170,6 +172,16 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
             self._expected = checkpoint_shapes(self.cfg.model_dir)
         return self._expected
 
+    def expected_share(self) -> dict[str, tuple[int, ...]]:
+        """What this worker takes from the collective stream: the checkpoint less the experts it does not
+        serve under expert parallelism (its model's own expert map)."""
+        from prl.transport.collective import EXPERT
+
+        local = local_experts(self.model)
+        if local is None:
+            return self.expected()
+        return {k: v for k, v in self.expected().items() if (m := EXPERT.search(k)) is None or int(m.group(1)) in local}
+
     def load(self, state: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -177,6 +189,15 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.model.load_weights(iter(state.items()))
         finalize_layerwise_reload(self.model, self.model_config)
         repack_cpu_experts(self.model)
+
+
+def local_experts(model) -> set[int] | None:
+    """The global ids of the experts this worker serves (its MoE layers' expert map), None: all of them."""
+    for module in model.modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is not None and manager.use_ep:
+            return set(manager.get_local_expert_ids())
+    return None
 
 
 def worker_rank() -> tuple[int, int]:

@@ -154,4 +154,4 @@ def cpu_refusal(recipe, folder) -> str | None:
 
 
 SPEC = VllmSpec(name="vllm", client="prl.backends.vllm.client:VllmBackend", publish_format="hf",
-                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),), weight_paths=("folder", "collective"))
+                owned_args=OWN_ARGS, host_packages=(("vllm", "vllm"),), weight_paths=("folder", "collective", "stream"))
