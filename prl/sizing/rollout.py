@@ -93,7 +93,8 @@ def weights_moved(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> float:
 
 
 def collective(recipe: Recipe) -> bool:
-    return recipe.cluster is not None and recipe.cluster.weight_transfer == "nccl"
+    """Weights streamed from every trainer rank (cluster.weight_transfer = "nccl" sets it)."""
+    return recipe.trainer.weight_transfer == "stream"
 
 
 def weight_send_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trainer_gpus: int) -> float:
