@@ -203,6 +203,8 @@ WIRE_MEMBER = textwrap.dedent("""
         assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
         assert all(torch.equal(got[k], want[k]) for k in want)
         print("got", len(got), flush=True)
+    import os
+    os._exit(0)  # as the trainer leaves: no interpreter teardown under gloo's threads (it can abort)
 """)
 
 
@@ -226,7 +228,9 @@ STREAM_SENDER = textwrap.dedent("""
     from prl.model.build import build_model
     from prl.trainer.publish import publish
     from prl.transport.collective import CollectiveSink
-    run_dir, url, secret, version, fmt = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[6]
+    run_dir, url, secret, fmt = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[6]
+    versions = [int(v) for v in sys.argv[4].split(",")]
+    version = versions[0]
     die_at = int(os.environ.get("DIE_AT_BUCKET", "-1"))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -252,16 +256,29 @@ STREAM_SENDER = textwrap.dedent("""
             sink.wait_sent()
             os._exit(3)  # mid-version, after its first bucket
         sink.put = dying
-    publish(model, sink, version, hf_format=fmt == "hf")
-    print("rank", rank, "error", sink.last.error, "servers", sink.last.servers, "senders", sink.last.senders, flush=True)
+    whole = os.environ.get("WHOLE", "1") == "1"
+    for k, version in enumerate(versions):
+        if k:  # the server leaves the group (a join it cannot complete), so it misses this version's stream
+            import httpx
+            model.load_state_dict(state_for(run_dir, version))
+            if rank == 0:
+                httpx.post(url + "/weights/collective/join", headers={"Authorization": f"Bearer {secret}"}, timeout=30,
+                           json={"addr": "127.0.0.1", "port": 1, "world": 3, "rank": 2, "epoch": 99, "timeout_s": 1,
+                                 "senders": 2})
+            dist.barrier()
+        publish(model, sink, version, hf_format=fmt == "hf", whole=whole)
+        print("rank", rank, "error", sink.last.error, "servers", sink.last.servers, "senders", sink.last.senders,
+              "missed", sink.missed, flush=True)
+    os._exit(0)  # as the trainer leaves: no interpreter teardown under gloo's threads (it can abort)
 """)
 
 
-def stream(run_dir, url, secret, version: int, die: bool = False, fmt: str = "memory") -> list[str]:
-    """Version `version` published by two real trainer ranks (a gloo group), each streaming its buckets
-    (`fmt` "hf": checkpoint names, for vLLM)."""
+def stream(run_dir, url, secret, version, die: bool = False, fmt: str = "memory", whole: bool = True) -> list[str]:
+    """Version `version` (or "a,b": two, the server knocked out of the group between them) published by
+    two real trainer ranks (a gloo group), each streaming its buckets (`fmt` "hf": checkpoint names, for
+    vLLM; not `whole`: rank 0 writes no tensors unless a server missed the stream)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": "2",
-           **({"DIE_AT_BUCKET": "0"} if die else {})}
+           "WHOLE": "1" if whole else "0", **({"DIE_AT_BUCKET": "0"} if die else {})}
     procs = [subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(run_dir), url, secret, str(version),
                                os.path.dirname(__file__), fmt], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
@@ -296,3 +313,30 @@ def test_two_trainer_ranks_stream_a_version_and_a_dead_one_costs_only_that_versi
     outs = stream(run_dir, url, secret, 24)
     assert all("error None" in o for o in outs), outs
     assert client.post("/update_weights", json={"version": 24}).json()["source"] == "collective"
+
+
+def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_written_whole(server):
+    """Not `whole` (the stream's versions between checkpoints): every server staged v25, so rank 0 seals
+    its folder without tensors; a server asked for it again (a restarted one) answers 503 naming why
+    (not a rejection: the orchestrator takes it out until a later version). The server then leaves the
+    group, misses v26's stream, and every rank publishes v26 again, whole: the server loads it from the
+    folder with the same logprobs as v26's weights."""
+    from prl.model.weights import read_weights, version_dir, write_weights
+
+    client, run_dir, url, secret = server
+    outs = stream(run_dir, url, secret, "25,26", whole=False)
+    first, second = (o.splitlines() for o in outs)
+    assert "error None" in first[0] and "missed False" in first[0], outs
+    assert "servers 0" in first[1] and "missed True" in first[1], outs  # rank 0 saw the miss
+    v25 = version_dir(run_dir / "weights", 25)
+    assert [p.name for p in v25.iterdir()] == ["MANIFEST.json"]
+    assert client.post("/update_weights", json={"version": 25}).json()["source"] == "collective"
+    r = client.post("/update_weights", json={"version": 25})  # nothing staged now
+    assert r.status_code == 503 and "[prl: streamed only]" in r.json()["detail"], r.text
+    state, manifest = read_weights(version_dir(run_dir / "weights", 26))
+    assert not manifest.get("streamed_only") and len(state) == len(state_for(run_dir, 26))
+    assert client.post("/update_weights", json={"version": 26}).json()["source"] == "folder"
+    from_folder = greedy(client)
+    write_weights(run_dir / "weights" / "v27", state_for(run_dir, 26), {"version": 27})
+    client.post("/update_weights", json={"version": 27})
+    assert greedy(client) == from_folder

@@ -509,11 +509,13 @@ def prepare_weights(model, path) -> Policy:
     Runs off the engine thread, so decoding continues while a new policy is read."""
     from pathlib import Path
 
-    from prl.model.weights import CorruptWeightsError, read_weights
+    from prl.model.weights import CorruptWeightsError, StreamedOnly, read_weights
 
     try:
         raw, manifest = read_weights(Path(path))
         version = int(manifest["version"])
+    except StreamedOnly:
+        raise
     except (CorruptWeightsError, OSError) as e:
         raise WeightLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a bad header, a manifest without version: refused, not a 500

@@ -36,6 +36,7 @@ from prl.inference.protocol import (
     encode_routing,
 )
 from prl.transport.auth import bearer
+from prl.model.weights import StreamedOnly
 from prl.transport.collective import GroupInfo
 from prl.transport.weights import WeightFetchError
 
@@ -157,6 +158,8 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
             if policy is None:
                 path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
                 policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
+        except StreamedOnly as e:  # not a bad version: this server missed the stream (503: taken out, rejoins)
+            raise HTTPException(503, str(e)) from None
         except (WeightLoadError, WeightFetchError) as e:
             raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
         if policy.version != req.version:

@@ -101,7 +101,7 @@ def verify_dir(path: Path, hash_only: set[str] | None = None) -> dict:
 def check_manifest(manifest, path: Path) -> None:
     """A manifest names plain files of its own folder, each with an integer size and a sha256."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not files:
+    if not isinstance(files, dict) or not (files or manifest.get("streamed_only") is True):  # streamed: none
         raise CorruptWeightsError(f"{path}: no 'files' table in the manifest")
     for name, want in files.items():
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in (".", ".."):
@@ -122,12 +122,24 @@ def write_weights(final: Path, state_dict: dict[str, "torch.Tensor"], meta: dict
     return commit_dir(tmp, final, meta)
 
 
+STREAMED_ONLY = "[prl: streamed only]"  # in the error a server gives for such a version (not a rejection)
+
+
+class StreamedOnly(RuntimeError):
+    """The version went to the servers by the collective stream only: its sealed folder holds no tensors.
+    A server that was not in the stream (restarted meanwhile) takes the next version instead."""
+
+
 def read_weights(path: Path) -> tuple[dict[str, "torch.Tensor"], dict]:
     """Every tensor of a verified folder: all the safetensors files its manifest lists (one, or one
     per bucket as the trainer publishes)."""
     from safetensors.torch import load_file
 
     manifest = verify_dir(path)
+    if manifest.get("streamed_only"):
+        raise StreamedOnly(f"{STREAMED_ONLY} {path}: v{manifest.get('version')} went to the servers by the collective "
+                           f"stream only (its folder holds no tensors) and this server did not stage it; it "
+                           f"takes the next version, which the trainer writes whole when a server missed the stream")
     state = {}
     for name in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
         state.update(load_file(str(path / name)))

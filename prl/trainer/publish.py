@@ -92,33 +92,40 @@ def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: 
 
 
 def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None = None,
-            hf_format: bool = False) -> Path | None:
+            hf_format: bool = False, whole: bool = True) -> Path | None:
     """Publish weights vN into `sink` (every rank calls; rank 0 returns where the version is).
     `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else the model's
     in-memory names (what the embedded engine copies in). `fp8_names`: published block-FP8; one in no
-    bucket fails the version before it is sealed. A sink fed by several ranks (`sink.senders`: the
-    collective stream) takes bucket b from rank b % senders, its owner, which streams it; rank 0 also
-    gathers every other bucket for the sealed folder."""
+    bucket fails the version before it is sealed.
+
+    A sink fed by several ranks (`sink.senders`: the collective stream) takes bucket b from rank
+    b % senders, its owner, which streams it. Rank 0 also gathers every other bucket for the sealed
+    folder, unless not `whole`: then it seals an empty folder once every server staged the version,
+    and when one did not, every rank publishes the version again, whole, into the folder."""
     state = get_model_state_dict(model)  # this rank's shards, nothing gathered
     rank, senders = dist.get_rank(), getattr(sink, "senders", 1)
+    whole = whole or senders == 1
     if rank < senders:
-        sink.begin(version)
+        sink.begin(version, whole)
     unmatched = set(fp8_names or [])
     for b, names in enumerate(buckets(list(state))):
         owner = b % senders
         part = {name: gathered(state[name], owner) for name in names}
-        if owner != 0:  # the folder's copy, on rank 0
+        if owner != 0 and whole:  # the folder's copy, on rank 0
             folder = {name: gathered(state[name], 0) for name in names}
         if rank == owner:
             sink.put(converted(model, part, hf_format, fp8_names))
-        elif rank == 0:
+        elif rank == 0 and whole:
             sink.put(converted(model, folder, hf_format, fp8_names), stream=False)
-        if rank == 0:
+        if rank == 0 and (whole or owner == 0):
             unmatched -= set(names)  # converted() fails on one it cannot place in the bucket's output
         del part
     if rank >= senders:
         return None
-    if unmatched and rank == 0:  # the engine expects these in FP8: publishing them as they are would load wrong
+    if unmatched and rank == 0 and whole:  # the engine expects these in FP8: publishing them as they are would load wrong
         raise RuntimeError(f"weights v{version}: FP8 tensors {sorted(unmatched)[:5]} are in no bucket of the "
                            f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
-    return sink.seal({"version": version, "format": "hf" if hf_format else "memory"})
+    path = sink.seal({"version": version, "format": "hf" if hf_format else "memory"})
+    if not whole and sink.share(sink.missed if rank == 0 else None):
+        return publish(model, sink.folder, version, fp8_names, hf_format)  # rank 0 gathers it all
+    return path

@@ -69,6 +69,7 @@ class Trainer:
         self.temperature = r.sampling.temperature or 1.0
         self.log = EventLog(self.run_dir / "metrics.jsonl", "trainer")
         self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
+        self.published_here = False  # a version published by this process (the first is written whole)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -268,11 +269,21 @@ class Trainer:
 
     def publish(self, version: int) -> None:
         publish(self.model, self.sink, version, self.fp8_names,
-                hf_format=self.cfg.publish_format == "hf")
+                hf_format=self.cfg.publish_format == "hf", whole=self.whole_version(version))
+        self.published_here = True
         sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
         if sent is not None:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
                           send_s=sent.send_s, error=sent.error, backend=sent.backend, senders=sent.senders)
+
+    def whole_version(self, version: int) -> bool:
+        """Whether the sealed folder of `version` must hold its tensors. Only the stream from every rank
+        leaves them out, except in the first version this process publishes and each checkpoint's
+        version (what a restarted trainer continues from); a server that missed the stream gets the
+        version whole anyway (`publish`)."""
+        every = self.tcfg.checkpoint_every
+        return (self.tcfg.weight_transfer != "stream" or not self.published_here
+                or version == self.rl.max_steps or bool(every and version % every == 0))
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,

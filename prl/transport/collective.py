@@ -391,8 +391,11 @@ class CollectiveSink(WeightSink):
         self.sending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prl-weights")
         self.pending: concurrent.futures.Future | None = None
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, whole: bool = True) -> None:
+        """`whole` False (several senders): rank 0 writes no tensors; once every server staged the version
+        it seals an empty folder marked `streamed_only`, else `missed` says it must be written whole."""
         self.last, self.t0 = Delivery(version, senders=self.senders), time.perf_counter()
+        self.whole, self.missed = whole or self.senders == 1, False
         if self.folder is not None:
             self.folder.begin(version)
         joins = None
@@ -413,12 +416,12 @@ class CollectiveSink(WeightSink):
 
     def put(self, bucket: dict[str, torch.Tensor], stream: bool = True) -> None:
         """A bucket this rank owns (`stream`: sent on the group) or, on rank 0, one for the folder only."""
-        if self.folder is not None:
+        if self.folder is not None and self.whole:
             self.folder.put(bucket)
         if stream and self.wire is not None:
-            self.wait_sent()  # at most one bucket queued behind the one on the wire
-            to = routes(bucket, self.plan.shares)
-            self.pending = self.sending.submit(self.wire.send_bucket, bucket, to)
+            self.wait_sent()  # at most one bucket queued behind the one on the wire (it may have broken it)
+        if stream and self.wire is not None:
+            self.pending = self.sending.submit(self.wire.send_bucket, bucket, routes(bucket, self.plan.shares))
 
     def seal(self, meta: dict) -> Path | None:
         self.wait_sent()
@@ -431,6 +434,11 @@ class CollectiveSink(WeightSink):
         if self.folder is None:
             return None
         self.finish_receives()
+        if not self.whole:
+            if self.last.error is not None or not self.last.servers:
+                self.missed = True  # a server did not stage it: the version is published again, whole
+                return None
+            meta = {**meta, "streamed_only": True}
         return self.folder.seal(meta)  # sealed after the servers staged it: staged comes before visible
 
     def wait_sent(self) -> None:

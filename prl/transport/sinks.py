@@ -29,8 +29,10 @@ class WeightSink(abc.ABC):
     kind: str
 
     @abc.abstractmethod
-    def begin(self, version: int) -> None:
-        """Start version `version` (nothing of it is visible until `seal`)."""
+    def begin(self, version: int, whole: bool = True) -> None:
+        """Start version `version` (nothing of it is visible until `seal`). `whole`: its sealed folder
+        must hold every tensor (a sink that streams may otherwise seal an empty one once every server
+        staged the version)."""
 
     @abc.abstractmethod
     def put(self, bucket: dict[str, torch.Tensor]) -> None:
@@ -73,7 +75,7 @@ class FolderSink(WeightSink):
         self.tmp: Path | None = None
         self.count = 0
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, whole: bool = True) -> None:
         self.final = version_dir(self.root, version)
         self.tmp, self.count = tmp_dir_for(self.final), 0
 

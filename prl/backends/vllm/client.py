@@ -31,6 +31,7 @@ import httpx
 
 from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.backends.vllm.rejected import REJECTED
+from prl.model.weights import STREAMED_ONLY
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
@@ -212,6 +213,8 @@ class VllmBackend(InferenceBackend):
             if status["state"] == "ready":
                 return
             if status["state"] == "failed":
+                if STREAMED_ONLY in (status["error"] or ""):  # missed the stream: taken out, rejoins on a later version
+                    raise BackendError(f"{self.base_url}: weights v{version}: {status['error']}")
                 raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {status['error']}")
             if time.monotonic() > deadline:
                 raise BackendError(f"{self.base_url}: weights v{version} not staged after {timeout:.0f}s")
