@@ -169,14 +169,23 @@ def two_faults(tmp_path: Path, name: str, first, second, recovered, *args: str, 
 def test_server_and_trainer_killed_in_one_run(tmp_path):
     """Two servers: one SIGKILLed (its groups go to the other, it restarts and rejoins with the
     current weights), then the trainer's rank SIGKILLed (torchrun restarts from the newest checkpoint
-    and replays the kept batches)."""
+    and replays the kept batches). The weights go by the stream from both trainer ranks: the restarted
+    server misses it, so a version is written whole for it (it rejoins with that one) and later
+    versions are streamed to it again."""
     rejoined = lambda evs: restarted("inference-1")(evs) and any(  # noqa: E731
         e["kind"] == "server_state" and e["name"] == "inference-1" and e["state"] == "up" for e in evs)
     run_dir = two_faults(tmp_path, "server+trainer kill", ("inference-1", process("inference-1"), signal.SIGKILL),
                          ("the trainer's rank", trainer_rank, signal.SIGKILL), rejoined,
-                         "--set", "inference.num_servers=2", second_when=three_steps_past_a_checkpoint)
+                         "--set", "inference.num_servers=2", "--set", "trainer.nproc=2",
+                         "--set", 'trainer.weight_transfer="stream"', second_when=three_steps_past_a_checkpoint)
     assert [e["name"] for e in events(run_dir, "restart")] == ["inference-1", "trainer"]
     check_trainer_restart(run_dir)
+    sent = events(run_dir, "weights_sent")
+    assert all(e["senders"] == 2 for e in sent) and sent[-1]["servers"] == 2 and sent[-1]["error"] is None, sent[-3:]
+    missed = [e["version"] for e in sent if e["error"]]  # the restarted server was not in the stream
+    assert missed, "the restarted server missed a version's stream"
+    back = [e for e in events(run_dir, "server_state") if e["name"] == "inference-1" and e["state"] == "up"]
+    assert back, "inference-1 came back"
 
 
 def test_hung_server_and_hung_trainer_are_restarted(tmp_path):

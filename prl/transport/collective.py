@@ -382,6 +382,8 @@ class CollectiveSink(WeightSink):
         self.headers = {"Authorization": f"Bearer {secret}"}
         self.wire: Wire | None = None
         self.store: dist.Store | None = None  # rank 0: the group's rendezvous
+        self.members_now: list[str] = []  # rank 0: the servers in the group
+        self.absent: list[str] = []  # rank 0: servers down when it formed (they read this version's folder)
         self.plan: Plan | None = None
         self.nccl_failed = False  # an NCCL group failed to form once: gloo from then on
         self.epoch = 0
@@ -456,9 +458,10 @@ class CollectiveSink(WeightSink):
         threads: a join answers once every member, the senders too, joined)."""
         self.epoch += 1
         urls = self.servers()
-        down = [u for u in urls if not self.healthy(u)]
-        if down:  # known now: no group can form (a join would wait out the timeout)
-            raise WireError(f"servers not answering /health: {down}")
+        self.absent = [u for u in urls if not self.healthy(u)]  # down now (a join would wait out the timeout)
+        urls = self.members_now = [u for u in urls if u not in self.absent]
+        if not urls:
+            raise WireError(f"servers not answering /health: {self.absent}")
         answers = [self.members(u) for u in urls]  # a server's ranks: its workers (vLLM: tp x dp), else 1
         counts = [len(shares) for _, shares in answers]
         backend = "gloo" if self.nccl_failed else pick_backend(self.device, [d for d, _ in answers])
@@ -499,7 +502,7 @@ class CollectiveSink(WeightSink):
 
     def start_receives(self, version: int) -> None:
         self.threads = self.call_all([(u, "/weights/collective/receive", {"version": version, "epoch": self.epoch})
-                                      for u in self.servers()])
+                                      for u in self.members_now])
 
     def finish_receives(self) -> None:
         for t in self.threads:
@@ -509,6 +512,9 @@ class CollectiveSink(WeightSink):
         self.last.servers = sum(1 for e in self.results.values() if e is None)
         if self.last.failed and self.wire is not None:
             self.broken("; ".join(self.last.failed))
+        elif self.absent:  # they get this version from the folder; the next group includes those back up
+            self.last.error = self.last.error or f"servers not answering /health, not in the group: {self.absent}"
+            self.close_wire()
 
     def members(self, url: str) -> tuple[str, list[list[int] | None]]:
         """(device kind, each member's experts) a server brings to the group: one member per receiving
