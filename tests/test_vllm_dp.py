@@ -128,6 +128,16 @@ def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
         assert sink.last.error is None and sink.last.servers == 1, sink.last  # its two engines' ranks joined
         call(srv, lambda b: b.load_weights(2))
         check_both_engines(srv, model, version=2)
+        # two trainer ranks stream; each engine's worker takes only the experts it serves (it checks them
+        # against its own expert map: one expert too many or too few fails the version by name)
+        from test_collective import stream
+
+        outs = stream(srv.run_dir, srv.url, srv.secret, 3, fmt="hf")
+        assert all("error None" in o for o in outs) and "servers 1" in outs[0], outs
+        call(srv, lambda b: b.load_weights(3))
+        model = hf_model(srv.run_dir / "model")
+        perturbed_state(model, seed=3)
+        check_both_engines(srv, model, version=3)
     except Exception:
         print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
         raise
