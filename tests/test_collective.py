@@ -340,3 +340,20 @@ def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_wri
     write_weights(run_dir / "weights" / "v27", state_for(run_dir, 26), {"version": 27})
     client.post("/update_weights", json={"version": 27})
     assert greedy(client) == from_folder
+
+
+def test_each_vllm_worker_is_sent_the_experts_of_its_slots():
+    """vLLM's linear placement of the physical slots over an engine's workers, each slot loaded with its
+    expert (the redundant slots of EPLB cycling through the experts): what the stream routes to each."""
+    from types import SimpleNamespace
+
+    from prl.backends.vllm.collective import shares
+
+    def cfg(ep: bool, redundant: int = 0):
+        return SimpleNamespace(inference=SimpleNamespace(expert_parallel=ep, vllm={}, redundant_experts=redundant))
+
+    assert shares(cfg(False), 3, 8) == [None, None, None]  # without expert parallelism every worker holds all
+    assert shares(cfg(True), 1, 8) == [None]
+    assert shares(cfg(True), 3, 8) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # the remainder on the first ranks
+    assert shares(cfg(True, redundant=1), 3, 8) == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]  # slot 8 holds expert 0
+    assert shares(cfg(True, redundant=4), 4, 8) == [[0, 1, 2], [3, 4, 5], [0, 6, 7], [1, 2, 3]]

@@ -358,7 +358,7 @@ def test_prefill_flops():
 def test_marks():
     assert mark() == "[built]" and mark("tp", "checkpointing") == "[built]"
     assert mark("tp", "fp8_trainer") == "[built, needs GPU: fp8_trainer]"
-    assert mark("fp8_trainer", "overlap", "eplb", "overlap") == "[planned: overlap, eplb]"
+    assert mark("fp8_trainer", "overlap", "fused_dsa", "overlap") == "[planned: overlap, fused_dsa]"
 
 
 def test_the_flagship_plan_is_at_most_5_minutes_through_marked_mechanisms():

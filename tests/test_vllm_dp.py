@@ -62,7 +62,8 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
     recipe = load_recipe(tmp_path / "r.toml", ["placement.trainer=['a']", "placement.inference=['b','c']",
                                                "placement.gpus_per_server=8", "inference.hosts_per_engine=2",
                                                "inference.data_parallel_size=16", "inference.expert_parallel=true",
-                                               "inference.kv_cache_dtype='fp8'", "inference.mtp_tokens=1"])
+                                               "inference.kv_cache_dtype='fp8'", "inference.mtp_tokens=1",
+                                               "inference.redundant_experts=8"])
     configs = resolve(recipe, tmp_path)
     lead, worker = (c for c in configs if c.role in ("inference", "engine_worker"))
     assert (lead.name, lead.node, worker.name, worker.node, worker.engine) == ("inference-0", "b", "inference-0-host1", "c", "inference-0")
@@ -103,6 +104,8 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
                                                                                       headless, start)
         assert a.kv_cache_dtype == "fp8"
         assert a.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+        eplb = a.eplb_config if isinstance(a.eplb_config, dict) else vars(a.eplb_config)
+        assert a.enable_eplb and eplb["num_redundant_experts"] == 8
 
 def per_engine(srv, metric: str) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {srv.secret}"}).text

@@ -372,6 +372,9 @@ class InferenceCfg(Section):
     expert_parallel: bool = False
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8: MLA latent and DSA indexer keys stored in FP8
     mtp_tokens: int = Field(0, ge=0)  # draft tokens per decode step from the model's MTP layer (speculative)
+    # vLLM's EPLB: this many extra expert slots, so that an engine's GPUs divide the experts (with
+    # expert_parallel, ignored without it, so a layout without EP can be tried with --set); 0: none
+    redundant_experts: int = Field(0, ge=0)
 
     def local_replicas(self) -> int:
         """Attention replicas of one engine on one host."""
@@ -413,7 +416,7 @@ class InferenceCfg(Section):
 
 
 LAYOUT_KEYS = ("hosts_per_engine", "data_parallel_size", "data_parallel_local", "expert_parallel", "kv_cache_dtype",
-               "mtp_tokens")
+               "mtp_tokens", "redundant_experts")
 
 
 class HostCfg(Section):

@@ -29,7 +29,9 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                  "(method mtp), the checkpoint's MTP layer drafts; the trainer's loaders set its tensors aside; under "
                  "FP8 serving the drafter gets the folder's draft layer, block-FP8 where the last layer is, after "
                  "the first version (prl.model.mtp; CPU-tested up to vLLM, whose MLA drafters run on GPU only)"),
-    "eplb": (PLANNED, "redundant expert slots (vLLM's EPLB) when the engine's GPUs do not divide the experts"),
+    "eplb": (GPU, "redundant expert slots (vLLM's EPLB, inference.redundant_experts) when the engine's GPUs do "
+                  "not divide the experts: the launcher passes --enable-eplb with the slots (command line read by "
+                  "vLLM's parser), the weight stream sends each slot's expert to its GPU; serving needs GPUs"),
     "collective_weights": (GPU, "every trainer rank streams its share of the buckets straight into the servers' "
                                 "memory, each expert's tensors only to the GPUs serving it (cluster.weight_transfer = "
                                 "'nccl', trainer.weight_transfer = 'stream'): run for real on gloo between trainer "

@@ -65,17 +65,26 @@ def members(cfg) -> int:
 
 def shares(cfg, n: int, experts: int) -> list[list[int] | None]:
     """The experts each of the server's `n` workers serves: all without expert parallelism; with it,
-    vLLM's linear placement over the workers (expert-parallel rank = data-parallel rank x tp + tensor
-    rank, the member order): contiguous, the remainder on the first ranks. Each worker checks what it
-    receives against its own model's expert map, so a placement that differs fails by name."""
+    vLLM's linear placement of the physical slots (the experts plus `inference.redundant_experts`) over
+    the workers (expert-parallel rank = data-parallel rank x tp + tensor rank, the member order):
+    contiguous, the remainder on the first ranks, each slot loaded with its logical expert
+    (`logical`). Each worker checks what it receives against its own model's expert map, so a
+    placement that differs fails the version by name (it then comes whole by the folder)."""
     if not (cfg.inference.expert_parallel or cfg.inference.vllm.get("enable_expert_parallel")) or n == 1 or not experts:
         return [None] * n
-    base, rem = divmod(experts, n)
+    slots = experts + cfg.inference.redundant_experts
+    base, rem = divmod(slots, n)
     out = []
     for r in range(n):
         start = r * base + min(r, rem)
-        out.append(list(range(start, start + base + (r < rem))))
+        out.append(sorted({logical(p, experts) for p in range(start, start + base + (r < rem))}))
     return out
+
+
+def logical(slot: int, experts: int) -> int:
+    """The expert a physical slot is loaded with: vLLM's initial EPLB arrangement (the experts in order,
+    then the redundant slots cycling through them), which its weight loading follows."""
+    return slot if slot < experts else (slot - experts) % experts
 
 
 async def handle(request, cfg):

@@ -99,6 +99,9 @@ def layout_args(cfg: ServerConfig) -> list[str]:
             args += ["--headless", "--data-parallel-start-rank", str(cfg.start_rank)]
     if inf.expert_parallel and "enable_expert_parallel" not in given:
         args.append("--enable-expert-parallel")
+    if inf.redundant_experts and inf.expert_parallel and "enable_eplb" not in given:  # extra slots so the GPUs divide the experts
+        args += ["--enable-eplb", "--eplb-config",
+                 json.dumps({"num_redundant_experts": inf.redundant_experts}, separators=(",", ":"))]
     if inf.kv_cache_dtype != "auto" and "kv_cache_dtype" not in given:  # fp8: MLA latent + DSA indexer keys in FP8
         args += ["--kv-cache-dtype", inf.kv_cache_dtype]
     if inf.mtp_tokens and "speculative_config" not in given:  # the checkpoint's MTP layer drafts (prl.model.mtp)

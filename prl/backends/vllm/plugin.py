@@ -177,9 +177,13 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         serve under expert parallelism (its model's own expert map)."""
         from prl.transport.collective import EXPERT
 
+        from prl.backends.vllm.collective import logical, routed_experts
+
         local = local_experts(self.model)
         if local is None:
             return self.expected()
+        experts = routed_experts(self.cfg)
+        local = {logical(p, experts) for p in local} if experts else local  # physical slots (EPLB) -> experts
         return {k: v for k, v in self.expected().items() if (m := EXPERT.search(k)) is None or int(m.group(1)) in local}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
@@ -192,7 +196,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
 
 
 def local_experts(model) -> set[int] | None:
-    """The global ids of the experts this worker serves (its MoE layers' expert map), None: all of them."""
+    """The global physical slots this worker serves (its MoE layers' expert map), None: all of them."""
     for module in model.modules():
         manager = getattr(module, "expert_map_manager", None)
         if manager is not None and manager.use_ep:
