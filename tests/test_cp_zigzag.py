@@ -4,6 +4,10 @@ zigzag, ~2cp/(cp+1) of the mean on the last rank for contiguous slices), and zig
 contiguous over 2 real torchrun ranks against one rank (loss, gradients, weights after the step, every
 token's logprob in its place) and the engine."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -104,3 +108,48 @@ def test_zigzag_over_4_ranks_and_contiguous_over_2_match_one_rank(sparse_model_d
             got = unshard([run["rows"][r][i] for r in range(cp)], layout)
             torch.testing.assert_close(got[: whole.numel()], whole, rtol=0, atol=1e-5,
                                        msg=lambda m, w=f"cp={cp} {layout}, micro-batch {i}": f"{w}: {m}")
+
+
+SPARSE = textwrap.dedent("""
+    import resource, sys, torch
+    from types import SimpleNamespace
+    from prl.trainer.context_parallel import attend, attend_sparse
+    torch.manual_seed(0)
+    H, nope, rope, v, rank = 4, 8, 4, 8, 16
+    attn = SimpleNamespace(num_heads=H, qk_nope_head_dim=nope, v_head_dim=v, kv_lora_rank=rank, scaling=0.3,
+                           kv_b_proj=torch.nn.Linear(rank, H * (nope + v), bias=False))
+    def inputs(S, T, K):
+        q_pass, q_rot = torch.randn(1, H, S, nope), torch.randn(1, H, S, rope)
+        latent, k_rot = torch.randn(T, rank, requires_grad=True), torch.randn(T, rope)
+        pos = torch.arange(T - S, T)  # the local queries are the last S tokens of one sample
+        allowed = torch.arange(T)[None] <= pos[:, None]
+        topk = torch.stack([torch.randperm(int(p) + 1)[:K].sort().values for p in pos])
+        return q_pass, q_rot, latent, k_rot, topk[None], allowed, [(0, S // 2, T), (S // 2, S, T)]
+    # equal to the dense reference (every key scored, the non-picks masked), values and gradients
+    q_pass, q_rot, latent, k_rot, topk, allowed, blocks = inputs(16, 40, 6)
+    sparse = attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks)
+    (g_sparse,) = torch.autograd.grad(sparse.square().sum(), latent)
+    kv = attn.kv_b_proj(latent).view(-1, H, nope + v).transpose(0, 1)
+    keys = torch.cat([kv[..., :nope], k_rot[None].expand(H, -1, -1)], -1)[None]
+    keep = torch.zeros_like(allowed).scatter(-1, topk[0], True) & allowed
+    dense = attend(torch.cat([q_pass, q_rot], -1), keys, kv[None, ..., nope:], keep, blocks, 0.3)
+    (g_dense,) = torch.autograd.grad(dense.square().sum(), latent)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_sparse, g_dense, rtol=1e-5, atol=1e-6)
+    # 512 queries against a million keys: the dense scores alone would be 8 GB; memory follows top-k
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    q_pass, q_rot, latent, k_rot, topk, allowed, blocks = inputs(512, 1 << 20, 64)
+    inputs_kb = (latent.numel() + k_rot.numel()) * 4 // 1024 + allowed.numel() // 1024
+    attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks).sum().backward()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before - inputs_kb) // 1024)
+""")
+
+
+def test_sparse_attention_equals_the_dense_one_and_its_memory_follows_top_k():
+    """prl's DSA attention in MLA's latent space over each query's picks equals every key scored with
+    the non-picks masked (values and gradients), and against a million keys it needs memory for its
+    picks, not for the (heads x queries x keys) scores a dense attention would hold (8 GB here)."""
+    p = subprocess.run([sys.executable, "-c", SPARSE], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    extra_mb = int(p.stdout.split()[-1])
+    assert extra_mb < 1024, f"{extra_mb} MB beyond the inputs for 512 queries over a million keys"

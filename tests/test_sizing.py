@@ -358,7 +358,8 @@ def test_prefill_flops():
 def test_marks():
     assert mark() == "[built]" and mark("tp", "checkpointing") == "[built]"
     assert mark("tp", "fp8_trainer") == "[built, needs GPU: fp8_trainer]"
-    assert mark("fp8_trainer", "overlap", "fused_dsa", "overlap") == "[planned: overlap, fused_dsa]"
+    assert mark("fp8_trainer", "overlap", "fp8_kv", "overlap") == "[planned: overlap]"
+    assert mark("fp8_trainer", "fused_dsa") == "[built, needs GPU: fp8_trainer, fused_dsa]"
 
 
 def test_the_flagship_plan_is_at_most_5_minutes_through_marked_mechanisms():
@@ -442,6 +443,19 @@ def test_trainer_memory_all_to_all_and_imbalance_terms():
     assert m["expert all-to-all send buffers (one layer's rows out and back)"] == 2 * rows * 6144 * 2
     assert m["expert imbalance (the busiest EP rank's extra routed rows, one layer)"] == \
         pytest.approx(0.2 * rows * (3 * 6144 + 4 * 2048) * 2)
+
+
+def test_trainer_memory_dsa_terms_count_what_the_cp_attention_holds():
+    """One block of 1024 queries (prl.trainer.context_parallel.query_blocks): the indexer's block over all
+    131,072 keys (scores, a head's part, the masked copy: fp32; the sort's fp32 values and int64
+    indices), the local queries' visibility mask, and the sparse attention's 2,048 picks a query
+    (latent rows 512 + 64 in bf16, fp32 scores and weights for 64 heads)."""
+    m = trainer.trainer_memory(flagship(), GLM5, GLM5_COUNTS, 128)
+    assert m["DSA indexer (one query block x all keys: scores, masked copy, sort)"] == 1024 * 131072 * (3 * 4 + 4 + 8)
+    assert m["CP visibility mask (local queries x keys, bool)"] == 131072 / 16 * 131072
+    picks = 1024 * 2048
+    assert m["DSA sparse attention (one query block: its picks' latent rows, scores and weights)"] == \
+        picks * (512 + 64) * 2 + picks * 64 * 4 * 2
 
 
 def test_decode_step_is_the_roofline_plus_exchanges():

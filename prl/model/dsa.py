@@ -44,9 +44,15 @@ def indexer_parts(ix, hidden: torch.Tensor, q_resid: torch.Tensor, cos, sin):
 
 @torch.no_grad()
 def index_scores(ix, q: torch.Tensor, k_all: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[B, S, T]: per query, the head-weighted ReLU scores of every key."""
-    scores = F.relu(torch.matmul(q.float(), k_all.transpose(-1, -2).float().unsqueeze(1)) * ix.softmax_scale)
-    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+    """[B, S, T]: per query, the head-weighted ReLU scores of every key, summed head by head (the engine
+    and the trainer alike, so they sum in the same order): never a [B, S, heads, T] tensor, which at
+    131k keys and 32 heads would be 17 GB for a block of 1024 queries."""
+    keys = k_all.transpose(-1, -2).float()
+    out = None
+    for h in range(q.shape[2]):
+        part = F.relu(torch.matmul(q[:, :, h].float(), keys) * ix.softmax_scale) * w[:, :, h, None]
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

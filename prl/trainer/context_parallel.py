@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
@@ -152,8 +153,9 @@ def select(ix, q, k_all, w, allowed: torch.Tensor, blocks: list[tuple[int, int, 
 
 def attend(query, key_states, value_states, keep: torch.Tensor, blocks: list[tuple[int, int, int]],
            scaling: float) -> torch.Tensor:
-    """Softmax attention of each block of local queries over the keys up to its last query (the keys
-    after it have zero weight for all of them): [B, heads, S, v_head_dim]."""
+    """Dense reference: softmax attention of each block of local queries over the keys up to its last
+    query, `keep` masking the rest: [B, heads, S, v_head_dim]. Scores every (head, query, key): what
+    `attend_sparse` computes without that tensor."""
     outs = []
     for a, b, keys in blocks:
         k = keep[a:b, :keys]
@@ -162,6 +164,38 @@ def attend(query, key_states, value_states, keep: torch.Tensor, blocks: list[tup
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         outs.append(torch.matmul(probs, value_states[:, :, :keys]))
     return torch.cat(outs, dim=2)
+
+
+def attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks) -> torch.Tensor:
+    """DSA attention in MLA's latent space over each query's top-k keys only: [1, heads, S, v_head_dim].
+
+    The no-position part of a query is taken into the latent space (q . W_UK c = (W_UK^T q) . c), each
+    query scores only the latent KV rows of its picks (gathered: [queries, top-k, rank]), and the
+    weighted sum of latents is taken back out per head (W_UV). No [heads, queries, keys] tensor and no
+    per-head keys or values exist: memory grows with top-k, not the context. `latent` [T, kv_lora_rank]
+    and `k_rot` [T, rope] are every key's; picks a query may not see (fewer allowed keys than top-k)
+    get zero weight. Equal to `attend` with `keep` = the picks the query may see."""
+    H, nope = attn.num_heads, attn.qk_nope_head_dim
+    w = attn.kv_b_proj.weight.view(H, nope + attn.v_head_dim, attn.kv_lora_rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_lat = torch.einsum("hsn,hnl->hsl", q_pass[0], w_uk)  # [H, S, rank]
+    outs = []
+    for a, b, _keys in blocks:
+        idx = topk[0, a:b].long()  # [blk, K]
+        seen = allowed[a:b].gather(-1, idx)
+        # one block's gathered rows and scores at a time, in backward too (recomputed there, not kept)
+        outs.append(checkpoint(_sparse_block, q_lat[:, a:b], q_rot[0, :, a:b], latent, k_rot, idx, seen, w_uv,
+                               attn.scaling, use_reentrant=False))
+    return torch.cat(outs, dim=1)[None]
+
+
+def _sparse_block(q_lat, q_rot, latent, k_rot, idx, seen, w_uv, scaling: float) -> torch.Tensor:
+    """`attend_sparse` for one block of queries: [H, blk, v_head_dim]."""
+    c, r = latent[idx], k_rot[idx]  # [blk, K, rank], [blk, K, rope]
+    scores = (torch.einsum("hil,ikl->hik", q_lat, c) + torch.einsum("hir,ikr->hik", q_rot, r)) * scaling
+    scores = scores.masked_fill(~seen[None], torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+    return torch.einsum("hil,hvl->hiv", torch.einsum("hik,ikl->hil", probs, c), w_uv)
 
 
 class ContextParallelAttention:
@@ -179,7 +213,6 @@ class ContextParallelAttention:
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        query = torch.cat((q_pass, rotate_interleaved(q_rot, cos, sin, 1)), dim=-1)
         kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1).view(B, S, -1)
         parts = [self.kv_a_layernorm(kv_pass), k_rot]
@@ -187,10 +220,6 @@ class ContextParallelAttention:
             iq, ik, iw = indexer_parts(self.indexer, hidden_states, q_resid, cos, sin)
             parts.append(ik.to(k_rot.dtype))
         every = gather(torch.cat(parts, dim=-1), seq)  # [1, keys, kv_lora + rope (+ indexer key)]
-        T = every.shape[1]
-        k_pass_all = every[..., : self.kv_lora_rank].reshape(B, 1, T, self.kv_lora_rank)
-        k_rot_all = every[..., self.kv_lora_rank: self.kv_lora_rank + self.qk_rope_head_dim].reshape(B, 1, T, -1)
-        key_states, value_states = self.expand_kv(k_pass_all, k_rot_all)
         allowed = seq.allowed()
         if self.indexer is not None:
             topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, seq.blocks)
@@ -198,9 +227,10 @@ class ContextParallelAttention:
             topk = prev_topk_indices
         else:
             raise ValueError("shared DSA layers need the top-k indices of a previous full indexer layer")
-        keep = torch.zeros_like(allowed).scatter(-1, topk[0].long(), True) & allowed
-        out = attend(query, key_states, value_states, keep, seq.blocks, self.scaling).transpose(1, 2).reshape(B, S, -1)
-        return self.o_proj(out), None, topk
+        rank = self.kv_lora_rank
+        out = attend_sparse(self, q_pass, rotate_interleaved(q_rot, cos, sin, 1), every[0, :, :rank],
+                            every[0, :, rank: rank + self.qk_rope_head_dim], topk, allowed, seq.blocks)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None, topk
 
 
 def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
