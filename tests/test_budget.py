@@ -80,3 +80,24 @@ def test_unbounded_servers_keep_the_cap_shared():
     budget.observe(1, 0.95, inflight=64)
     assert budget.limits == [32, 16] and budget.total() == 48 and budget.total([True, False]) == 32
     assert InflightBudget(cap=64, group_size=8, servers=1, target=0).total() == 64
+
+
+def test_the_data_cursor_skips_what_was_trained_out_of_order():
+    """Groups finish out of order: the cursor's position is the lowest prompt not consumed, `ahead` the
+    ones consumed past it; a restart from (position, ahead) hands out exactly the prompts not consumed."""
+    from prl.orchestrator.buffer import DataCursor
+
+    c = DataCursor()
+    c.consume([1, 3, 4])
+    assert c.state() == (0, [1, 3, 4])
+    c.consume([0])
+    assert c.state() == (2, [3, 4])
+    again = DataCursor(*c.state())
+    handed, i = [], again.position
+    for _ in range(3):
+        i = again.next_free(i)
+        handed.append(i)
+        i += 1
+    assert handed == [2, 5, 6]
+    c.consume([2, 5])
+    assert c.state() == (6, [])

@@ -87,14 +87,14 @@ def test_sender_waits_for_a_late_endpoint_and_resume_point(tmp_path):
         return point
 
     try:
-        assert asyncio.run(go()) == (2, 40)
+        assert asyncio.run(go()) == (2, 40, [])
         assert ep.inbox.path(0).exists()
         # batches after the checkpoint stay for a replay: a restarted orchestrator continues after them
         for step, position in ((2, 48), (3, 56), (5, 99)):
             batch = a_batch(step)
-            batch.data_position = position
+            batch.data_position, batch.data_ahead = position, [position + 3]
             ep.inbox.send(batch)
-        assert ep.resume() == {"step": 4, "data_position": 56}
+        assert ep.resume() == {"step": 4, "data_position": 56, "data_ahead": [59]}  # the last one in a row
     finally:
         ep.stop()
 

@@ -138,3 +138,32 @@ class GroupBuffer:
                 g.samples = [stale_masked(s, oldest) for s in g.samples]
         stale = sum(k for age, k in ages.items() if age > self.max_off_policy_steps)
         return taken, {"off_policy_hist": {str(a): ages[a] for a in sorted(ages)}, "stale_tokens": stale}
+
+
+class DataCursor:
+    """Which prompt indices the run has consumed (trained, or dropped as stale): every index below
+    `position`, and `ahead` past it. Groups finish out of order (more so with `rl.overprovision`), so
+    a batch may train index 9 while 7 is still running: a restart continues at `position` and skips
+    `ahead`, so no prompt is lost and none trained twice."""
+
+    def __init__(self, position: int = 0, ahead=()):
+        self.position, self.ahead = position, set(ahead)
+        self.advance()
+
+    def consume(self, indices) -> None:
+        self.ahead.update(i for i in indices if i >= self.position)
+        self.advance()
+
+    def advance(self) -> None:
+        while self.position in self.ahead:
+            self.ahead.remove(self.position)
+            self.position += 1
+
+    def next_free(self, index: int) -> int:
+        """The first index from `index` on not consumed yet."""
+        while index in self.ahead:
+            index += 1
+        return index
+
+    def state(self) -> tuple[int, list[int]]:
+        return self.position, sorted(self.ahead)

@@ -15,6 +15,7 @@ environment's. Rules:
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 
@@ -23,7 +24,7 @@ from prl.envs.stats import summarize
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
-from prl.orchestrator.buffer import Group, GroupBuffer
+from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer
 from prl.orchestrator.servers import ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
@@ -147,7 +148,8 @@ class Orchestrator:
         self.inflight_groups = 0
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
-        self.start_step = self.next_prompt = self.committed = self.position = 0  # set from the trainer in start()
+        self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
+        self.cursor = DataCursor()  # prompts consumed (trained or dropped), shipped with every batch
         self.tasks: list[asyncio.Task] = []
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
 
@@ -210,8 +212,9 @@ class Orchestrator:
         if self.cfg.env.kind == "code" and self.cfg.env.sandbox.isolation == "none":  # shown by the dashboard
             self.log.emit("error", name=self.cfg.name, line="env.sandbox.isolation = 'none': model-written code "
                           "runs without namespaces (its own uid and rlimits only)")
-        self.start_step, self.next_prompt = await self.trainer.resume_point()
-        self.position = self.next_prompt  # data position shipped so far: never goes back
+        self.start_step, position, ahead = await self.trainer.resume_point()
+        self.cursor = DataCursor(position, ahead)
+        self.next_prompt = self.cursor.position
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
         await self.pool.start(self.cfg.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
@@ -252,6 +255,7 @@ class Orchestrator:
                 stale = self.buffer.drop_stale(step)
                 if stale:
                     self.committed -= len(stale)  # frees budget: replacements start under newer weights
+                    self.cursor.consume(g.prompt_index for g in stale)
                     dropped += sum(len(g.samples) for g in stale)
                     self.changed.notify_all()
                 if self.error:
@@ -262,18 +266,14 @@ class Orchestrator:
 
     async def ship(self, step: int, groups: list[Group], ages: dict, wait_s: float) -> None:
         samples = [s for g in groups for s in g.samples]
-        batch = TrainBatch(
-            step=step,
-            micro_batches=pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens),
-            # groups finish out of order: a batch may hold lower indices than the one before; the position
-            # (where a restart continues) must still never go back, or a prompt could be trained twice
-            data_position=max(self.position, max(g.prompt_index for g in groups) + 1),
-            prompt_indices=[g.prompt_index for g in groups],
-        )
+        self.cursor.consume(g.prompt_index for g in groups)  # groups finish out of order: see DataCursor
+        position, ahead = self.cursor.state()
+        batch = TrainBatch(step=step, micro_batches=pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens),
+                           data_position=position, data_ahead=ahead, prompt_indices=[g.prompt_index for g in groups])
         await self.trainer.send_batch(batch)
-        self.position = batch.data_position
         env = summarize([i for g in groups for i in g.infos])
-        self.log_step(step, samples, batch.data_position, {**ages, **self.buffer.lengths.fields(samples), **env}, wait_s)
+        self.log_step(step, samples, batch.data_position, {**ages, **self.buffer.lengths.fields(samples), **env,
+                                                            "data_ahead": len(ahead)}, wait_s)
 
     def log_step(self, step: int, samples: list[Sample], data_position: int, extra: dict, wait_s: float) -> None:
         lags = [step - v for s in samples for v in s.model_versions()] or [0]  # of the tokens trained
@@ -289,10 +289,14 @@ class Orchestrator:
 
     # ---- rollouts ----
     def _budget_open(self) -> bool:
+        """Groups for the steps up to served + max_async_level, plus `rl.overprovision` of a step's more
+        (partial rollouts: the first groups to finish are trained, the rest carry into later steps
+        under new weights), while the servers' KV holds them."""
         allowed_step = min(self.served + self.rl.max_async_level, self.rl.max_steps - 1)
+        extra = math.ceil(self.rl.overprovision * self.groups_per_batch)
         inflight = self.rollouts.count()
         return (
-            self.committed < (allowed_step + 1) * self.groups_per_batch
+            self.committed < (allowed_step + 1) * self.groups_per_batch + extra
             and inflight + self.rl.group_size <= self.inflight_budget()
         )
 
@@ -300,7 +304,8 @@ class Orchestrator:
         while True:
             async with self.changed:
                 await self.changed.wait_for(self._budget_open)
-                index, self.next_prompt = self.next_prompt, self.next_prompt + 1
+                index = self.cursor.next_free(self.next_prompt)  # after a restart: skip what was trained
+                self.next_prompt = index + 1
                 self.committed += 1
                 self.inflight_groups += 1
                 self.rollouts.pending += 1

@@ -168,6 +168,9 @@ class RlCfg(Section):
     group_size: int = Field(8, gt=0)  # completions per prompt
     max_async_level: int = Field(1, ge=0)  # steps inference may run ahead of the trainer
     max_off_policy_steps: int = Field(2, ge=0)  # tokens older than this follow stale_policy, counted
+    # partial rollouts: start this share of a step's groups beyond what max_async_level allows; each step
+    # trains the first groups to finish and the rest carry on under new weights (prl.orchestrator)
+    overprovision: float = Field(0.0, ge=0, le=8)
     stale_policy: Literal["mask", "correct", "drop"] = "mask"  # prl.orchestrator.buffer
     max_inflight_rollouts: int = Field(64, gt=0)  # the cap; below it, the servers' KV usage decides
     kv_usage_target: float = Field(0.9, ge=0, le=1)  # prl.orchestrator.budget; 0: always the cap

@@ -63,8 +63,9 @@ def sharded_format(choice: str, shared: bool = False) -> bool:
     return shared or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
 
 
-def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int, sharded: bool = False) -> Path | None:
-    meta = {"step": step, "data_position": data_position}
+def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int, sharded: bool = False,
+                    data_ahead: list[int] = ()) -> Path | None:
+    meta = {"step": step, "data_position": data_position, "data_ahead": list(data_ahead)}
     if sharded:
         return save_sharded(model, optimizer, root / f"step_{step}", meta)
     model_state = full_model_state(model)
@@ -204,7 +205,8 @@ def _pick_checkpoint(root: Path, world: int) -> dict | None:
         files = sorted(manifest["files"])
         sharded = manifest.get("format") == "dcp"
         verify_dir(path, hash_only=set(files[0::world]) if sharded else None)
-        return {"step": manifest["step"], "data_position": manifest["data_position"], "name": path.name,
+        return {"step": manifest["step"], "data_position": manifest["data_position"],
+                "data_ahead": manifest.get("data_ahead", []), "name": path.name,
                 "format": manifest.get("format", "full"), "files": files}
     except Exception as e:  # noqa: BLE001 - damaged, unreadable or not a checkpoint of prl's
         return {"error": str(e) if isinstance(e, CorruptWeightsError) else f"{root}: {type(e).__name__}: {e}"}

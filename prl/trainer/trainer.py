@@ -151,15 +151,15 @@ class Trainer:
         if meta is None:
             self.warm_start()
             self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-            start, self.data_position = 0, 0
+            start, self.data_position, self.data_ahead = 0, 0, []
             self.checkpoint(0)
         else:
-            start, self.data_position = meta["step"], meta["data_position"]
+            start, self.data_position, self.data_ahead = meta["step"], meta["data_position"], meta.get("data_ahead", [])
             self.resume_schedule(start)
             self.log_main("resumed", step=start, path=meta["path"])
         self.ledger = read_ledger(self.run_dir) if self.rank == 0 else {}
         if self.endpoint:
-            self.endpoint.set_base(start, self.data_position)
+            self.endpoint.set_base(start, self.data_position, self.data_ahead)
         if not self.is_published(start):
             self.publish(start)
         for step in range(start, self.rl.max_steps):
@@ -204,7 +204,7 @@ class Trainer:
         """Train `step`; after a restart, a step the ledger holds is replayed (same batch): its
         weights version was published before the fault, so it is neither republished nor recorded."""
         t0 = time.perf_counter()
-        mbs, data_position, prompts, replayed = self.receive(step)
+        mbs, (data_position, data_ahead), prompts, replayed = self.receive(step)
         t1 = time.perf_counter()
         stats = self.forward_backward(mbs, kind="rl")
         stats["grad_norm"] = self.optimizer_step(self.optimizer, self.scheduler)
@@ -212,7 +212,7 @@ class Trainer:
         if not replayed and not self.is_published(step + 1):
             self.publish(step + 1)
         t3 = time.perf_counter()
-        self.data_position = data_position
+        self.data_position, self.data_ahead = data_position, data_ahead
         if self.rank == 0 and not replayed:
             record(self.run_dir, step, prompts)
             self.ledger[step] = prompts
@@ -227,7 +227,7 @@ class Trainer:
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
         )
 
-    def receive(self, step: int) -> tuple[list[MicroBatch], int, list[int], bool]:
+    def receive(self, step: int) -> tuple[list[MicroBatch], tuple[int, list[int]], list[int], bool]:
         """Rank 0 takes the step's batch from its inbox and scatters each rank the micro-batches of
         its data-parallel rank (CP peers get the same ones and each computes its slice; ranks on
         other hosts need no shared storage), with whether the step is a replay."""
@@ -238,7 +238,8 @@ class Trainer:
             if len(batch.micro_batches) != self.dims.dp_size:
                 raise RuntimeError(f"batch {step} is packed for {len(batch.micro_batches)} ranks, the trainer has "
                                    f"{self.dims.dp_size} data-parallel ranks")
-            parts = [(batch.micro_batches[self.dims.dp_rank(r)], batch.data_position, batch.prompt_indices, replayed)
+            parts = [(batch.micro_batches[self.dims.dp_rank(r)], (batch.data_position, batch.data_ahead),
+                      batch.prompt_indices, replayed)
                      for r in range(self.world)]
         out = [None]
         dist.scatter_object_list(out, parts, src=0)
@@ -287,12 +288,13 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,
+                               data_ahead=self.data_ahead,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
                                                       shared=bool(self.cfg.shared_checkpoints)))
         if path:
             self.log_main("checkpoint", step=step, path=str(path))
         if self.endpoint:  # batches before a checkpoint are never replayed: drop them (base first: /resume
-            self.endpoint.set_base(step, self.data_position)  # never walks from a base whose files are gone)
+            self.endpoint.set_base(step, self.data_position, self.data_ahead)  # never walks from a base whose files are gone)
             self.endpoint.inbox.discard_before(step)
 
     def log_main(self, kind: str, **fields) -> None:

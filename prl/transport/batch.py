@@ -62,7 +62,8 @@ class MicroBatch:
 class TrainBatch:
     step: int
     micro_batches: list[list[MicroBatch]]  # [rank][i]
-    data_position: int = 0  # prompts consumed up to this batch (for resume)
+    data_position: int = 0  # every prompt index below this one is trained or dropped (where a restart continues)
+    data_ahead: list[int] = field(default_factory=list)  # indices at or past it trained or dropped already
     prompt_indices: list[int] = field(default_factory=list)  # the data indices of the batch's groups
     stats: dict = field(default_factory=dict)
 
@@ -73,7 +74,7 @@ class TrainBatch:
     def from_dict(cls, d: dict) -> "TrainBatch":
         mbs = [[MicroBatch(**m) for m in rank] for rank in d["micro_batches"]]
         return cls(step=d["step"], micro_batches=mbs, data_position=d["data_position"], stats=d["stats"],
-                   prompt_indices=d.get("prompt_indices", []))
+                   prompt_indices=d.get("prompt_indices", []), data_ahead=d.get("data_ahead", []))
 
 
 class BadBatch(ValueError):

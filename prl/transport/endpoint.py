@@ -4,8 +4,9 @@
   body must arrive (Content-Length) and be a well-formed batch for that step (ranks, shapes, ids in
   the vocabulary, finite numbers) or it is refused with 400; it lands in the rank-0 inbox by rename, so the
   trainer sees a whole batch or none. A repeated PUT for a step replaces it (senders retry).
-- `GET /resume`: where a (re)started orchestrator continues: `{"step", "data_position"}`, the step
-  after the last batch the inbox holds in a row from the trainer's checkpoint (503 until known).
+- `GET /resume`: where a (re)started orchestrator continues: `{"step", "data_position", "data_ahead"}`,
+  the step after the last batch the inbox holds in a row from the trainer's checkpoint, and that
+  batch's data cursor (503 until known).
 - `GET /weights/latest?after=N&wait=S`: the newest sealed weight version, waiting up to S seconds
   for one newer than N (long poll, so new weights are relayed without a polling delay).
 - `GET /weights/v{N}/{file}`: a file of a sealed version; only names listed in its manifest.
@@ -78,8 +79,8 @@ class TrainerEndpoint:
         self.server.shutdown()
         self.server.server_close()
 
-    def set_base(self, step: int, data_position: int) -> None:
-        self.base = (step, data_position)
+    def set_base(self, step: int, data_position: int, data_ahead: list[int] = ()) -> None:
+        self.base = (step, (data_position, list(data_ahead)))
 
     def resume(self) -> dict | None:
         """The first step with no batch yet: batches after the checkpoint are kept (the trainer
@@ -96,9 +97,9 @@ class TrainerEndpoint:
                     if self.base != base:
                         return self.resume()
                     break
-            position = max(position, self.positions[step])
+            position = self.positions[step]  # a later batch's cursor supersedes (it never goes back)
             step += 1
-        return {"step": step, "data_position": position}
+        return {"step": step, "data_position": position[0], "data_ahead": position[1]}
 
     def latest(self, after: int, wait_s: float) -> int:
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
@@ -156,7 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
             batch = load_batch(data, step, self.ep.world, self.ep.vocab_size)
         except BadBatch as e:
             return self._reply(400, {"detail": f"batch {step} refused: {e}"})
-        self.ep.positions[step] = batch.data_position
+        self.ep.positions[step] = (batch.data_position, list(batch.data_ahead))
         self.ep.inbox.put_bytes(step, data)
         self._reply(200, {"step": int(m.group(1)), "bytes": length})
 

@@ -45,8 +45,10 @@ class FilesystemRolloutTransport:
             time.sleep(self.poll_s)
         return TrainBatch.from_dict(torch.load(path, weights_only=True))
 
-    def data_position(self, step: int) -> int:
-        return int(torch.load(self.path(step), weights_only=True)["data_position"])
+    def data_position(self, step: int) -> tuple[int, list[int]]:
+        """The batch's data cursor: (position, indices at or past it already consumed)."""
+        d = torch.load(self.path(step), weights_only=True)
+        return int(d["data_position"]), [int(i) for i in d.get("data_ahead", [])]
 
     def discard_before(self, step: int) -> None:
         for p in self.root.glob("step_*.pt"):

@@ -74,10 +74,11 @@ class TrainerClient:
         data = batch_bytes(batch)
         await self._request("PUT", f"/rollouts/{batch.step}", content=data)
 
-    async def resume_point(self) -> tuple[int, int]:
-        """(first step, data position) the trainer starts from; waits while the trainer loads."""
+    async def resume_point(self) -> tuple[int, int, list[int]]:
+        """(first step, data position, indices past it consumed already) the trainer starts from; waits
+        while the trainer loads."""
         meta = (await self._request("GET", "/resume")).json()
-        return meta["step"], meta["data_position"]
+        return meta["step"], meta["data_position"], meta.get("data_ahead", [])
 
     async def latest_version(self, after: int, wait_s: float = 10.0) -> int:
         r = await self._request("GET", "/weights/latest", params={"after": after, "wait": wait_s},
