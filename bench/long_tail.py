@@ -8,13 +8,16 @@ warm start completion lengths are long-tailed too. One after the other on the sa
 - `async_mask`: max_async_level 2, max_off_policy_steps 2, stale_policy "mask" (the default policy);
 - `async_drop`: the same with stale_policy "drop" (the old rule: stale groups are thrown away);
 - `async_capacity`: async_mask with the in-flight budget driven by the engine's KV capacity
-  (`inference.kv_capacity_tokens`) instead of a fixed count.
+  (`inference.kv_capacity_tokens`) instead of a fixed count;
+- `partial`: partial rollouts on top of sync (APRIL's setting): `rl.overprovision` 0.5 starts half a
+  step's groups more, each step trains the first to finish and the rest carry into the next under new
+  weights (max_off_policy_steps 1, so their first step's tokens are trained, not masked);
+- `async_partial`: async_mask with the same over-provisioning.
 
 For each: completion tokens trained per second (steady state, the first steps excluded; stale tokens
 masked out are not counted), trainer
 idle share, inference idle share, p90 length of the trajectories trained against all generated
-(the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's). Partial
-rollouts (over-provisioning, issue 22 item 3) are not built: no figure.
+(the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's).
 
     .venv/bin/python bench/long_tail.py [--steps 30] [--skip 3]
 """
@@ -38,6 +41,8 @@ VARIANTS = {
     "async_drop": [*ASYNC, "rl.stale_policy=drop"],
     "async_capacity": [*ASYNC, "rl.stale_policy=mask", "inference.kv_capacity_tokens=4096",
                        "rl.max_inflight_rollouts=512", "rl.kv_usage_target=0.9"],
+    "partial": ["rl.max_async_level=0", "rl.max_off_policy_steps=1", "rl.overprovision=0.5"],
+    "async_partial": [*ASYNC, "rl.stale_policy=mask", "rl.overprovision=0.5"],
 }
 
 
@@ -79,9 +84,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps excluded (start-up)")
+    ap.add_argument("--only", nargs="*", default=None, help="variants to run (sync is always run)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="prl-long-tail-"))
-    res = {name: figures(run(name, args, out), args.skip) for name in VARIANTS}
+    names = [n for n in VARIANTS if args.only is None or n == "sync" or n in args.only]
+    res = {name: figures(run(name, args, out), args.skip) for name in names}
     horizon = min(r["rewards"][-1][0] - r["rl_start"] for r in res.values())
     for name, r in res.items():
         r["reward_at_horizon"] = reward_at(r, horizon)
@@ -90,7 +97,7 @@ def main() -> None:
               f"  stale tokens {r['stale_tokens']}  dropped {r['stale_dropped']}  reward at {horizon:.0f} s "
               f"{r['reward_at_horizon']:.3f}", flush=True)
     sync = res["sync"]
-    line = {"horizon_s": round(horizon, 1), "partial_over_sync": None}
+    line = {"horizon_s": round(horizon, 1)}
     for name, r in res.items():
         line[f"{name}_tokens_per_s"] = round(r["tokens_per_s"], 1)
         line[f"{name}_len_bias_p90"] = round(r["len_bias_p90"], 3)

@@ -227,7 +227,7 @@ STREAM_SENDER = textwrap.dedent("""
     from test_collective import state_for
     from prl.model.build import build_model
     from prl.trainer.publish import publish
-    from prl.transport.collective import CollectiveSink
+    from prl.transport.collective import CollectiveSink, over_the_trainer
     run_dir, url, secret, fmt = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[6]
     versions = [int(v) for v in sys.argv[4].split(",")]
     version = versions[0]
@@ -243,12 +243,9 @@ STREAM_SENDER = textwrap.dedent("""
     else:
         model = build_model(run_dir / "model", seed=0)
         model.load_state_dict(state_for(run_dir, version))
-    def share(plan):
-        box = [plan]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    share, agree = over_the_trainer()
     sink = CollectiveSink(run_dir / "weights", keep=3, servers=lambda: [url], secret=secret, host="127.0.0.1",
-                          timeout_s=30, rank=rank, senders=2, share=share)
+                          timeout_s=30, rank=rank, senders=2, share=share, agree=agree)
     if die_at >= 0 and rank == 1:
         put = sink.put
         def dying(bucket, stream=True):
@@ -317,10 +314,11 @@ def test_two_trainer_ranks_stream_a_version_and_a_dead_one_costs_only_that_versi
 
 def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_written_whole(server):
     """Not `whole` (the stream's versions between checkpoints): every server staged v25, so rank 0 seals
-    its folder without tensors; a server asked for it again (a restarted one) answers 503 naming why
-    (not a rejection: the orchestrator takes it out until a later version). The server then leaves the
-    group, misses v26's stream, and every rank publishes v26 again, whole: the server loads it from the
-    folder with the same logprobs as v26's weights."""
+    its folder without tensors; asked for it again while serving it (a restarted orchestrator), the
+    server answers at once. The server then leaves the group, misses v26's stream, and every rank
+    publishes v26 again, whole: the server loads it from the folder with the same logprobs as v26's
+    weights. A server asked for v25 when it no longer has it answers 503 naming why (not a rejection:
+    the orchestrator takes it out until a later version)."""
     from prl.model.weights import read_weights, version_dir, write_weights
 
     client, run_dir, url, secret = server
@@ -331,12 +329,13 @@ def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_wri
     v25 = version_dir(run_dir / "weights", 25)
     assert [p.name for p in v25.iterdir()] == ["MANIFEST.json"]
     assert client.post("/update_weights", json={"version": 25}).json()["source"] == "collective"
-    r = client.post("/update_weights", json={"version": 25})  # nothing staged now
-    assert r.status_code == 503 and "[prl: streamed only]" in r.json()["detail"], r.text
+    assert client.post("/update_weights", json={"version": 25}).json()["source"] == "served"
     state, manifest = read_weights(version_dir(run_dir / "weights", 26))
     assert not manifest.get("streamed_only") and len(state) == len(state_for(run_dir, 26))
     assert client.post("/update_weights", json={"version": 26}).json()["source"] == "folder"
     from_folder = greedy(client)
+    r = client.post("/update_weights", json={"version": 25})  # not served, not staged, no tensors in its folder
+    assert r.status_code == 503 and "[prl: streamed only]" in r.json()["detail"], r.text
     write_weights(run_dir / "weights" / "v27", state_for(run_dir, 26), {"version": 27})
     client.post("/update_weights", json={"version": 27})
     assert greedy(client) == from_folder

@@ -454,8 +454,8 @@ def test_trainer_memory_dsa_terms_count_what_the_cp_attention_holds():
     assert m["DSA indexer (one query block x all keys: scores, masked copy, sort)"] == 1024 * 131072 * (3 * 4 + 4 + 8)
     assert m["CP visibility mask (local queries x keys, bool)"] == 131072 / 16 * 131072
     picks = 1024 * 2048
-    assert m["DSA sparse attention (one query block: its picks' latent rows, scores and weights)"] == \
-        picks * (512 + 64) * 2 + picks * 64 * 4 * 2
+    assert m["DSA sparse attention (one query block in backward: its picks' rows, scores, weights, grads)"] == \
+        2 * picks * (512 + 64) * 2 + 3 * picks * 64 * 4 + 131072 * (512 + 64) * 2
 
 
 def test_decode_step_is_the_roofline_plus_exchanges():

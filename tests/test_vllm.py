@@ -398,6 +398,7 @@ def test_two_trainer_ranks_stream_a_version_into_the_workers(server):
     model = build_model(server.run_dir / "model")
     perturbed_state(model, seed=10)
     load_and_check(server, model, 10)
+    load_and_check(server, model, 10)  # asked again (a restarted orchestrator): served already, no folder needed
 
 
 def test_every_route_needs_the_runs_secret(server):

@@ -121,7 +121,7 @@ class PrefillResponse(Msg):
 class UpdateWeightsResponse(Msg):
     version: int
     load_s: float
-    source: Literal["folder", "collective"] = "folder"  # the staged broadcast, or the sealed folder
+    source: Literal["folder", "collective", "served"] = "folder"  # the staged stream, the folder, or served already
 
 
 class CollectiveJoin(Msg):

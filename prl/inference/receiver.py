@@ -81,6 +81,10 @@ class Receiver:
             policy, self.staged = self.staged, None
             return policy
 
+    def holds(self, version: int) -> bool:
+        """Whether `version` is staged or on the wire."""
+        return self.on_wire == version or (self.staged is not None and self.staged.version == version)
+
     def _expected(self):
         if self.expected is None:
             self.expected = expected_tensors(self.model, SCALE_SUFFIX)

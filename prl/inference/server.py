@@ -151,6 +151,10 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
             raise HTTPException(400, "this server has no weight source: give a path")
         if req.path is not None and s.weights_root is not None and not _inside(Path(req.path), s.weights_root):
             raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({s.weights_root})")
+        if req.path is None and req.version == loop.core.version and not s.receiver.holds(req.version):
+            # served already (asked again, e.g. by a restarted orchestrator): a streamed-only folder cannot
+            # be read again, and need not be
+            return UpdateWeightsResponse(version=loop.core.version, load_s=0.0, source="served")
         # staged from the collective (off the event loop: it may wait for that version's receive to end)
         policy = None if req.path else await asyncio.to_thread(s.receiver.take, req.version)
         source, path = ("folder", req.path) if policy is None else ("collective", "the collective")

@@ -77,19 +77,20 @@ def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int) -> dict[str, 
         # the scores summed so far and one head's, the masked copy, the sort's values and int64 indices
         out["DSA indexer (one query block x all keys: scores, masked copy, sort)"] = block * t.micro_batch_tokens * 24
         out["CP visibility mask (local queries x keys, bool)"] = tokens * t.micro_batch_tokens
-        out["DSA sparse attention (one query block: its picks' latent rows, scores and weights)"] = \
-            sparse_block_bytes(c, block, cb)
+        out["DSA sparse attention (one query block in backward: its picks' rows, scores, weights, grads)"] = \
+            sparse_block_bytes(c, block, t.micro_batch_tokens, cb)
     return out
 
 
 ATTENTION_BLOCK = 1024  # queries per block of prl's context-parallel DSA attention (`query_blocks`)
 
 
-def sparse_block_bytes(c: dict, queries: float, cb: int) -> float:
-    """What `prl.trainer.context_parallel.attend_sparse` holds for one block of queries (recomputed
-    per block in backward): each query's top-k latent rows, and fp32 scores and weights per head."""
-    picks = queries * c["index_topk"]
-    return picks * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * cb + picks * c["num_attention_heads"] * 4 * 2
+def sparse_block_bytes(c: dict, queries: float, keys: float, cb: int) -> float:
+    """What `prl.trainer.context_parallel.attend_sparse` holds for one block of queries in backward
+    (recomputed per block): each query's top-k latent rows and their gradient, fp32 scores, weights
+    and the scores' gradient per head, and the gradient of every key's latent row the gather adds into."""
+    picks, row = queries * c["index_topk"], c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    return 2 * picks * row * cb + 3 * picks * c["num_attention_heads"] * 4 + keys * row * cb
 
 
 def fp8_active(c: dict, n: Counts) -> float:

@@ -123,14 +123,10 @@ class Trainer:
                 return list(cfg.servers)
             return [ports.url_of(cfg.run_dir, f"inference-{i}", u) for i, u in enumerate(cfg.servers)]
 
-        def share(plan):  # rank 0's group to every sender
-            box = [plan]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-
+        share, agree = prl.transport.collective.over_the_trainer(self.device) if senders > 1 else (None, None)
         return weight_sink("collective", root=root, keep=keep, servers=servers, secret=cfg.secret(), host=cfg.host,
                            timeout_s=self.tcfg.weight_transfer_timeout_s, device=self.device.type, rank=self.rank,
-                           senders=senders, share=share if senders > 1 else None)
+                           senders=senders, share=share, agree=agree)
 
     def make_optimizer(self, lr: float, total_steps: int):
         opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay)

@@ -366,6 +366,22 @@ def routes(names, shares: list[list[int] | None]) -> dict[str, list[int]]:
     return out
 
 
+def over_the_trainer(device: str = "cpu"):
+    """(share, agree) for `CollectiveSink` over the trainer's own process group: rank 0's object on
+    every rank; whether a flag holds on every rank."""
+    def share(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    return share, agree
+
+
 @register_sink("collective")
 class CollectiveSink(WeightSink):
     """The version streamed into the servers from `senders` trainer ranks, each bucket by its owner
@@ -375,8 +391,11 @@ class CollectiveSink(WeightSink):
     `device`: where the trainer's buckets sit ("cuda" with CUDA servers makes the group NCCL)."""
 
     def __init__(self, root: Path, keep: int, servers, secret: str, host: str, timeout_s: float = 120.0,
-                 device: str = "cpu", rank: int = 0, senders: int = 1, share=None):
+                 device: str = "cpu", rank: int = 0, senders: int = 1, share=None, agree=None):
+        """`share(obj)`: rank 0's object on every sender; `agree(ok)`: whether every sender's `ok` holds
+        (both collectives over the trainer's ranks; identities for one sender)."""
         self.rank, self.senders, self.share = rank, senders, share or (lambda plan: plan)
+        self.agree = agree or (lambda ok: ok)
         self.folder = FolderSink(root, keep) if rank == 0 else None
         self.servers, self.host, self.timeout_s, self.device = servers, host, timeout_s, device
         self.headers = {"Authorization": f"Bearer {secret}"}
@@ -410,11 +429,14 @@ class CollectiveSink(WeightSink):
         plan = self.share(self.plan if self.wire is not None or joins is not None else None)
         try:
             self.follow(plan, joins)
-            if self.rank == 0 and self.wire is not None:
-                self.start_receives(version)
-                self.last.backend = self.wire.info.backend
         except Exception as e:  # noqa: BLE001
             self.broken(f"forming the group: {type(e).__name__}: {e}")
+        # every sender streams, or none: a sender alone on a link nobody reads would wait out the timeout
+        if not self.agree(self.wire is not None) and self.wire is not None:
+            self.broken("another trainer rank could not join the weight group")
+        if self.rank == 0 and self.wire is not None:
+            self.start_receives(version)
+            self.last.backend = self.wire.info.backend
 
     def put(self, bucket: dict[str, torch.Tensor], stream: bool = True) -> None:
         """A bucket this rank owns (`stream`: sent on the group) or, on rank 0, one for the folder only."""

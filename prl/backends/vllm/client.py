@@ -224,6 +224,8 @@ class VllmBackend(InferenceBackend):
         r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})
         if r.status_code < 400:
             return
+        if STREAMED_ONLY in r.text:  # the version went by the stream only and this server missed it: taken out
+            raise BackendError(f"{self.base_url}: weights v{version}: {r.text[:400]}")
         if action == "stage" or REJECTED in r.text:  # refused before any tensor was touched: the old version serves on
             raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {r.text[:400]}")
         raise ServerStuck(f"{self.base_url}: loading weights v{version} failed after it began; the model is in an "

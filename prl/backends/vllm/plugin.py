@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from prl.backends.vllm.rejected import REJECTED
-from prl.model.weights import nonfinite_names
+from prl.model.weights import StreamedOnly, nonfinite_names
 
 BACKEND = "prl"
 REPACK_VERSIONS = ("0.32.",)  # vLLM versions whose CPU reload needs `repack_cpu_experts`
@@ -85,10 +85,13 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.source = weight_source(self.cfg)
         self._expected: dict[str, tuple[int, ...]] | None = None
         self.rank, world = worker_rank()
-        self.stager = Stager(self.read, status_dir(self.cfg), self.rank, world)
         self.wire = None  # the collective weight path's group, once joined
         dp_index = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
         self.member = dp_index * world + self.rank  # its place among the server's receiving workers
+        dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1
+        # one status file per worker of the server (every replica's): "ready" means all of them staged
+        self.stager = Stager(self.read, status_dir(self.cfg), self.member, world * dp)
+        self.loaded: int | None = None  # the version this worker serves (set by a load)
 
     def init_transfer_engine(self, init_info: PrlInitInfo) -> None:
         """Runs in vLLM's engine loop: a join waits for the group to form (the trainer and every server
@@ -119,13 +122,20 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         try:
             if info.action not in ("stage", "load", "draft"):
                 raise ValueError(f"update_info.action = {info.action!r}: expected 'stage', 'load' or 'draft'")
+            if info.action != "draft" and info.version == self.loaded and self.stager.version in (None, info.version):
+                self.stager.already(info.version)  # served already (e.g. asked again by a restarted orchestrator)
+                return
             if info.action == "stage":
                 self.stager.start(info.version)
                 return
             state = self.draft() if info.action == "draft" else self.stager.result(info.version)
+        except StreamedOnly as e:  # not a bad version: this worker missed the stream (the client takes it out)
+            raise ValueError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
             raise ValueError(f"{REJECTED}: {type(e).__name__}: {e}") from None
         self.load(state)
+        if info.action != "draft":
+            self.loaded = info.version
 
     def draft(self) -> dict[str, torch.Tensor]:
         """`draft` (in vLLM's draft session, `self.model` is the drafter): the model folder's MTP layer,

@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from prl.model.weights import STREAMED_ONLY, StreamedOnly
+
 
 def status_dir(cfg) -> Path:
     return cfg.run_path / "weights" / ".staging" / cfg.name
@@ -63,6 +65,11 @@ class Stager:
         (e.g. staged from the collective weight path before the orchestrator asked for it)."""
         if self.version == version and self.error is None:
             return  # already staging or staged
+        if self.version is not None and self.version > version and self.error is None:
+            # a newer version came by the stream before the orchestrator asked for this one: keep it
+            # (the orchestrator asks for it next); this one is not staged
+            raise StreamedOnly(f"{STREAMED_ONLY} v{self.version} is staged, newer than v{version}: v{version} is "
+                               f"skipped on this server")
         if self.thread is not None:
             self.thread.join()
         self.version, self.state, self.error = version, None, None
@@ -70,6 +77,12 @@ class Stager:
         self.thread = threading.Thread(target=self._run, args=(version, read or self.read),
                                        name=f"prl-stage-v{version}", daemon=True)
         self.thread.start()
+
+    def already(self, version: int) -> None:
+        """`version` is the one served: nothing to stage or load; reported ready."""
+        self.version = self.state = self.thread = None
+        self.error = None
+        write_status(self.folder, self.rank, self.world, version, "ready")
 
     def _run(self, version: int, read: Callable[[int], dict]) -> None:
         try:
