@@ -209,11 +209,15 @@ def test_orchestrator_killed_then_hung(tmp_path):
     continue (after the batches the trainer already holds) and the data order goes on. With partial
     rollouts (half a step's groups over-provisioned) groups finish far out of order: the restarted
     orchestrator starts again at the lowest prompt not trained and skips those trained past it, so no
-    prompt is lost and none trained twice (`check_run`)."""
+    prompt is lost and none trained twice (`check_run`). The weights go by the stream from two trainer
+    ranks: the restarted orchestrator asks the server for the version it serves, whose folder holds no
+    tensors, and the server answers that it serves it."""
     orchestrator = process("orchestrator")
     run_dir = two_faults(tmp_path, "orchestrator kill+stop", ("the orchestrator", orchestrator, signal.SIGKILL),
                          ("the orchestrator", orchestrator, signal.SIGSTOP), restarted("orchestrator"),
-                         "--set", "rl.overprovision=0.5")
+                         "--set", "rl.overprovision=0.5", "--set", "trainer.nproc=2",
+                         "--set", 'trainer.weight_transfer="stream"')
+    assert not [e for e in events(run_dir, "server_state") if e["state"] == "down"], "no server was taken out"
     restarts = events(run_dir, "restart")
     assert [e["name"] for e in restarts] == ["orchestrator", "orchestrator"]
     assert "hung" in restarts[1]["cause"]
