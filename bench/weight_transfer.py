@@ -80,7 +80,7 @@ expected = {f"w{i}": (shape, shape[0] * shape[1] * 4) for i in range(8)}
 for _ in range(repeats):
     tensors, meta = wire.receive(expected)
     assert len(tensors) == 8 and all(torch.isfinite(t).all() for t in tensors.values())
-    wire.pg.barrier().wait()
+    wire.links[0].pg.barrier().wait()
 """
 
 
@@ -100,7 +100,7 @@ def collective(tensors: dict[str, torch.Tensor], repeats: int) -> float:
         for name, t in tensors.items():  # one tensor a bucket, as a decoder layer would be
             wire.send_bucket({name: t})
         wire.send_end({"version": 1})
-        wire.pg.barrier().wait()
+        wire.links[0].pg.barrier().wait()
 
     took = best(send, repeats)
     assert rx.wait(60) == 0
