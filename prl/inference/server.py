@@ -139,6 +139,22 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
         return _openai_response(req, ids, seqs, s.tokenizer, s.model_name)
 
 
+async def staged_or_read(s: Served, req: UpdateWeightsRequest):
+    """(policy, source, where) of the version asked for: staged from the collective stream (off the event
+    loop: it may wait for that version's receive to end), else read and checked from its folder. A
+    refused version answers 409; one that went by the stream only, which this server missed, 503."""
+    policy = None if req.path else await asyncio.to_thread(s.receiver.take, req.version)
+    if policy is not None:
+        return policy, "collective", "the collective"
+    try:
+        path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
+        return await asyncio.to_thread(prepare_weights, s.loop.core.model, path), "folder", path
+    except StreamedOnly as e:  # not a bad version: this server missed the stream (503: taken out, rejoins)
+        raise HTTPException(503, str(e)) from None
+    except (WeightLoadError, WeightFetchError) as e:
+        raise HTTPException(409, f"weights rejected, still serving v{s.loop.core.version}: {e}") from None
+
+
 def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
     """In-flight weight updates (read and verified off the engine thread, swapped in between two
     decode steps; a rejected version answers 409 and the old one keeps serving), pause and resume."""
@@ -155,17 +171,7 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
             # served already (asked again, e.g. by a restarted orchestrator): a streamed-only folder cannot
             # be read again, and need not be
             return UpdateWeightsResponse(version=loop.core.version, load_s=0.0, source="served")
-        # staged from the collective (off the event loop: it may wait for that version's receive to end)
-        policy = None if req.path else await asyncio.to_thread(s.receiver.take, req.version)
-        source, path = ("folder", req.path) if policy is None else ("collective", "the collective")
-        try:
-            if policy is None:
-                path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
-                policy = await asyncio.to_thread(prepare_weights, loop.core.model, path)
-        except StreamedOnly as e:  # not a bad version: this server missed the stream (503: taken out, rejoins)
-            raise HTTPException(503, str(e)) from None
-        except (WeightLoadError, WeightFetchError) as e:
-            raise HTTPException(409, f"weights rejected, still serving v{loop.core.version}: {e}") from None
+        policy, source, path = await staged_or_read(s, req)
         if policy.version != req.version:
             raise HTTPException(409, f"{path} holds v{policy.version}, not v{req.version}")
         await loop.load(policy)
