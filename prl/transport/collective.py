@@ -150,6 +150,18 @@ class Link:
                 self.bcast(torch.zeros(1, device=device))  # NCCL connects here
         else:
             self.pg = dist.ProcessGroupGloo(prefix, self.rank, size, timeout)
+        with self.here():
+            self.connect_pairs(size)
+
+    def connect_pairs(self, size: int) -> None:
+        """One small message from the sender to each receiver: point-to-point pairs (an expert's rows go
+        that way) connect now, inside the group's formation and its timeout, not lazily mid-version."""
+        one = torch.zeros(1, device=self.device)
+        if self.rank == 0:
+            for j in range(1, size):
+                self.pg.send([one], j, 1).wait()
+        else:
+            self.pg.recv([one], 0, 1).wait()
 
     @contextlib.contextmanager
     def here(self):
