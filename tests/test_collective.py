@@ -258,7 +258,7 @@ STREAM_SENDER = textwrap.dedent("""
         if k:  # the server leaves the group (a join it cannot complete), so it misses this version's stream
             import httpx
             model.load_state_dict(state_for(run_dir, version))
-            if rank == 0:
+            if rank == 0 and os.environ.get("KNOCK", "1") == "1":
                 httpx.post(url + "/weights/collective/join", headers={"Authorization": f"Bearer {secret}"}, timeout=30,
                            json={"addr": "127.0.0.1", "port": 1, "world": 3, "rank": 2, "epoch": 99, "timeout_s": 1,
                                  "senders": 2})
@@ -270,12 +270,13 @@ STREAM_SENDER = textwrap.dedent("""
 """)
 
 
-def stream(run_dir, url, secret, version, die: bool = False, fmt: str = "memory", whole: bool = True) -> list[str]:
+def stream(run_dir, url, secret, version, die: bool = False, fmt: str = "memory", whole: bool = True,
+           knock: bool = True) -> list[str]:
     """Version `version` (or "a,b": two, the server knocked out of the group between them) published by
     two real trainer ranks (a gloo group), each streaming its buckets (`fmt` "hf": checkpoint names, for
     vLLM; not `whole`: rank 0 writes no tensors unless a server missed the stream)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": "2",
-           "WHOLE": "1" if whole else "0", **({"DIE_AT_BUCKET": "0"} if die else {})}
+           "WHOLE": "1" if whole else "0", "KNOCK": "1" if knock else "0", **({"DIE_AT_BUCKET": "0"} if die else {})}
     procs = [subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(run_dir), url, secret, str(version),
                                os.path.dirname(__file__), fmt], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
@@ -310,34 +311,39 @@ def test_two_trainer_ranks_stream_a_version_and_a_dead_one_costs_only_that_versi
     outs = stream(run_dir, url, secret, 24)
     assert all("error None" in o for o in outs), outs
     assert client.post("/update_weights", json={"version": 24}).json()["source"] == "collective"
+    # a trainer ahead of the orchestrator: v31 streams before v30 is asked for, and both stay staged
+    outs = stream(run_dir, url, secret, "30,31", knock=False)
+    assert all(o.count("error None") == 2 for o in outs), outs
+    assert client.post("/update_weights", json={"version": 30}).json()["source"] == "collective"
+    assert client.post("/update_weights", json={"version": 31}).json()["source"] == "collective"
 
 
 def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_written_whole(server):
-    """Not `whole` (the stream's versions between checkpoints): every server staged v25, so rank 0 seals
+    """Not `whole` (the stream's versions between checkpoints): every server staged v35, so rank 0 seals
     its folder without tensors; asked for it again while serving it (a restarted orchestrator), the
-    server answers at once. The server then leaves the group, misses v26's stream, and every rank
-    publishes v26 again, whole: the server loads it from the folder with the same logprobs as v26's
-    weights. A server asked for v25 when it no longer has it answers 503 naming why (not a rejection:
+    server answers at once. The server then leaves the group, misses v36's stream, and every rank
+    publishes v36 again, whole: the server loads it from the folder with the same logprobs as v36's
+    weights. A server asked for v35 when it no longer has it answers 503 naming why (not a rejection:
     the orchestrator takes it out until a later version)."""
     from prl.model.weights import read_weights, version_dir, write_weights
 
     client, run_dir, url, secret = server
-    outs = stream(run_dir, url, secret, "25,26", whole=False)
+    outs = stream(run_dir, url, secret, "35,36", whole=False)
     first, second = (o.splitlines() for o in outs)
     assert "error None" in first[0] and "missed False" in first[0], outs
     assert "servers 0" in first[1] and "missed True" in first[1], outs  # rank 0 saw the miss
-    v25 = version_dir(run_dir / "weights", 25)
-    assert [p.name for p in v25.iterdir()] == ["MANIFEST.json"]
-    assert client.post("/update_weights", json={"version": 25}).json()["source"] == "collective"
-    assert client.post("/update_weights", json={"version": 25}).json()["source"] == "served"
-    state, manifest = read_weights(version_dir(run_dir / "weights", 26))
-    assert not manifest.get("streamed_only") and len(state) == len(state_for(run_dir, 26))
-    assert client.post("/update_weights", json={"version": 26}).json()["source"] == "folder"
+    v35 = version_dir(run_dir / "weights", 35)
+    assert [p.name for p in v35.iterdir()] == ["MANIFEST.json"]
+    assert client.post("/update_weights", json={"version": 35}).json()["source"] == "collective"
+    assert client.post("/update_weights", json={"version": 35}).json()["source"] == "served"
+    state, manifest = read_weights(version_dir(run_dir / "weights", 36))
+    assert not manifest.get("streamed_only") and len(state) == len(state_for(run_dir, 36))
+    assert client.post("/update_weights", json={"version": 36}).json()["source"] == "folder"
     from_folder = greedy(client)
-    r = client.post("/update_weights", json={"version": 25})  # not served, not staged, no tensors in its folder
+    r = client.post("/update_weights", json={"version": 35})  # not served, not staged, no tensors in its folder
     assert r.status_code == 503 and "[prl: streamed only]" in r.json()["detail"], r.text
-    write_weights(run_dir / "weights" / "v27", state_for(run_dir, 26), {"version": 27})
-    client.post("/update_weights", json={"version": 27})
+    write_weights(run_dir / "weights" / "v37", state_for(run_dir, 36), {"version": 37})
+    client.post("/update_weights", json={"version": 37})
     assert greedy(client) == from_folder
 
 

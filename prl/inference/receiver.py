@@ -2,8 +2,9 @@
 
 `join` forms the server's member of the trainer's group (a new epoch replaces the old group);
 `receive` takes one version off the wire and stages it, checked whole against the model
-(`make_policy`); `take` hands the staged version to `/update_weights` when the orchestrator asks for
-it. Nothing here touches the served model: a receive that fails drops what it had, leaves the old
+(`make_policy`); `take` hands a staged version to `/update_weights` when the orchestrator asks for
+it. The newest `KEEP` versions stay staged until then (a trainer that runs ahead streams the next
+before the orchestrator asked for the last). Nothing here touches the served model: a receive that fails drops what it had, leaves the old
 version serving, and the group is gone until the trainer forms a new one.
 """
 
@@ -17,6 +18,9 @@ from prl.model.fp8_checkpoint import SCALE_SUFFIX
 from prl.transport.collective import GroupInfo, Wire, WireError, expected_tensors
 
 
+KEEP = 2  # versions staged at once (each a copy of the model in host memory)
+
+
 class ReceiveError(RuntimeError):
     pass
 
@@ -26,7 +30,7 @@ class Receiver:
         self.model = model
         self.expected = None  # name -> (shape, max bytes), computed on first use
         self.wire: Wire | None = None
-        self.staged: Policy | None = None
+        self.staged: dict[int, Policy] = {}  # version -> staged, the newest KEEP
         self.lock = threading.Lock()  # the wire: one receive at a time; a join waits for it
         self.slot = threading.Lock()  # the staged version
         self.on_wire: int | None = None  # the version being received
@@ -61,7 +65,9 @@ class Receiver:
             finally:
                 self.receiving, self.on_wire = -1, None
             with self.slot:
-                self.staged = policy
+                self.staged[version] = policy
+                for old in sorted(self.staged)[:-KEEP]:
+                    del self.staged[old]
             self.received += 1
             return {"version": version, "seconds": time.perf_counter() - t0,
                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
@@ -76,14 +82,14 @@ class Receiver:
             with self.lock:
                 pass
         with self.slot:
-            if self.staged is None or self.staged.version != version:
-                return None
-            policy, self.staged = self.staged, None
+            policy = self.staged.pop(version, None)
+            if policy is not None:  # older ones will not be asked for
+                self.staged = {v: p for v, p in self.staged.items() if v > version}
             return policy
 
     def holds(self, version: int) -> bool:
         """Whether `version` is staged or on the wire."""
-        return self.on_wire == version or (self.staged is not None and self.staged.version == version)
+        return self.on_wire == version or version in self.staged
 
     def _expected(self):
         if self.expected is None:
