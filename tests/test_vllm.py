@@ -211,7 +211,7 @@ def test_a_request_spanning_an_update_keeps_its_kv_and_carries_both_versions(ser
         process off the CPU until the request was done. Should it still finish first: start over."""
         for _ in range(5):
             start = await tokens(b)
-            long = await sliced_until(b, lambda n: n >= start + 10)
+            long = await sliced_until(b, lambda n, start=start: n >= start + 10)
             if await tokens(b) < start + 490:
                 return long
             b.check(await b.post("/resume"), "/resume")
