@@ -12,7 +12,12 @@ per turn. Two engines on the same weights, one after the other in one run:
 - exact: the same cache restricted to whole repeated prompts, as prl's cache was before (no prompt
   repeats in this workload, so every turn computes its whole history).
 
-Both must sample the same tokens (greedy). Prefill tokens are the engine's `prefill_tokens`
+With `--vllm`, the same conversations (a tiny Qwen3-MoE: vLLM cannot run GLM-5's DSA on CPU) also go
+to a real vLLM server (`prefix caching` on, block size 32, prl's client as the orchestrator uses it):
+its prefill per turn is its prompt tokens less its prefix-cache hits (`vllm:prompt_tokens_total`,
+`vllm:prefix_cache_hits_total`), whole blocks only.
+
+Both embedded sides must sample the same tokens (greedy). Prefill tokens are the engine's `prefill_tokens`
 (tokens computed, not reused); times are CPU seconds (process time, one thread), per conversation
 for prefill and per turn of all conversations (prefill and decode) for the turn. Headline figures
 exclude turn 1 (both compute the first prompt).
@@ -103,6 +108,7 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--env", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vllm", action="store_true", help="also a vLLM server (its prefill per turn)")
     args = ap.parse_args()
     from prl.model.build import build_model
     from prl.model.tiny import write_model_dir
@@ -117,10 +123,66 @@ def main() -> None:
         core = EngineCore(model, max_batch_size=args.conversations)
         core.prefix = cache
         sides[name] = run(core, args)
-    report(args, sides)
+    vllm = vllm_side(args, longest) if args.vllm else None
+    report(args, sides, vllm)
 
 
-def report(args, sides: dict) -> None:
+def vllm_side(args, longest: int) -> list[float]:
+    """Prefill tokens per turn and conversation on a real vLLM server (prompt tokens less cache hits)."""
+    import asyncio
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_vllm import make, metrics_of, wait_served
+    from vllm_rig import start_server
+
+    from prl.inference.protocol import GenerateRequest
+    from prl.model.build import build_model
+    from prl.model.tiny import char_tokenizer, write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    root = Path(tempfile.mkdtemp())
+    model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe", max_position_embeddings=longest + 64), root / "m"))
+    model.save_pretrained(root / "hf")
+    char_tokenizer().save_pretrained(root / "hf")
+    srv = start_server(root, root / "hf", inference__max_batch_size=args.conversations,
+                       inference__vllm={"max_model_len": longest + 64, "kv_cache_memory_bytes": 256 << 20})
+
+    async def turns(b) -> list[float]:
+        async def counters():
+            m = metrics_of(await b.http.get("/metrics"))
+            return m.get("vllm:prompt_tokens_total", 0.0), m.get("vllm:prefix_cache_hits_total", 0.0)
+
+        g = torch.Generator().manual_seed(0)
+        histories = [torch.randint(4, 40, (args.prompt,), generator=g).tolist() for _ in range(args.conversations)]
+        out = []
+        for _ in range(args.turns):
+            p0, h0 = await counters()
+            resps = await asyncio.gather(*(b.generate(GenerateRequest(
+                prompt_ids=h, max_tokens=args.completion, temperature=0.0, n=1,
+                stop_token_ids=[])) for h in histories))
+            p1, h1 = await counters()
+            out.append(((p1 - p0) - (h1 - h0)) / args.conversations)
+            histories = [h + r.completions[0].token_ids + torch.randint(4, 40, (args.env,), generator=g).tolist()
+                         for h, r in zip(histories, resps)]
+        return out
+
+    try:
+        wait_served(srv)
+
+        async def go():
+            b = make(srv)
+            try:
+                return await turns(b)
+            finally:
+                await b.close()
+
+        return asyncio.run(go())
+    finally:
+        srv.stop()
+
+
+def report(args, sides: dict, vllm: list[float] | None = None) -> None:
     new = args.completion + args.env
     print(f"{args.conversations} conversations x {args.turns} turns; first prompt {args.prompt}, each turn "
           f"+{args.completion} sampled +{args.env} environment tokens ({new} new)")
@@ -131,6 +193,11 @@ def report(args, sides: dict) -> None:
               f"   {r['prefill_s'][t]:21.3f}  {e['prefill_s'][t]:5.3f}   {r['turn_s'][t]:13.2f}  {e['turn_s'][t]:5.2f}")
     reuse, exact = later(r["prefill_per_turn"]), later(e["prefill_per_turn"])
     print(f"reuse cache at the end: {r['cache_entries']} entries, {r['cache_tokens']} tokens")
+    extra = {}
+    if vllm is not None:
+        print("vLLM prefill tokens/conv per turn: " + " ".join(f"{x:.0f}" for x in vllm))
+        extra = {"prefill_per_turn_vllm": round(later(vllm), 1), "vllm_over_new_tokens": round(later(vllm) / new, 3),
+                 "vllm_over_reuse": round(later(vllm) / reuse, 3)}
     print(json.dumps({
         "turns": args.turns, "new_tokens_per_turn": new, "env_tokens_per_turn": args.env,
         "prefill_per_turn_reuse": round(reuse, 1), "prefill_per_turn_exact": round(exact, 1),
@@ -139,7 +206,7 @@ def report(args, sides: dict) -> None:
         "prefill_s_reuse": round(later(r["prefill_s"]), 4), "prefill_s_exact": round(later(e["prefill_s"]), 4),
         "exact_over_reuse_prefill_s": round(later(e["prefill_s"]) / later(r["prefill_s"]), 2),
         "turn_s_reuse": round(later(r["turn_s"]), 3), "turn_s_exact": round(later(e["turn_s"]), 3),
-        "same_tokens": r["outputs"] == e["outputs"],
+        "same_tokens": r["outputs"] == e["outputs"], **extra,
     }))
 
 
