@@ -56,18 +56,21 @@ class ExactPromptCache(PrefixCache):
 
 
 def timed_prefill(core: EngineCore) -> list[float]:
-    """Wrap the engine's prefill: the list returned collects the CPU seconds of each (process time,
-    not wall: the machine is shared, and this bench runs one thread)."""
-    spent, prefill = [], core._prefill
+    """Wrap the engine's prefills (one prompt, or the prompts admitted together in one batch): the list
+    returned collects the CPU seconds of each (process time, not wall: the machine is shared, and this
+    bench runs one thread)."""
+    spent = []
 
-    def wrapped(seq):
-        t0 = time.process_time()
-        try:
-            return prefill(seq)
-        finally:
-            spent.append(time.process_time() - t0)
+    def timed(fn):
+        def wrapped(arg):
+            t0 = time.process_time()
+            try:
+                return fn(arg)
+            finally:
+                spent.append(time.process_time() - t0)
+        return wrapped
 
-    core._prefill = wrapped
+    core._prefill, core._prefill_batch = timed(core._prefill), timed(core._prefill_batch)
     return spent
 
 
