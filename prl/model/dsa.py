@@ -42,15 +42,25 @@ def indexer_parts(ix, hidden: torch.Tensor, q_resid: torch.Tensor, cos, sin):
     return q, k, w
 
 
+ALL_HEADS_BYTES = 64 << 20  # below this, every head's scores at once (decode steps, short rows)
+
+
 @torch.no_grad()
 def index_scores(ix, q: torch.Tensor, k_all: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[B, S, T]: per query, the head-weighted ReLU scores of every key, summed head by head (the engine
-    and the trainer alike, so they sum in the same order): never a [B, S, heads, T] tensor, which at
-    131k keys and 32 heads would be 17 GB for a block of 1024 queries."""
+    """[B, S, T]: per query, the head-weighted ReLU scores of every key, summed head by head in head
+    order (the engine and the trainer alike). Where all heads' scores would be large (a block of 1024
+    queries over 131k keys and 32 heads: 17 GB) they are computed one head at a time; below
+    `ALL_HEADS_BYTES` in one product (a decode step), then summed in the same order."""
     keys = k_all.transpose(-1, -2).float()
+    B, S, H, _ = q.shape
+    if B * S * H * keys.shape[-1] * 4 <= ALL_HEADS_BYTES:
+        every = F.relu(torch.matmul(q.float(), keys.unsqueeze(1)) * ix.softmax_scale)  # [B, S, H, T]
+        head = lambda h: every[:, :, h]  # noqa: E731
+    else:
+        head = lambda h: F.relu(torch.matmul(q[:, :, h].float(), keys) * ix.softmax_scale)  # noqa: E731
     out = None
-    for h in range(q.shape[2]):
-        part = F.relu(torch.matmul(q[:, :, h].float(), keys) * ix.softmax_scale) * w[:, :, h, None]
+    for h in range(H):
+        part = head(h) * w[:, :, h, None]
         out = part if out is None else out.add_(part)
     return out
 
