@@ -117,7 +117,7 @@ def worker(model_dir: str, out: str, tokens: int, steps: int, layout: str) -> No
     seq = par.seq or context_parallel.install(par.model, None, 1, 0)  # cp 1: the same attention, no exchange
     attn = [0.0]
     context_parallel.select = timed(context_parallel.select, attn)
-    context_parallel.attend = timed(context_parallel.attend, attn)
+    context_parallel.attend_sparse = timed(context_parallel.attend_sparse, attn)
     g = torch.Generator().manual_seed(0)
     sample = Sample(torch.randint(4, 40, (tokens // 2,), generator=g).tolist(), torch.randint(4, 40, (tokens // 2 + 1,), generator=g).tolist(),
                     [-1.0] * (tokens // 2 + 1), [0] * (tokens // 2 + 1), 1.0)
