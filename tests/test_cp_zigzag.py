@@ -113,7 +113,16 @@ def test_zigzag_over_4_ranks_and_contiguous_over_2_match_one_rank(sparse_model_d
 SPARSE = textwrap.dedent("""
     import resource, sys, torch
     from types import SimpleNamespace
-    from prl.trainer.context_parallel import attend, attend_sparse
+    from prl.trainer.context_parallel import attend_sparse
+    def attend(query, key_states, value_states, keep, blocks, scaling):
+        # the dense reference: every (head, query, key) scored, the keys not kept masked
+        outs = []
+        for a, b, keys in blocks:
+            k = keep[a:b, :keys]
+            mask = torch.zeros(k.shape).masked_fill(~k, torch.finfo(query.dtype).min)
+            scores = torch.matmul(query[:, :, a:b], key_states[:, :, :keys].transpose(2, 3)) * scaling + mask
+            outs.append(torch.matmul(torch.softmax(scores, dim=-1), value_states[:, :, :keys]))
+        return torch.cat(outs, dim=2)
     torch.manual_seed(0)
     H, nope, rope, v, rank = 4, 8, 4, 8, 16
     attn = SimpleNamespace(num_heads=H, qk_nope_head_dim=nope, v_head_dim=v, kv_lora_rank=rank, scaling=0.3,

@@ -151,21 +151,6 @@ def select(ix, q, k_all, w, allowed: torch.Tensor, blocks: list[tuple[int, int, 
     return torch.cat(picked, dim=1).to(torch.int32)
 
 
-def attend(query, key_states, value_states, keep: torch.Tensor, blocks: list[tuple[int, int, int]],
-           scaling: float) -> torch.Tensor:
-    """Dense reference: softmax attention of each block of local queries over the keys up to its last
-    query, `keep` masking the rest: [B, heads, S, v_head_dim]. Scores every (head, query, key): what
-    `attend_sparse` computes without that tensor."""
-    outs = []
-    for a, b, keys in blocks:
-        k = keep[a:b, :keys]
-        mask = torch.zeros(k.shape, dtype=query.dtype, device=query.device).masked_fill(~k, torch.finfo(query.dtype).min)
-        scores = torch.matmul(query[:, :, a:b], key_states[:, :, :keys].transpose(2, 3)) * scaling + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        outs.append(torch.matmul(probs, value_states[:, :, :keys]))
-    return torch.cat(outs, dim=2)
-
-
 def attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks) -> torch.Tensor:
     """DSA attention in MLA's latent space over each query's top-k keys only: [1, heads, S, v_head_dim].
 
@@ -174,7 +159,7 @@ def attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks) -> 
     weighted sum of latents is taken back out per head (W_UV). No [heads, queries, keys] tensor and no
     per-head keys or values exist: memory grows with top-k, not the context. `latent` [T, kv_lora_rank]
     and `k_rot` [T, rope] are every key's; picks a query may not see (fewer allowed keys than top-k)
-    get zero weight. Equal to `attend` with `keep` = the picks the query may see."""
+    get zero weight. Equal to every key scored with the others masked (`tests/test_cp_zigzag.py`)."""
     H, nope = attn.num_heads, attn.qk_nope_head_dim
     w = attn.kv_b_proj.weight.view(H, nope + attn.v_head_dim, attn.kv_lora_rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
