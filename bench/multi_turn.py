@@ -136,7 +136,7 @@ def vllm_side(args, longest: int) -> list[float]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_vllm import make, metrics_of, wait_served
+    from test_vllm import call, metrics_of, wait_served
     from vllm_rig import start_server
 
     from prl.inference.protocol import GenerateRequest
@@ -172,15 +172,7 @@ def vllm_side(args, longest: int) -> list[float]:
 
     try:
         wait_served(srv)
-
-        async def go():
-            b = make(srv)
-            try:
-                return await turns(b)
-            finally:
-                await b.close()
-
-        return asyncio.run(go())
+        return call(srv, turns)
     finally:
         srv.stop()
 

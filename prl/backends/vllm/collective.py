@@ -42,10 +42,11 @@ def receive_read(engine, wire: Wire):
     """The stager's read for one version off `wire` (checked like a folder; a failure drops the group)."""
     def read(version: int) -> dict:
         try:
-            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in engine.expected_share().items()})
+            share = engine.expected_share()
+            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in share.items()})
             if int(meta.get("version", -1)) != version or meta.get("format") != "hf":
                 raise WireError(f"the wire carried v{meta.get('version')} ({meta.get('format')}), not v{version} (hf)")
-            engine.check(f"v{version} from the collective", tensors, engine.expected_share())
+            engine.check(f"v{version} from the collective", tensors, share)
             return tensors
         except BaseException:
             wire.close()  # drops the group now: on gloo the sender fails at once (NCCL: at its timeout)
@@ -107,8 +108,9 @@ async def handle(request, cfg):
 
 def routed_experts(cfg) -> int:
     """The model's routed experts (0 for a dense model), from its config.json."""
-    conf = json.loads((cfg.model_dir / "config.json").read_text())
-    return int(conf.get("n_routed_experts") or conf.get("num_experts") or conf.get("num_local_experts") or 0)
+    from prl.model.families import routed_experts as of_config
+
+    return int(of_config(json.loads((cfg.model_dir / "config.json").read_text())) or 0)
 
 
 async def _init(request, info: dict) -> None:
