@@ -39,7 +39,7 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "http_weights": (BUILT, "weights published as files, fetched by each server over HTTP"),
     "fp8_trainer": (GPU, "block-FP8 GEMMs in the trainer (DeepGEMM on Hopper; CPU reference tested)"),
     "fused_dsa": (GPU, "DSA attention in MLA's latent space over each query's top-k picks, one query block at a "
-                       "time and recomputed per block in backward, and the indexer's scores summed head by head "
+                       "time and recomputed per block in backward, and the indexer's heads summed in head order (one at a time where large) "
                        "(prl.trainer.context_parallel, torch): no score tensor over all keys; equal to the dense "
                        "computation and memory-tested on CPU; its speed at the plan's MFU is unmeasured (fused "
                        "FlashMLA / DeepGEMM kernels are the faster path)"),
