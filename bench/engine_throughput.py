@@ -42,8 +42,8 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return reqs
 
 
-def run_engine(model, reqs, batch: int) -> float:
-    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0)
+def run_engine(model, reqs, batch: int, compiled: bool = False) -> float:
+    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0, compiled=compiled)
     t0 = time.perf_counter()
     for prompt, n in reqs:
         core.add(Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=())))
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the engine with compiled decode steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe"), Path(tempfile.mkdtemp()) / "model")).eval()
@@ -130,11 +131,19 @@ def main() -> None:
     try:
         run_engine(model, reqs[:4], args.batch)  # warm up every path
         run_generate(model, reqs[:4], args.batch)
+        compile_s = None
+        if not args.no_compile:  # what the server's start pays (EngineCore.warm_up), not in the timings
+            t0 = time.perf_counter()
+            core = EngineCore(model, max_batch_size=args.batch, prefix_cache_entries=0, compiled=True)
+            core.warm_up()
+            compile_s = time.perf_counter() - t0
         if srv:
             run_vllm(srv, reqs[:4])
-        eng, gen, vll = [], [], []
+        eng, com, gen, vll = [], [], [], []
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all
             eng.append(run_engine(model, reqs, args.batch))
+            if compile_s is not None:
+                com.append(run_engine(model, reqs, args.batch, compiled=True))
             gen.append(run_generate(model, reqs, args.batch))
             if srv:
                 vll.append(run_vllm(srv, reqs))
@@ -146,9 +155,15 @@ def main() -> None:
         v = useful / min(vll)
         print(f"vLLM (HTTP)     : {v:8.0f} tokens/s")
     print(f"embedded engine : {e:8.0f} tokens/s")
+    if com:
+        c = useful / min(com)
+        print(f"  compiled        : {c:8.0f} tokens/s (compiled in {compile_s:.0f} s, before the timings)")
     print(f"model.generate  : {g:8.0f} tokens/s")
     print(f"ratio engine/generate: {e / g:.2f}x" + (f", vLLM/engine: {v / e:.2f}x" if vll else ""))
     line = {"engine_tokens_s": round(e), "generate_tokens_s": round(g), "engine_over_generate": round(e / g, 3)}
+    if com:
+        line.update(compiled_tokens_s=round(c), compiled_over_generate=round(c / g, 3),
+                    compiled_over_engine=round(c / e, 3), compile_s=round(compile_s, 1))
     if vll:
         line.update(vllm_tokens_s=round(v), vllm_over_generate=round(v / g, 3), vllm_over_engine=round(v / e, 3))
     print(json.dumps(line))

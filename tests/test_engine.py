@@ -153,3 +153,41 @@ def test_an_aborted_request_leaves_the_batch_and_the_others_continue(tiny_model)
     while alone.finish_reason is None:
         core.step()
     assert alone.out_ids == keep.out_ids, "the batch after the abort computes what a clean run does"
+
+
+def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
+    """`inference.compile`: every forward through torch.compile. The same greedy tokens and logprobs as
+    eager through a batched prefill, a reused prefix, requests joining mid-generation and weights loaded
+    in flight (parameters are the compiled graphs' inputs, not constants baked in); the warm-up that
+    compiles leaves nothing behind."""
+    import copy
+
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe", num_layers=1), tmp_path / "m"), seed=0)
+    new_weights = perturbed(model)
+
+    def serve(core):
+        core.warm_up()
+        assert core.stats.generated_tokens == 0 and not core.prefix.entries and core.version == -1
+        first = run_all(core, [Sequence(p, GREEDY) for p in ([5, 6, 7], [8, 9, 10, 11, 12], [13, 14])])
+        turn = Sequence(first[0].prompt_ids + first[0].out_ids + [4], GREEDY)  # extends the first's KV
+        late = Sequence([9, 10], SamplingParams(temperature=0.0, max_tokens=20))
+        core.add(turn)
+        core.add(late)
+        for _ in range(3):
+            core.step()
+        core.stage_weights(Policy(new_weights, {}, version=1))
+        while core.has_work():
+            core.step()
+        return [*first, turn, late], core.stats
+
+    eager, eager_stats = serve(EngineCore(copy.deepcopy(model)))
+    compiled, stats = serve(EngineCore(model, compiled=True))
+    assert stats.prefix_hits == eager_stats.prefix_hits >= 1 and stats.batched_prefills == eager_stats.batched_prefills
+    assert -1 in compiled[-1].versions and 1 in compiled[-1].versions, "the late request spans the load"
+    for a, b in zip(eager, compiled):
+        assert b.out_ids == a.out_ids and b.versions == a.versions
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)

@@ -35,6 +35,8 @@ def write(tmp_path: Path, text: str) -> Path:
      "at least one of inference.num_servers (1) to decode"),
     ("[inference.kv_pool]\nmemory_gb = 0\n", "inference.kv_pool.memory_gb", "greater than 0"),
     ("[inference.kv_pool]\nenabled = true\nhost = 'h1'\n", "inference.kv_pool.host", "names a cluster host"),
+    ("[inference]\nbackend = 'vllm'\ncompile = true\n", "inference", "compiles by its own options"),
+    ("[inference]\ncompile = true\n[trainer]\nrouter_replay = true\n", "trainer.router_replay", "eager forwards"),
 ])
 def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
     path = write(tmp_path, text)

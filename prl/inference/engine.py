@@ -92,14 +92,20 @@ class EngineStats:
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
                  capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None,
-                 kv_capacity_tokens: int = 0):
+                 kv_capacity_tokens: int = 0, compiled: bool = False):
         self.model = model.eval()
+        # every forward through torch.compile (shapes change with the batch, the prompt and the KV width:
+        # compiled with dynamic shapes). Parameters are graph inputs, so weights copied in by a load
+        # take effect at the next step as they do eagerly.
+        self.forward = torch.compile(model, dynamic=True) if compiled else model
         self.pool = pool  # prl.inference.kv_pool.KvPool: prompt KV shared with the run's other servers
         self.template = None  # an empty cache of this model's layer types (from the first prefill)
         self.device = next(model.parameters()).device  # inputs go there; sampling runs on the CPU
         self.cache_kw = cache_kwarg(model)
         self.capture = None
         if capture_routing:
+            if compiled:
+                raise ValueError("the embedded engine captures routing (R3) only in eager forwards")
             from prl.model.routing import Capture
 
             self.capture = Capture(model)
@@ -153,6 +159,33 @@ class EngineCore:
         if not self.kv_capacity_tokens or not (self.running or joining):
             return True
         return self.reserved_tokens(*joining, seq) <= self.kv_capacity_tokens
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Run a few greedy requests so that a compiled model compiles now, not on the first client's
+        request: a batched prefill, a single one, one after a reused prefix, decode steps of several
+        rows and of one (the compiler specialises size 1). Leaves no trace: no prefix-cache entry, no
+        counted token."""
+        if self.forward is self.model:
+            return
+        rng = self.rng.get_state()
+        greedy = [Sequence([1 + i % 3 for i in range(n + 3)], SamplingParams(temperature=0.0, max_tokens=n))
+                  for n in (4, 3, 2)]
+        for seq in greedy:
+            self.add(seq)
+        self._drain()
+        first = greedy[0]
+        self.add(Sequence(first.prompt_ids + first.out_ids + [1], SamplingParams(temperature=0.0, max_tokens=2)))
+        self._drain()
+        self.add(Sequence([2, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)))
+        self._drain()
+        self.prefix.clear()
+        self.stats = EngineStats()
+        self.rng.set_state(rng)
+
+    def _drain(self) -> None:
+        while self.running or self.waiting:
+            self.step()
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._staged)
@@ -259,7 +292,7 @@ class EngineCore:
             ids[i, width - n:] = torch.tensor(s.prompt_ids)
             mask[i, width - n:] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+        out = self.forward(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=pos.to(self.device), use_cache=True)
         cache, logits = cache_of(out), out.logits[:, -1].float().cpu()
         result = {}
@@ -327,9 +360,9 @@ class EngineCore:
         ids = torch.tensor([prompt[done:]], device=self.device)
         if done:
             pos = torch.arange(done, len(prompt), device=self.device)[None]
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
+            out = self.forward(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
         else:
-            out = self.model(input_ids=ids, use_cache=True)
+            out = self.forward(input_ids=ids, use_cache=True)
         out.cache = cache_of(out)
         if self.template is None:
             self.template = empty_like_cache(out.cache)
@@ -366,7 +399,7 @@ class EngineCore:
     def _decode(self) -> list[Sequence]:
         ids = torch.tensor([[s.pending] for s in self.running], device=self.device)
         pos = torch.tensor([[s.length] for s in self.running], device=self.device)
-        out = self.model(
+        out = self.forward(
             input_ids=ids,
             attention_mask=self.batch.step_mask().long().to(self.device),
             position_ids=pos,
@@ -456,7 +489,9 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], gens: list[tor
     for i, p in enumerate(params):
         if p.top_p < 1.0 and not greedy[i]:
             probs_BV[i] = top_p_filter(probs_BV[i], p.top_p)
-    if all(g is gens[0] for g in gens):
+    if bool(greedy.all()):
+        tok_B = logits_BV.argmax(-1)
+    elif all(g is gens[0] for g in gens):
         tok_B = torch.multinomial(probs_BV, 1, generator=gens[0])[:, 0]
     else:
         tok_B = torch.cat([torch.multinomial(pr, 1, generator=g) for pr, g in zip(probs_BV, gens)])

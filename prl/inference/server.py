@@ -391,7 +391,12 @@ def serve(cfg, log) -> None:
         report = apply_fp8(model)
         print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
     core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.run.seed + 1000 * cfg.index,
-                      capture_routing=cfg.router_replay, pool=join_pool(cfg), kv_capacity_tokens=inf.kv_capacity_tokens)
+                      capture_routing=cfg.router_replay, pool=join_pool(cfg), kv_capacity_tokens=inf.kv_capacity_tokens,
+                      compiled=inf.compile)
+    if inf.compile:
+        t0 = time.perf_counter()
+        core.warm_up()
+        print(f"{cfg.name}: decode steps compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     def failed() -> None:  # the engine thread died: say why, then stop serving (the driver restarts us)
         log.emit("error", name=cfg.name, type="EngineFailure", line=str(loop.failed)[:300])
         os.kill(os.getpid(), signal.SIGTERM)
