@@ -101,3 +101,69 @@ def test_the_data_cursor_skips_what_was_trained_out_of_order():
     assert handed == [2, 5, 6]
     c.consume([2, 5])
     assert c.state() == (6, [])
+
+
+@pytest.fixture(scope="module")
+def second_server(tmp_path_factory):
+    proc, _, client = start_server(tmp_path_factory.mktemp("run2"), Recipe(), timeout=120)
+    yield client
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def test_a_conversation_stays_where_its_kv_is_unless_that_server_is_full_or_down(small_server, second_server, tmp_path):
+    """Issue 22, item 4: each turn of a conversation goes to the server that ran its last turn (its KV
+    is there: the history is a prefix-cache hit), unless that server has no room (its in-flight limit
+    reached) or is down; a conversation moved to another server stays there."""
+    import asyncio
+
+    from prl.backends.registry import make_backend
+    from prl.inference.protocol import GenerateRequest
+    from prl.metrics import EventLog
+    from prl.orchestrator.orchestrator import GroupSampler, Rollouts
+    from prl.orchestrator.servers import ServerPool
+
+    clients = [second_server, small_server]  # the conversation moves to the small one: its turns fit there
+    conversation = object()  # what names it (multi-turn: the episode)
+
+    async def go():
+        backends = [make_backend("embedded", str(c.base_url), c.headers["Authorization"].removeprefix("Bearer "))
+                    for c in clients]
+        changed = asyncio.Condition()
+        pool = ServerPool(backends, EventLog(tmp_path / "m.jsonl", "test"), changed, hang_timeout_s=60)
+        budget = InflightBudget(cap=16, group_size=1, servers=2, target=0.9)  # 8 sequences each
+        pool.room = lambda server, n: server.active + n <= budget.limits[server.index]
+        await pool.start(60)
+        sampler = GroupSampler(pool, 0, Rollouts(changed, 1))  # group 0: its own server is server 0
+        history, where = [30, 31, 32, 33], []  # a prompt no other test sent these servers
+
+        async def turn():
+            hits = [metrics(c)["prefix_hit_tokens"] for c in clients]
+            resp = await sampler.generate(GenerateRequest(prompt_ids=history, max_tokens=6, temperature=1.0,
+                                                          stop_token_ids=[]), conversation=conversation)
+            history.extend(resp.completions[0].token_ids + [9, 10])  # the environment's reply
+            now = [metrics(c)["prefix_hit_tokens"] for c in clients]
+            where.append(next(i for i in range(2) if sampler.homes[id(conversation)].server is pool.servers[i]))
+            return [b - a for a, b in zip(hits, now)]
+
+        await turn()
+        filler = asyncio.create_task(pool.call(2, lambda b: b.generate(GenerateRequest(  # group 2: server 0 too
+            prompt_ids=[11, 12], max_tokens=400, temperature=1.0, stop_token_ids=[], n=8)), n=8))
+        while pool.servers[0].active < 8:  # the filler's 8 sequences are out on server 0
+            assert not filler.done(), filler.exception()
+            await asyncio.sleep(0.01)
+        moved = await turn()  # server 0 has no room: the turn moves, computing its history on server 1
+        filler.cancel()
+        await asyncio.gather(filler, return_exceptions=True)
+        assert pool.servers[0].active == 0
+        stayed = await turn()  # server 0 has room again; the conversation's KV is on server 1
+        await pool.mark_down(pool.servers[1], "taken out by the test")
+        await turn()
+        for b in backends:
+            await b.close()
+        return where, moved, stayed
+
+    where, moved, stayed = asyncio.run(go())
+    assert where == [0, 1, 1, 0]
+    assert moved[1] == 0, "its first turn on server 1 reused nothing there"
+    assert stayed[1] >= 12 + 5, "the turn that stayed reused its history's KV on server 1 (all but the last token)"

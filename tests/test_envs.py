@@ -111,7 +111,7 @@ class Recording:
     def __init__(self, backend, between_turns=None):
         self.backend, self.responses, self.between = backend, [], between_turns
 
-    async def generate(self, req):
+    async def generate(self, req, conversation=None):
         if self.responses and self.between:
             await self.between(len(self.responses))
         resp = await self.backend.generate(req)

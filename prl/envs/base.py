@@ -20,9 +20,11 @@ from prl.inference.protocol import GenerateRequest, GenerateResponse
 
 
 class Sampler(Protocol):
-    """The inference pool as an environment sees it, bound to one group (its server affinity)."""
+    """The inference pool as an environment sees it, bound to one group (its server affinity).
+    `conversation`: any object naming the conversation a request continues (multi-turn: the episode);
+    its turns go to the server that holds its KV, while that one is up and has room."""
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+    async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse: ...
 
 
 @dataclass

@@ -107,7 +107,7 @@ class MultiTurnEnv(Environment):
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=1,
             return_routing=self.router_replay, routing_start=held,
         )
-        resp = await sampler.generate(req)
+        resp = await sampler.generate(req, conversation=ep)
         c = resp.completions[0]
         if resp.prompt_routing is not None:
             ep.routing += [decode_routing(resp.prompt_routing), decode_routing(c.routing)]

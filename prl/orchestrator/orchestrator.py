@@ -25,7 +25,7 @@ from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer
-from prl.orchestrator.servers import ServerPool
+from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
 from prl.recipe.roles import OrchestratorConfig
@@ -91,16 +91,18 @@ class GroupSampler:
 
     def __init__(self, pool: ServerPool, index: int, rollouts: "Rollouts"):
         self.pool, self.index, self.rollouts = pool, index, rollouts
+        self.homes: dict[int, Home] = {}  # per conversation: the server its KV is on
         self.started = False
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+    async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse:
         if not self.started:
             self.started = True
             self.rollouts.pending -= 1
         self.rollouts.active += req.n
         try:
             await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool
-            return await self.pool.call(self.index, lambda backend: backend.generate(req))
+            home = self.homes.setdefault(id(conversation), Home())  # None: the group's one-turn request
+            return await self.pool.call(self.index, lambda backend: backend.generate(req), req.n, home)
         finally:
             self.rollouts.active -= req.n
             await self.rollouts.notify()
@@ -143,6 +145,7 @@ class Orchestrator:
         self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
                                      prefill=cfg.prefill_servers)
         self.pool.on_metrics = self.observe_kv
+        self.pool.room = lambda server, n: server.active + n <= self.budget.limits[server.index]
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0

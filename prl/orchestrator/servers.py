@@ -34,12 +34,20 @@ class Server:
         self.calls: set[asyncio.Task] = set()  # requests in flight on it, cancelled when it goes down
         self.down_since = time.monotonic()  # for reporting a server that does not come back
         self.prefill_timeouts = 0  # consecutive prefills it did not answer in time
+        self.active = 0  # sequences its requests have out
 
     def track(self, coro: Awaitable) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self.calls.add(task)
         task.add_done_callback(self.calls.discard)
         return task
+
+
+class Home:
+    """Where a group's conversation last ran, so its KV is there: its next turn goes there too."""
+
+    def __init__(self):
+        self.server: Server | None = None
 
 
 PREFILL_TIMEOUTS = 3  # a prefill server this many prefills in a row late is taken as hung
@@ -54,6 +62,8 @@ class ServerPool:
         self.weights_lock = asyncio.Lock()  # a rejoin loads the served version; a relay may not change it meanwhile
         self.served = -1
         self.on_metrics: Callable[[Server, object], None] = lambda server, metrics: None
+        # whether a server can take n more sequences (the orchestrator's per-server in-flight limit)
+        self.room: Callable[[Server, int], bool] = lambda server, n: True
 
     # ---- membership ----
     async def start(self, timeout: float) -> None:
@@ -79,14 +89,18 @@ class ServerPool:
         async with self.changed:
             self.changed.notify_all()
 
-    async def pick(self, index: int, prefill: bool = False) -> Server:
-        """Among the decode servers (or the prefill ones): the group's own (index modulo their number:
-        its prefix cache hits) when it is up, else the least busy one that is; waits while none is."""
-        kind = [s for s in self.servers if s.prefill == prefill]
+    async def pick(self, index: int, home: Server | None = None, n: int = 1) -> Server:
+        """A decode server for n sequences of group `index`: the one its conversation ran on (`home`,
+        which holds its KV), else the group's own (index modulo their number), while that one is up
+        and has room (`room`); else, among those up, one with room, the least busy; waits while none
+        is up."""
+        kind = [s for s in self.servers if not s.prefill]
         async with self.changed:
             await self.changed.wait_for(lambda: any(s.up for s in kind))
-        own = kind[index % len(kind)]
-        return own if own.up else min((s for s in kind if s.up), key=lambda s: len(s.calls))
+        own = home if home is not None else kind[index % len(kind)]
+        if own.up and self.room(own, n):
+            return own
+        return min((s for s in kind if s.up), key=lambda s: (not self.room(s, n), s.active, len(s.calls)))
 
     async def prefill(self, index: int, prompt_ids: list[int]) -> None:
         """P/D: have a prefill server put the prompt's KV into the pool, where the decode server
@@ -114,20 +128,25 @@ class ServerPool:
                 await self.mark_down(server, f"{PREFILL_TIMEOUTS} prefills in a row unanswered", hung=True)
 
     # ---- requests ----
-    async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable]):
-        """Run one request for group `index` on a server that is up, re-issuing it on another server
-        when the one it ran on went down under it."""
+    async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable], n: int = 1,
+                   home: Home | None = None):
+        """Run one request (n sequences) for group `index` on a server that is up (`pick`), re-issuing
+        it on another server when the one it ran on went down under it; `home` learns where it ran."""
         for _ in range(MAX_ATTEMPTS):
-            server = await self.pick(index)
+            server = await self.pick(index, home.server if home is not None else None, n)
+            server.active += n
             task = server.track(make(server.backend))
             try:
                 await asyncio.wait({task})
             finally:
                 task.cancel()  # the group itself was cancelled (the run stops)
+                server.active -= n
             if task.cancelled():
                 continue  # its server went down: re-issue
             error = task.exception()
             if error is None:
+                if home is not None:
+                    home.server = server
                 return task.result()
             if not isinstance(error, BackendError) or error.client_error or isinstance(error, MalformedResponse):
                 raise error  # the request's fault or a protocol mismatch: another server would do the same
