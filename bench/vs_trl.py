@@ -32,7 +32,10 @@ own, as a subprocess of this bench:
 
     python3 -m venv .venv-trl
     .venv-trl/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
-    .venv/bin/python bench/vs_trl.py [--wall 90] [--trl-python .venv-trl/bin/python] [--trl-threads 2]
+    .venv/bin/python bench/vs_trl.py [--wall 90] [--trl-python .venv-trl/bin/python] [--trl-threads 2] [--no-compiled]
+
+prl runs twice: as the recipe is, and with `inference.compile = true` (the embedded engine's
+forwards through torch.compile; compiled before weights version 0, so not in the window).
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def warm_start(out: Path) -> Path:
     return hf
 
 
-def run_prl(out: Path, warm: Path, wall: float) -> dict:
+def run_prl(out: Path, warm: Path, wall: float, name: str = "prl", sets: tuple[str, ...] = ()) -> dict:
     """`prl run` from the warm weights for `wall` seconds after weights version 0 reached the orchestrator."""
-    cmd = prl_cmd(out, "prl", f"model.path={warm}", "sft.steps=0", "rl.max_steps=100000",
-                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0")
-    run_dir = out / "prl"
+    cmd = prl_cmd(out, name, f"model.path={warm}", "sft.steps=0", "rl.max_steps=100000",
+                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0", *sets)
+    run_dir = out / name
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = None
@@ -210,6 +213,7 @@ def main() -> None:
     ap.add_argument("--warm", type=Path, default=None, help="a warm-start HF folder (default: made by prl's SFT)")
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
     ap.add_argument("--trl-threads", type=int, default=2)
+    ap.add_argument("--no-compiled", action="store_true", help="leave out prl with inference.compile = true")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
@@ -219,19 +223,24 @@ def main() -> None:
     began = time.time()
     out = Path(tempfile.mkdtemp(prefix="prl-vs-trl-"))
     warm = args.warm or warm_start(out)
-    prl = run_prl(out, warm, args.wall)
-    trl = run_trl(out, warm, args)
-    (out / "curves.json").write_text(json.dumps({"prl": prl.pop("curve"), "trl": trl.pop("curve")}))
-    for name, r in (("prl", prl), ("trl", trl)):
+    sides = {"prl": run_prl(out, warm, args.wall)}
+    if not args.no_compiled:  # the embedded engine's forwards compiled (compiled before version 0: not in the window)
+        sides["prl_compiled"] = run_prl(out, warm, args.wall, "prl_compiled", ("inference.compile=true",))
+    sides["trl"] = trl = run_trl(out, warm, args)
+    (out / "curves.json").write_text(json.dumps({n: r.pop("curve") for n, r in sides.items()}))
+    for name, r in sides.items():
         print(f"{name}: {r['steps']} steps in {args.wall:.0f} s, {r['samples_per_s']:.1f} samples/s, reward "
               f"{r['reward_start']:.3f} -> {r['reward_at_wall']:.3f} (start-up {r['startup_s']:.0f} s)")
     report = {"wall_s": args.wall, "trl_threads": args.trl_threads, "load_avg_1m": round(os.getloadavg()[0], 2),
-              **{f"{n}_{k}": round(v, 4) for n, r in (("prl", prl), ("trl", trl)) for k, v in r.items()},
-              "samples_per_s_prl_over_trl": round(prl["samples_per_s"] / trl["samples_per_s"], 3),
-              "reward_at_wall_prl_over_trl": round(prl["reward_at_wall"] / trl["reward_at_wall"], 3),
-              "reward_gain_prl_over_trl": round((prl["reward_at_wall"] - prl["reward_start"])
-                                                / max(trl["reward_at_wall"] - trl["reward_start"], 1e-9), 3),
-              "bench_s": round(time.time() - began, 1)}
+              **{f"{n}_{k}": round(v, 4) for n, r in sides.items() for k, v in r.items()}}
+    for name, r in sides.items():
+        if name != "trl":
+            report.update({
+                f"samples_per_s_{name}_over_trl": round(r["samples_per_s"] / trl["samples_per_s"], 3),
+                f"reward_at_wall_{name}_over_trl": round(r["reward_at_wall"] / trl["reward_at_wall"], 3),
+                f"reward_gain_{name}_over_trl": round((r["reward_at_wall"] - r["reward_start"])
+                                                      / max(trl["reward_at_wall"] - trl["reward_start"], 1e-9), 3)})
+    report["bench_s"] = round(time.time() - began, 1)
     print(f"runs and reward curves (seconds from the start of training, batch reward) in {out}")
     print(json.dumps(report))
 

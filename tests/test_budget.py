@@ -167,3 +167,51 @@ def test_a_conversation_stays_where_its_kv_is_unless_that_server_is_full_or_down
     assert where == [0, 1, 1, 0]
     assert moved[1] == 0, "its first turn on server 1 reused nothing there"
     assert stayed[1] >= 12 + 5, "the turn that stayed reused its history's KV on server 1 (all but the last token)"
+
+
+def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path):
+    """Issue 22, item 6: a group's request streams each member as it finishes (embedded engine), and the
+    orchestrator's count of sequences in flight drops with it, so the budget lets new work in while the
+    group waits on its slowest member; the group still gets all n members, whole, at the end."""
+    import asyncio
+
+    from prl.backends.registry import make_backend
+    from prl.inference.protocol import GenerateRequest
+    from prl.metrics import EventLog
+    from prl.orchestrator.orchestrator import GroupSampler, Rollouts
+    from prl.orchestrator.servers import ServerPool
+
+    client = second_server
+    req = GenerateRequest(prompt_ids=[30, 32, 34], max_tokens=200, temperature=1.0, seed=3, stop_token_ids=[5, 6], n=4)
+
+    async def go():
+        backend = make_backend("embedded", str(client.base_url), client.headers["Authorization"].removeprefix("Bearer "))
+        order = []
+        alone = await backend.generate(req, on_member=order.append)
+        changed = asyncio.Condition()
+        pool = ServerPool([backend], EventLog(tmp_path / "m.jsonl", "test"), changed, hang_timeout_s=60)
+        await pool.start(60)
+        rollouts = Rollouts(changed, 4)
+        rollouts.pending = 1  # the group, started, before its first request
+        trace = []
+
+        async def watch():
+            async with changed:
+                while True:
+                    await changed.wait()
+                    trace.append(rollouts.active)
+
+        watcher = asyncio.create_task(watch())
+        resp = await GroupSampler(pool, 0, rollouts).generate(req)
+        await asyncio.sleep(0.1)  # the last notifications reach the watcher
+        watcher.cancel()
+        await backend.close()
+        return order, alone, resp, trace, rollouts.active
+
+    order, alone, resp, trace, left = asyncio.run(go())
+    lengths = [len(c.token_ids) for c in alone.completions]
+    assert sorted(order) == [0, 1, 2, 3] and len(set(lengths)) > 1, lengths
+    assert [lengths[i] for i in order] == sorted(lengths), "members were named in the order they finished"
+    assert [c.token_ids for c in resp.completions] == [c.token_ids for c in alone.completions], "same seeds, same members"
+    assert any(0 < a < 4 for a in trace), f"the count in flight dropped member by member: {trace}"
+    assert trace == sorted(trace, reverse=True) and left == 0

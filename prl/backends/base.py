@@ -113,20 +113,26 @@ class InferenceBackend(abc.ABC):
     @abc.abstractmethod
     def parse_generate(self, r: httpx.Response, req: GenerateRequest) -> GenerateResponse: ...
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+    async def generate(self, req: GenerateRequest,
+                       on_member: Callable[[int], None] | None = None) -> GenerateResponse:
         """One generation, within its deadline (`Pace`); past it the request is cancelled (its connection
-        closes: the server drops the generation) and `BackendError` names the server."""
+        closes: the server drops the generation) and `BackendError` names the server. `on_member(i)` is
+        called as member i finishes, where the backend streams them (`send_generate`)."""
         deadline, t0 = self.pace.deadline(req.max_tokens), time.monotonic()
         try:
             async with asyncio.timeout(deadline):
-                r = await self.post(self.generate_path, self.generate_body(req), repeatable=True,
-                                    timeout=httpx.Timeout(None, connect=10.0))
+                resp = await self.send_generate(req, on_member)
         except TimeoutError:
             raise BackendError(f"{self.base_url}{self.generate_path}: no answer within {deadline:.0f}s "
                                f"(max_tokens {req.max_tokens} at this server's measured pace); cancelled") from None
-        resp = self.parse_generate(self.check(r, self.generate_path), req)
         self.pace.record(time.monotonic() - t0, max((len(c.token_ids) for c in resp.completions), default=0))
         return resp
+
+    async def send_generate(self, req: GenerateRequest, on_member: Callable[[int], None] | None) -> GenerateResponse:
+        """The request and its parsed answer, all members at once (`on_member` is not called)."""
+        r = await self.post(self.generate_path, self.generate_body(req), repeatable=True,
+                            timeout=httpx.Timeout(None, connect=10.0))
+        return self.parse_generate(self.check(r, self.generate_path), req)
 
     @abc.abstractmethod
     async def load_weights(self, version: int) -> float:

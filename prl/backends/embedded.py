@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import httpx
+import asyncio
+import json
+from collections.abc import Callable
 
-from prl.backends.base import InferenceBackend, WeightsRejected
+import httpx
+import pydantic
+
+from prl.backends.base import BROKEN, NEVER_SENT, BackendError, InferenceBackend, MalformedResponse, WeightsRejected
 from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, PrefillResponse, UpdateWeightsResponse
 
 
@@ -17,6 +22,40 @@ class EmbeddedBackend(InferenceBackend):
 
     def parse_generate(self, r: httpx.Response, req: GenerateRequest) -> GenerateResponse:
         return GenerateResponse.model_validate_json(r.content)
+
+    async def send_generate(self, req: GenerateRequest, on_member: Callable[[int], None] | None) -> GenerateResponse:
+        """With `on_member`: the server streams a line as each member finishes, then the response. Sent
+        again, as `post` would, only while no member was heard of (the server drops what it was doing
+        for a connection that broke)."""
+        if on_member is None:
+            return await super().send_generate(req, None)
+        body = {**self.generate_body(req), "stream_members": True}
+        heard: list[int] = []  # a retry happens only while this is empty
+        for attempt in range(3):
+            try:
+                return await self._member_stream(body, lambda i: (heard.append(i), on_member(i)))
+            except httpx.TransportError as e:
+                if heard or attempt == 2 or not isinstance(e, NEVER_SENT + BROKEN):
+                    raise BackendError(f"{self.base_url}{self.generate_path}: {type(e).__name__}: {e}") from None
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _member_stream(self, body: dict, on_member: Callable[[int], None]) -> GenerateResponse:
+        async with self.http.stream("POST", self.generate_path, json=body, timeout=httpx.Timeout(None, connect=10.0)) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                self.check(r, self.generate_path)
+            async for line in r.aiter_lines():
+                try:
+                    msg = json.loads(line) if line else None
+                    if isinstance(msg, dict) and set(msg) == {"member"}:
+                        on_member(int(msg["member"]))
+                    elif msg is not None:
+                        return GenerateResponse.model_validate(msg)
+                except (ValueError, TypeError, pydantic.ValidationError) as e:
+                    raise MalformedResponse(f"{self.base_url}{self.generate_path}: bad member stream line "
+                                            f"{line[:200]!r}: {e}") from None
+        raise BackendError(f"{self.base_url}{self.generate_path}: the member stream ended without the response")
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResponse:
         """P/D: have this (prefill) server put the prompt's KV into the run's pool."""

@@ -27,6 +27,9 @@ class GenerateRequest(Msg):
     n: int = Field(1, gt=0, le=256)  # completions of the same prompt (a GRPO group in one request)
     return_routing: bool = False  # R3: experts chosen per input token and MoE layer
     routing_start: int = Field(0, ge=0)  # prompt positions the client already holds (multi-turn)
+    # answer as NDJSON: a `{"member": i}` line as each completion finishes, then the GenerateResponse
+    # (the embedded engine; a group's finished members free their places in the orchestrator's budget)
+    stream_members: bool = False
 
 
 class Routing(Msg):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
 from prl.inference.loop import EngineLoop
@@ -90,8 +90,8 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
     """prl's own API: token ids in, token ids with logprobs, versions and routing out; P/D prefill."""
     loop = s.loop
 
-    @app.post("/generate", dependencies=guarded)
-    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
+    @app.post("/generate", dependencies=guarded, response_model=GenerateResponse)
+    async def generate(req: GenerateRequest, request: Request):
         stops = s.eos if req.stop_token_ids is None else req.stop_token_ids
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), sd) for sd in seeds]
@@ -100,7 +100,10 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
         s.check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
         if any(t >= s.vocab for t in stops):
             raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {s.vocab}")
-        seqs = await _unless_disconnected(request, [loop.generate(_sequence(req.prompt_ids, p)) for p in params])
+        seqs = [_sequence(req.prompt_ids, p) for p in params]
+        if req.stream_members:
+            return StreamingResponse(_member_lines(loop, seqs, req), media_type="application/x-ndjson")
+        await _unless_disconnected(request, [loop.generate(seq) for seq in seqs])
         return _generate_response(seqs, req)
 
     @app.post("/prefill", dependencies=guarded)
@@ -246,6 +249,24 @@ async def _unless_disconnected(request: Request, coros: list) -> list:
             work.cancel()
             raise HTTPException(499, "client disconnected")
     return work.result()
+
+
+async def _member_lines(loop: EngineLoop, seqs: list[Sequence], req: GenerateRequest):
+    """`stream_members`: a line naming each member as it finishes, then the whole response. A client
+    that goes away closes this generator: its members still generating are cancelled (dropped by the
+    engine at its next step)."""
+    async def one(i: int) -> int:
+        await loop.generate(seqs[i])
+        return i
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(seqs))]
+    try:
+        for finished in asyncio.as_completed(tasks):
+            yield f'{{"member": {await finished}}}\n'
+        yield _generate_response(seqs, req).model_dump_json() + "\n"
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:

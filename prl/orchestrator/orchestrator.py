@@ -87,7 +87,9 @@ def turn_advantages(trajs) -> list[list[float]] | None:
 class GroupSampler:
     """The environment's handle to the inference pool, bound to one group: P/D prefill first (best
     effort), then the request on the group's server, re-issued elsewhere if that server goes down.
-    It counts the sequences its requests have out (`Rollouts`), which the in-flight budget limits."""
+    It counts the sequences its requests have out (`Rollouts`), which the in-flight budget limits; where
+    the backend streams members (the embedded engine), each member's place frees as it finishes, so a
+    group waiting on its slowest member holds only what it has still running."""
 
     def __init__(self, pool: ServerPool, index: int, rollouts: "Rollouts"):
         self.pool, self.index, self.rollouts = pool, index, rollouts
@@ -98,13 +100,27 @@ class GroupSampler:
         if not self.started:
             self.started = True
             self.rollouts.pending -= 1
+        out = req.n  # of this request's members, those counted in flight
         self.rollouts.active += req.n
+
+        def freed(member: int) -> None:  # a member finished (a streaming backend says so): its place frees
+            nonlocal out
+            out -= 1
+            self.rollouts.active -= 1
+            asyncio.ensure_future(self.rollouts.notify())
+
+        def attempt(backend: InferenceBackend):  # each (re-)issue counts every member in flight again
+            nonlocal out
+            self.rollouts.active += req.n - out
+            out = req.n
+            return backend.generate(req, on_member=freed)
+
         try:
             await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool
             home = self.homes.setdefault(id(conversation), Home())  # None: the group's one-turn request
-            return await self.pool.call(self.index, lambda backend: backend.generate(req), req.n, home)
+            return await self.pool.call(self.index, attempt, req.n, home)
         finally:
-            self.rollouts.active -= req.n
+            self.rollouts.active -= out
             await self.rollouts.notify()
 
 
