@@ -163,9 +163,11 @@ class EngineCore:
     @torch.no_grad()
     def warm_up(self) -> None:
         """Run a few greedy requests so that a compiled model compiles now, not on the first client's
-        request: a batched prefill, a single one, one after a reused prefix, decode steps of several
-        rows and of one (the compiler specialises size 1). Leaves no trace: no prefix-cache entry, no
-        counted token."""
+        request: a batched prefill, a single one, ones after a reused prefix (of one token and of more:
+        the compiler specialises size 1), decode steps of several rows and of one. Leaves no trace: no
+        prefix-cache entry, no counted token. Shapes it did not cover compile when first met (the
+        tiny GLM-5 model, whose DSA layers guard on more, recompiled for about 80 s in its first
+        minutes of serving, measured)."""
         if self.forward is self.model:
             return
         rng = self.rng.get_state()
@@ -178,6 +180,8 @@ class EngineCore:
         self.add(Sequence(first.prompt_ids + first.out_ids + [1], SamplingParams(temperature=0.0, max_tokens=2)))
         self._drain()
         self.add(Sequence([2, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)))
+        self._drain()
+        self.add(Sequence([2, 3, 3], SamplingParams(temperature=0.0, max_tokens=2)))  # a one-token prefix hit
         self._drain()
         self.prefix.clear()
         self.stats = EngineStats()

@@ -417,7 +417,7 @@ def serve(cfg, log) -> None:
     if inf.compile:
         t0 = time.perf_counter()
         core.warm_up()
-        print(f"{cfg.name}: decode steps compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{cfg.name}: forwards compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     def failed() -> None:  # the engine thread died: say why, then stop serving (the driver restarts us)
         log.emit("error", name=cfg.name, type="EngineFailure", line=str(loop.failed)[:300])
         os.kill(os.getpid(), signal.SIGTERM)
