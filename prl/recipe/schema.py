@@ -361,7 +361,7 @@ class InferenceCfg(Section):
     prefix_cache_entries: int = Field(256, ge=0)
     kv_capacity_tokens: int = Field(0, ge=0)  # embedded engine: KV token slots of the running batch (0: unbounded)
     # embedded engine: every forward through torch.compile (CPU: about 1.5x the tokens/s on the tiny
-    # models; the server compiles for a minute or so before it answers /health)
+    # Qwen3-MoE; the server compiles for a minute or so before it answers /health)
     compile: bool = False
     startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
     vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
@@ -416,7 +416,7 @@ class InferenceCfg(Section):
             raise ValueError(f"inference.{self.backend}.{k}: prl sets --{k.replace('_', '-')} itself (from "
                              f"{spec.owned_args[k.replace('-', '_')]}); remove it")
         if self.compile and self.backend != "embedded":
-            raise ValueError(f"inference.compile: compiles the embedded engine's decode steps; the {self.backend!r} "
+            raise ValueError(f"inference.compile: compiles the embedded engine's forwards; the {self.backend!r} "
                              f"backend compiles by its own options (inference.{self.backend})")
         if self.prefill_servers and not self.kv_pool.enabled:
             raise ValueError("inference.prefill_servers: prefill servers hand prompts to decode servers through the "
@@ -546,7 +546,7 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _replay_is_eager(self):
         if self.trainer.router_replay and self.inference.compile:
-            raise ValueError("trainer.router_replay captures the experts each decode step chose, which the embedded "
+            raise ValueError("trainer.router_replay captures the experts each forward chose, which the embedded "
                              "engine does only in eager forwards; set inference.compile = false")
         return self
 
