@@ -239,7 +239,10 @@ class EngineCore:
         return gone
 
     def _admit(self) -> list[Sequence]:
-        finished = []
+        """Prefill the requests joining this step (those computed from scratch in one forward where
+        they can share it), sample each one's first token in one draw, and add the rows that go on to
+        the batch in one copy."""
+        finished, started = [], []
         seqs = self._take_waiting()
         batched = self._prefill_batch(self._batchable(seqs))
         for seq in seqs:
@@ -248,14 +251,20 @@ class EngineCore:
             if seq.prefill_only:  # its KV went to the pool; a decode server continues it
                 seq.finish_reason = "prefill"
                 finished.append(seq)
-                continue
-            tokens, logprobs = self._sample(logits[None], [seq])
-            self._emit(seq, tokens[0], logprobs[0])
+            else:
+                started.append((seq, cache, logits))
+        if not started:
+            return finished
+        tokens, logprobs = self._sample(torch.stack([lg for _, _, lg in started]), [s for s, _, _ in started])
+        joining = []
+        for (seq, cache, _), tok, lp in zip(started, tokens, logprobs):
+            self._emit(seq, tok, lp)
             if seq.finish_reason:
                 finished.append(seq)
             else:
-                self.batch.add(cache, seq.length)
+                joining.append((cache, seq.length))
                 self.running.append(seq)
+        self.batch.add_rows(joining)  # the batch's rows stay in `running`'s order
         return finished
 
     def _take_waiting(self) -> list[Sequence]:

@@ -55,19 +55,27 @@ class BatchCache:
 
     def add(self, cache, length: int) -> None:
         """Append one row: `cache` holds a single request's prompt (batch 1, `length` tokens)."""
-        if self.cache is None:
-            self.cache = cache
-            self.mask = torch.ones(1, length, dtype=torch.bool)
+        self.add_rows([(cache, length)])
+
+    def add_rows(self, rows: list[tuple[object, int]]) -> None:
+        """Append rows in order, each a batch-1 cache of its request's `length` tokens: every tensor
+        is widened and concatenated once for all of them (one copy of the batch, not one per row)."""
+        if not rows:
             return
-        width = max(self.width, length)
-        self._widen(self.cache, self.width, width)
-        self._widen(cache, length, width)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            for attr, _ in layer_tensors(mine):
-                setattr(mine, attr, torch.cat([getattr(mine, attr), getattr(theirs, attr)], dim=0))
-        row = torch.zeros(1, width, dtype=torch.bool)
-        row[0, width - length :] = True
-        self.mask = torch.cat([_pad_left(self.mask, 1, width - self.width), row], dim=0)
+        width = max([self.width, *(n for _, n in rows)])
+        parts = [] if self.cache is None else [(self.cache, self.width)]
+        parts += rows
+        for cache, n in parts:
+            self._widen(cache, n, width)
+        target = parts[0][0]
+        for i, layer in enumerate(target.layers):
+            for attr, _ in layer_tensors(layer):
+                setattr(layer, attr, torch.cat([getattr(c.layers[i], attr) for c, _ in parts], dim=0))
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (_, n) in enumerate(rows):
+            mask[r, width - n:] = True
+        old = [] if self.mask is None else [_pad_left(self.mask, 1, width - self.width)]
+        self.cache, self.mask = target, torch.cat([*old, mask], dim=0)
 
     def _widen(self, cache, old: int, new: int) -> None:
         for layer in cache.layers:

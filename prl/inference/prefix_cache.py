@@ -11,10 +11,13 @@ computes only the rest.
   experts of those tokens (R3, so a reused prefix's routing comes back as a fresh prefill's would),
   and the next-token logits at prompt boundaries (an exact repeat, a GRPO group's next member,
   computes nothing).
-- Lookup: keys chained over `BLOCK`-token blocks from a root that is the weights version (the salt:
-  another version's chain never meets this one's, and each entry's version is checked too). The
-  deepest block key the prompt reaches names the candidates; each is extended token by token and
-  the best one's tokens are compared in full (a hash collision is a miss, never a wrong reuse).
+- Lookup: keys chained over the prefixes of lengths `LEVELS` (1, 2, 4, 8, then every `BLOCK`-token
+  block) from a root that is the weights version (the salt: another version's chain never meets this
+  one's, and each entry's version is checked too). The deepest key the prompt reaches names the
+  candidates, the entries sharing at least that prefix, so the best is among them; each is extended
+  token by token and the best one's tokens are compared in full (a hash collision is a miss, never a
+  wrong reuse). The short levels keep a lookup of a short prompt (a GRPO group's, under one block)
+  from scanning every entry of the version.
 - An entry whose tokens a newer entry extends (the turn-k sequence, once turn k+1's prompt reused
   all of it) is replaced, so a conversation holds one entry, not one per turn.
 - Eviction: least recently used, past `max_entries` entries or `max_tokens` held tokens.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK = 16  # tokens per hashed block: lookups walk len/BLOCK keys, then compare < BLOCK tokens per candidate
+SHORT_LEVELS = (1, 2, 4, 8)  # prefix lengths keyed below the first block
 KEEP_LOGITS = 4  # prompt boundaries whose logits an entry keeps (the newest)
 
 
@@ -53,12 +57,19 @@ class Hit:
 
 
 def chain_keys(version: int, ids: tuple[int, ...]):
-    """The root key (the version), then one key per full block, each chained over all before it."""
-    h = hash(("prl-prefix", version))
-    yield h
-    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-        h = hash((h, ids[start : start + BLOCK]))
-        yield h
+    """(prefix length, key) pairs: the root (0, the version), then one key per level the ids reach, the
+    short levels and then every full block, each chained over all before it."""
+    h, done = hash(("prl-prefix", version)), 0
+    yield 0, h
+    for n in levels(len(ids)):
+        h, done = hash((h, ids[done:n])), n
+        yield n, h
+
+
+def levels(n: int):
+    """The prefix lengths keyed for `n` tokens: the short levels, then multiples of BLOCK."""
+    yield from (k for k in SHORT_LEVELS if k <= n)
+    yield from range(BLOCK, n + 1, BLOCK)
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...], start: int = 0) -> int:
@@ -91,15 +102,14 @@ class PrefixCache:
     def lookup(self, version: int, ids: tuple[int, ...]) -> Hit | None:
         """The entry of `version` sharing the longest prefix with `ids`, leaving at least the last
         token to compute unless the entry knows the logits after all of `ids`."""
-        found, reached = None, 0
-        for level, key in enumerate(chain_keys(version, ids)):
+        found, start = None, 0
+        for length, key in chain_keys(version, ids):
             bucket = self.index.get(key)
             if not bucket:
                 break
-            found, reached = bucket, level
+            found, start = bucket, length  # every candidate shares these tokens (checked below for the best)
         if not found:
             return None
-        start = reached * BLOCK  # every candidate shares these tokens (checked below for the best)
         best = max((self._usable(e, ids, start) for e in reversed(found.values()) if e.version == version),
                    key=lambda hit: hit.tokens, default=None)
         if best is None or best.tokens == 0 or best.entry.ids[:start] != ids[:start]:
@@ -131,7 +141,7 @@ class PrefixCache:
             return same
         entry = Entry(version, ids, cache, routing, pooled=pooled)
         self._add_logits(entry, logits)
-        entry.keys = list(chain_keys(version, ids))
+        entry.keys = [key for _, key in chain_keys(version, ids)]
         for key in entry.keys:
             self.index.setdefault(key, {})[entry.id] = entry
         self.entries[entry.id] = entry
@@ -140,7 +150,7 @@ class PrefixCache:
         return entry if entry in self else None
 
     def _same(self, version: int, ids: tuple[int, ...]) -> Entry | None:
-        *_, last = chain_keys(version, ids)
+        *_, (_, last) = chain_keys(version, ids)
         for e in (self.index.get(last) or {}).values():
             if e.version == version and e.ids == ids:
                 return e
