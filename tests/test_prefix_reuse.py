@@ -154,6 +154,41 @@ def test_matches_are_per_token_and_a_hash_collision_is_a_miss(monkeypatch):
     assert colliding.lookup(0, tuple(range(2 * BLOCK + 5))) is None
 
 
+def test_a_short_prompt_finds_its_longest_sharer_among_many():
+    """Prompts under one block (a GRPO group's) reach the short levels' keys: among 60 entries that
+    share 1 to 9 leading tokens with it, the lookup gives the longest sharer, and a prompt sharing
+    nothing misses."""
+    cache = PrefixCache(max_entries=100)
+    prompt = tuple(range(1, 11))
+    for i in range(60):
+        shared = 1 + i % 9
+        cache.insert(0, prompt[:shared] + (50 + i, 51 + i), cache=None, routing=None)
+    hit = cache.lookup(0, prompt)
+    assert hit.tokens == 9 and hit.entry.ids[:9] == prompt[:9]
+    assert cache.lookup(0, (99, 98, 97)) is None
+
+
+def test_rows_added_together_equal_rows_added_one_by_one(model):
+    """`BatchCache.add_rows` (one copy for all joining rows) builds the cache and mask that adding each
+    row alone builds."""
+    from prl.inference.kvcache import BatchCache, layer_tensors
+
+    caches = []
+    with torch.no_grad():
+        for n in (5, 9, 3):
+            out = model(input_ids=torch.arange(4, 4 + n)[None], use_cache=True)
+            caches.append((out.past_key_values, n))
+    one, together = BatchCache(), BatchCache()
+    for c, n in caches:
+        one.add(copy.deepcopy(c), n)
+    together.add(copy.deepcopy(caches[0][0]), caches[0][1])
+    together.add_rows([(copy.deepcopy(c), n) for c, n in caches[1:]])
+    assert torch.equal(one.mask, together.mask)
+    for a, b in zip(one.cache.layers, together.cache.layers):
+        for attr, _ in layer_tensors(a):
+            assert torch.equal(getattr(a, attr), getattr(b, attr))
+
+
 class MemoryStore:
     """The calls `KvPool` makes on a Mooncake store, over a dict (no master needed)."""
 
