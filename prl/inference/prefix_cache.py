@@ -11,8 +11,8 @@ computes only the rest.
   experts of those tokens (R3, so a reused prefix's routing comes back as a fresh prefill's would),
   and the next-token logits at prompt boundaries (an exact repeat, a GRPO group's next member,
   computes nothing).
-- Lookup: keys chained over the prefixes of lengths `LEVELS` (1, 2, 4, 8, then every `BLOCK`-token
-  block) from a root that is the weights version (the salt: another version's chain never meets this
+- Lookup: keys chained over the prefixes of lengths `SHORT_LEVELS` (1, 2, 4, 8), then every `BLOCK`-token
+  block, from a root that is the weights version (the salt: another version's chain never meets this
   one's, and each entry's version is checked too). The deepest key the prompt reaches names the
   candidates, the entries sharing at least that prefix, so the best is among them; each is extended
   token by token and the best one's tokens are compared in full (a hash collision is a miss, never a
