@@ -180,8 +180,8 @@ def test_rows_added_together_equal_rows_added_one_by_one(model):
             caches.append((out.past_key_values, n))
     one, together = BatchCache(), BatchCache()
     for c, n in caches:
-        one.add(copy.deepcopy(c), n)
-    together.add(copy.deepcopy(caches[0][0]), caches[0][1])
+        one.add_rows([(copy.deepcopy(c), n)])
+    together.add_rows([(copy.deepcopy(caches[0][0]), caches[0][1])])
     together.add_rows([(copy.deepcopy(c), n) for c, n in caches[1:]])
     assert torch.equal(one.mask, together.mask)
     for a, b in zip(one.cache.layers, together.cache.layers):

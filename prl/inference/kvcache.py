@@ -53,10 +53,6 @@ class BatchCache:
     def width(self) -> int:
         return 0 if self.mask is None else self.mask.shape[1]
 
-    def add(self, cache, length: int) -> None:
-        """Append one row: `cache` holds a single request's prompt (batch 1, `length` tokens)."""
-        self.add_rows([(cache, length)])
-
     def add_rows(self, rows: list[tuple[object, int]]) -> None:
         """Append rows in order, each a batch-1 cache of its request's `length` tokens: every tensor
         is widened and concatenated once for all of them (one copy of the batch, not one per row)."""
