@@ -8,7 +8,12 @@ requests at once over HTTP (`/inference/v1/generate`, as prl's orchestrator send
 `max_num_seqs` = the batch size. vLLM's worker computes on one core (it keeps the other for its API
 server); the embedded engine and `generate` run one thread.
 
-    .venv/bin/python bench/engine_throughput.py [--requests 96] [--batch 32] [--repeats 2] [--no-vllm]
+Then the same requests on reverse-tiny's GLM-5 model (MLA with a DSA indexer; vLLM's CPU build does
+not serve it), embedded engine against `generate` only: there the engine's decode steps attend in
+MLA's latent space (`prl.model.mla`) while transformers' forward, which `generate` runs, expands the
+whole cache into per-head keys and values at every step (`glm5_*` in the JSON line).
+
+    .venv/bin/python bench/engine_throughput.py [--requests 96] [--batch 32] [--repeats 2] [--no-vllm] [--no-glm5]
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return reqs
 
 
-def run_engine(model, reqs, batch: int, compiled: bool = False) -> float:
-    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0, compiled=compiled)
+def run_engine(model, reqs, batch: int, compiled: bool = False, latent: bool = True) -> float:
+    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0, compiled=compiled, latent_decode=latent)
     t0 = time.perf_counter()
     for prompt, n in reqs:
         core.add(Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=())))
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="leave out the engine with compiled decode steps")
+    ap.add_argument("--no-glm5", action="store_true", help="leave out the GLM-5 model's engine and generate")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe"), Path(tempfile.mkdtemp()) / "model")).eval()
@@ -166,8 +172,36 @@ def main() -> None:
                     compiled_over_engine=round(c / e, 3), compile_s=round(compile_s, 1))
     if vll:
         line.update(vllm_tokens_s=round(v), vllm_over_generate=round(v / g, 3), vllm_over_engine=round(v / e, 3))
+    if not args.no_glm5:
+        line.update(glm5(reqs, args.batch, args.repeats))
     print(json.dumps(line))
 
+
+def glm5(reqs, batch: int, repeats: int) -> dict:
+    """The embedded engine against `generate` on reverse-tiny's GLM-5 model, same requests; and the
+    engine without its latent decode, on a copy of the weights the swap never touched (`generate`
+    runs that copy: transformers' forward as it ships)."""
+    import copy
+
+    from prl.recipe.load import load_recipe
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes/reverse-tiny.toml").model
+    model = build_model(write_model_dir(cfg, Path(tempfile.mkdtemp()) / "glm5")).eval()
+    plain = copy.deepcopy(model)
+    useful = sum(n for _, n in reqs)
+    run_engine(model, reqs[:4], batch)
+    run_engine(plain, reqs[:4], batch, latent=False)
+    run_generate(plain, reqs[:4], batch)
+    eng, exp, gen = [], [], []
+    for _ in range(repeats):
+        eng.append(run_engine(model, reqs, batch))
+        exp.append(run_engine(plain, reqs, batch, latent=False))
+        gen.append(run_generate(plain, reqs, batch))
+    e, x, g = useful / min(eng), useful / min(exp), useful / min(gen)
+    print(f"GLM-5 (reverse-tiny's model): embedded engine {e:8.0f} tokens/s, without latent decode {x:8.0f}, "
+          f"model.generate {g:8.0f}: {e / g:.2f}x")
+    return {"glm5_engine_tokens_s": round(e), "glm5_expanded_engine_tokens_s": round(x), "glm5_generate_tokens_s": round(g),
+            "glm5_engine_over_generate": round(e / g, 3), "glm5_latent_over_expanded": round(e / x, 3)}
 
 if __name__ == "__main__":
     main()

@@ -191,3 +191,35 @@ def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
     for a, b in zip(eager, compiled):
         assert b.out_ids == a.out_ids and b.versions == a.versions
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+def test_latent_decode_equals_the_expanded_attention(tmp_path):
+    """GLM-5's MLA decode in the latent space (`prl.model.mla`, what the engine installs) against
+    transformers' forward that expands the cache into per-head keys and values: same logits over a
+    left-padded batch, a DSA indexer keeping 4 of up to 16 keys, and 6 decode steps on the cache."""
+    from prl.model import mla
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(arch="glm_moe_dsa", num_layers=2, index_topk=4), tmp_path / "m"), seed=0)
+    ids = torch.randint(3, 30, (3, 10), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(3, 10, dtype=torch.long)
+    pad[1, :4] = 0  # row 1: 4 padded slots on the left
+
+    @torch.no_grad()
+    def decode():
+        out = model(input_ids=ids, attention_mask=pad, use_cache=True)
+        cache, mask, logits = out.past_key_values, pad, []
+        for i in range(6):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            out = model(input_ids=ids[:, i:i + 1], attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
+                        use_cache=True, past_key_values=cache)
+            logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    expanded = decode()
+    assert mla.install(model) == 2 and mla.install(model) == 2  # one per layer; twice is a no-op
+    attn = model.model.layers[0].self_attn
+    assert mla.latent_is_cheaper(attn, 1, 16) and not mla.latent_is_cheaper(attn, 4096, 4096)
+    torch.testing.assert_close(decode(), expanded, atol=2e-5, rtol=0)

@@ -31,6 +31,7 @@ import torch
 from prl.inference.kv_pool import fill_cache
 from prl.inference.kvcache import BatchCache, cache_row, clone_cache, narrow_cache
 from prl.inference.prefix_cache import Entry, Hit, PrefixCache
+from prl.model import mla
 from prl.model.weights import nonfinite_names
 
 
@@ -92,8 +93,10 @@ class EngineStats:
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
                  capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None,
-                 kv_capacity_tokens: int = 0, compiled: bool = False):
+                 kv_capacity_tokens: int = 0, compiled: bool = False, latent_decode: bool = True):
         self.model = model.eval()
+        if latent_decode:  # MLA (GLM-5): decode steps attend in the latent space, nothing re-expanded
+            mla.install(model)
         # every forward through torch.compile (shapes change with the batch, the prompt and the KV width:
         # compiled with dynamic shapes). Parameters are graph inputs, so weights copied in by a load
         # take effect at the next step as they do eagerly.

@@ -36,6 +36,7 @@ class FamilySpec:
     expert_classes: tuple[str, ...]  # stacked routed experts: expert parallelism, FP8 expert GEMMs
     attention_class: str | None = None  # the context-parallel adapter's target, `prl.trainer.context_parallel`
     indexer_class: str | None = None  # the DSA indexer (sparse attention), swapped for the stable top-k
+    latent_decode: bool = False  # attention_class is MLA: the engine decodes in its latent space, `prl.model.mla`
     # the Hugging Face name map prl applies itself (sharded loading: stacked experts from per-expert
     # tensors); publishing in checkpoint names uses transformers' own reverse conversion
     stacked_experts: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(STACKED_EXPERTS))
@@ -61,7 +62,8 @@ class FamilySpec:
 
 FAMILIES = {s.model_type: s for s in (
     FamilySpec("glm_moe_dsa", "GlmMoeDsaTopkRouter", "sigmoid", ("GlmMoeDsaExperts",),
-               attention_class="GlmMoeDsaAttention", indexer_class="GlmMoeDsaIndexer", tiny=True),
+               attention_class="GlmMoeDsaAttention", indexer_class="GlmMoeDsaIndexer", latent_decode=True,
+               tiny=True),
     FamilySpec("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", ("DeepseekV3NaiveMoe", "DeepseekV3Experts")),
     FamilySpec("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", ("Qwen3MoeExperts",), tiny=True),
 )}
