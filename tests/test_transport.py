@@ -116,6 +116,7 @@ def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
     def publish_later():
         polling.wait(60)
         write_weights(root / "v2", {k: v + 1 for k, v in state.items()}, {"version": 2})
+        endpoint.sealed()  # as the trainer does after sealing a version
 
     async def poll():
         client = TrainerClient(url(endpoint), SECRET)

@@ -268,6 +268,8 @@ class Trainer:
         publish(self.model, self.sink, version, self.fp8_names,
                 hf_format=self.cfg.publish_format == "hf", whole=self.whole_version(version))
         self.published_here = True
+        if self.endpoint:
+            self.endpoint.sealed()  # wakes the orchestrator's long poll for new weights
         sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
         if sent is not None:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
