@@ -171,8 +171,9 @@ def test_a_conversation_stays_where_its_kv_is_unless_that_server_is_full_or_down
 
 def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path):
     """Issue 22, item 6: a group's request streams each member as it finishes (embedded engine), and the
-    orchestrator's count of sequences in flight drops with it, so the budget lets new work in while the
-    group waits on its slowest member; the group still gets all n members, whole, at the end."""
+    orchestrator's count of sequences in flight drops with it, and so does the server's own count (its
+    in-flight limit), so the budget lets new work in while the group waits on its slowest member; the
+    group still gets all n members, whole, at the end."""
     import asyncio
 
     from prl.backends.registry import make_backend
@@ -199,19 +200,21 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
             async with changed:
                 while True:
                     await changed.wait()
-                    trace.append(rollouts.active)
+                    trace.append((rollouts.active, pool.servers[0].active))
 
         watcher = asyncio.create_task(watch())
         resp = await GroupSampler(pool, 0, rollouts).generate(req)
         await asyncio.sleep(0.1)  # the last notifications reach the watcher
         watcher.cancel()
         await backend.close()
-        return order, alone, resp, trace, rollouts.active
+        return order, alone, resp, trace, (rollouts.active, pool.servers[0].active)
 
     order, alone, resp, trace, left = asyncio.run(go())
     lengths = [len(c.token_ids) for c in alone.completions]
     assert sorted(order) == [0, 1, 2, 3] and len(set(lengths)) > 1, lengths
     assert [lengths[i] for i in order] == sorted(lengths), "members were named in the order they finished"
     assert [c.token_ids for c in resp.completions] == [c.token_ids for c in alone.completions], "same seeds, same members"
-    assert any(0 < a < 4 for a in trace), f"the count in flight dropped member by member: {trace}"
-    assert trace == sorted(trace, reverse=True) and left == 0
+    # the run's count and the server's (what its in-flight limit is checked against) drop together
+    assert any(0 < a < 4 for a, _ in trace), f"the count in flight dropped member by member: {trace}"
+    assert all(a == b for a, b in trace), f"the server's count followed the run's: {trace}"
+    assert trace == sorted(trace, reverse=True) and left == (0, 0)

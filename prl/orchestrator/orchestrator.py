@@ -18,6 +18,7 @@ import asyncio
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 from prl.envs import make_env
 from prl.envs.stats import summarize
@@ -109,11 +110,11 @@ class GroupSampler:
             self.rollouts.active -= 1
             asyncio.ensure_future(self.rollouts.notify())
 
-        def attempt(backend: InferenceBackend):  # each (re-)issue counts every member in flight again
-            nonlocal out
+        def attempt(backend: InferenceBackend, release: Callable[[], None]):
+            nonlocal out  # each (re-)issue counts every member in flight again
             self.rollouts.active += req.n - out
             out = req.n
-            return backend.generate(req, on_member=freed)
+            return backend.generate(req, on_member=lambda member: (release(), freed(member)))
 
         try:
             await self.pool.prefill(self.index, req.prompt_ids)  # P/D: the prompt's KV into the pool

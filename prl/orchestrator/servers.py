@@ -43,6 +43,20 @@ class Server:
         return task
 
 
+class Held:
+    """The sequences one request has out on a server (`Server.active`), released member by member
+    as a streaming backend reports each finished, and the rest when the request ends."""
+
+    def __init__(self, server: Server, n: int):
+        self.server, self.n = server, n
+        server.active += n
+
+    def release(self, k: int = 1) -> None:
+        k = min(k, self.n)
+        self.n -= k
+        self.server.active -= k
+
+
 class Home:
     """Where a group's conversation last ran, so its KV is there: its next turn goes there too."""
 
@@ -100,7 +114,10 @@ class ServerPool:
         own = home if home is not None else kind[index % len(kind)]
         if own.up and self.room(own, n):
             return own
-        return min((s for s in kind if s.up), key=lambda s: (not self.room(s, n), s.active, len(s.calls)))
+        chosen = min((s for s in kind if s.up), key=lambda s: (not self.room(s, n), s.active, len(s.calls)))
+        if home is not None and not home.up:  # a fault moves the conversation (a full server: not logged)
+            self.log.emit("moved", group=index, name=home.name, to=chosen.name)
+        return chosen
 
     async def prefill(self, index: int, prompt_ids: list[int]) -> None:
         """P/D: have a prefill server put the prompt's KV into the pool, where the decode server
@@ -128,21 +145,24 @@ class ServerPool:
                 await self.mark_down(server, f"{PREFILL_TIMEOUTS} prefills in a row unanswered", hung=True)
 
     # ---- requests ----
-    async def call(self, index: int, make: Callable[[InferenceBackend], Awaitable], n: int = 1,
+    async def call(self, index: int, make: Callable[[InferenceBackend, Callable[[], None]], Awaitable], n: int = 1,
                    home: Home | None = None):
         """Run one request (n sequences) for group `index` on a server that is up (`pick`), re-issuing
-        it on another server when the one it ran on went down under it; `home` learns where it ran."""
+        it on another server when the one it ran on went down under it; `home` learns where it ran.
+        `make(backend, release)` issues it; `release()` frees one finished member's place on the server."""
         for _ in range(MAX_ATTEMPTS):
             server = await self.pick(index, home.server if home is not None else None, n)
-            server.active += n
-            task = server.track(make(server.backend))
+            held = Held(server, n)
+            task = server.track(make(server.backend, held.release))
             try:
                 await asyncio.wait({task})
             finally:
                 task.cancel()  # the group itself was cancelled (the run stops)
-                server.active -= n
-            if task.cancelled():
-                continue  # its server went down: re-issue
+                held.release(held.n)
+            if task.cancelled():  # its server went down: re-issue (a later turn: the conversation moves)
+                self.log.emit("reissued", group=index, name=server.name,
+                              later_turn=home is not None and home.server is not None)
+                continue
             error = task.exception()
             if error is None:
                 if home is not None:
