@@ -6,8 +6,8 @@ and values: a decode step then costs cached tokens x rank x heads x (nope + v) m
 row, every step again. Here the query is taken into the latent space instead (q . W_UK c =
 (W_UK^T q) . c), scores the cached latents and rope keys directly, and the weighted sum of latents
 is taken back out per head (W_UV): per cached token, heads x (2 rank + rope) per query, nothing
-expanded. On reverse-tiny's model a [128, 1] decode step is mostly that expansion (measured in
-`bench/engine_throughput.py`'s GLM-5 rows).
+expanded. On reverse-tiny's model a [128, 1] decode step over about 35 cached tokens took 18.4 ms
+expanded and 10.9 ms here (timed by hand; `bench/engine_throughput.py`'s GLM-5 rows compare runs).
 
 `install(model)` swaps the family spec's `attention_class` (when the spec sets `latent_decode`) for
 a subclass whose forward takes this path when a cache is present and it costs less than the
