@@ -147,7 +147,7 @@ def test_a_conversation_stays_where_its_kv_is_unless_that_server_is_full_or_down
             return [b - a for a, b in zip(hits, now)]
 
         await turn()
-        filler = asyncio.create_task(pool.call(2, lambda b: b.generate(GenerateRequest(  # group 2: server 0 too
+        filler = asyncio.create_task(pool.call(2, lambda b, release: b.generate(GenerateRequest(  # group 2: server 0
             prompt_ids=[11, 12], max_tokens=400, temperature=1.0, stop_token_ids=[], n=8)), n=8))
         while pool.servers[0].active < 8:  # the filler's 8 sequences are out on server 0
             assert not filler.done(), filler.exception()
