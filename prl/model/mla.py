@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from prl.model import families
+from prl.model.dsa import rotate_interleaved
 
 
 def latent_is_cheaper(attn, queries: int, keys: int) -> bool:
@@ -36,14 +37,21 @@ def latent_is_cheaper(attn, queries: int, keys: int) -> bool:
     return latent < expand
 
 
+def absorbed_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_b_proj`'s two halves per head: W_UK [heads, nope, rank] (a query's no-position part into the
+    latent space) and W_UV [heads, v, rank] (a weighted sum of latents back out)."""
+    nope = attn.qk_nope_head_dim
+    w = attn.kv_b_proj.weight.view(attn.num_heads, nope + attn.v_head_dim, attn.kv_lora_rank)
+    return w[:, :nope], w[:, nope:]
+
+
 def attend_latent(attn, q_pass, q_rot, latent, k_rot, mask) -> torch.Tensor:
     """[B, S, heads x v]: softmax(q . k + mask) v computed in the latent space. q_pass [B, H, S, nope],
     q_rot [B, H, S, rope] (rotated), latent [B, 1, T, rank], k_rot [B, 1, T, rope] (rotated),
     mask: [B, 1, S, T] bool (True: attend) or additive float, or None."""
     B, H, S, nope = q_pass.shape
     rank, T = attn.kv_lora_rank, latent.shape[2]
-    w = attn.kv_b_proj.weight.view(H, nope + attn.v_head_dim, rank)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    w_uk, w_uv = absorbed_weights(attn)
     # batched products with no broadcast operand (a broadcast matmul copies its operands per batch row):
     # per head over every query for the projections, per row over all heads' queries for the scores
     q_lat = torch.bmm(q_pass.transpose(0, 1).reshape(H, B * S, nope), w_uk)  # [H, B S, rank]
@@ -69,15 +77,14 @@ class LatentDecodeAttention:
         if past_key_values is None or not latent_is_cheaper(self, S, cached + S):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                    position_ids, prev_topk_indices, **kwargs)
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(kv_pass).view(B, 1, S, self.kv_lora_rank)
         cos, sin = position_embeddings
-        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin)
+        q_rot = rotate_interleaved(q_rot, cos, sin, 1)
+        k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1)
         latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
         if self.indexer is not None:
             topk = self.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids,

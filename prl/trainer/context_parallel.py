@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
+from prl.model.mla import absorbed_weights
 from prl.transport.batch import MicroBatch, cp_multiple, pad_row, sample_ids, shard_positions, shard_sequence
 
 
@@ -160,9 +161,7 @@ def attend_sparse(attn, q_pass, q_rot, latent, k_rot, topk, allowed, blocks) -> 
     per-head keys or values exist: memory grows with top-k, not the context. `latent` [T, kv_lora_rank]
     and `k_rot` [T, rope] are every key's; picks a query may not see (fewer allowed keys than top-k)
     get zero weight. Equal to every key scored with the others masked (`tests/test_cp_zigzag.py`)."""
-    H, nope = attn.num_heads, attn.qk_nope_head_dim
-    w = attn.kv_b_proj.weight.view(H, nope + attn.v_head_dim, attn.kv_lora_rank)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    w_uk, w_uv = absorbed_weights(attn)
     q_lat = torch.einsum("hsn,hnl->hsl", q_pass[0], w_uk)  # [H, S, rank]
     outs = []
     for a, b, _keys in blocks:
