@@ -188,3 +188,41 @@ def test_sparse_dsa_selection_agrees_between_engine_and_packed_trainer(tmp_path)
     top = index_scores(attn.indexer, q, k, w)[0].masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True).values
     ties = (top[:, 1] == top[:, 2]) & (allowed.sum(1) > 2)
     assert ties.any(), "the indexer's scores tie at the top-k boundary among allowed keys (the case being tested)"
+
+
+def test_indexer_keeps_every_key_unscored_while_topk_covers_them(tmp_path):
+    """GLM-5 tiny model with index_topk 8: a prefill of 5 tokens, then decode steps one token at a time
+    past 8 keys. While the top-k covers every key prl's indexer returns them all without scoring (and
+    still fills its cache); past it, it scores the cached keys. Every step's logits equal an indexer
+    that always scores (the same stable top-k) on the same cache, and a no-cache forward of the row."""
+    from transformers import DynamicCache
+
+    from prl.model import dsa
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    class AlwaysScored:
+        def forward(self, hidden, q_resid, position_embeddings, attention_mask, position_ids=None, past_key_values=None):
+            q, k, w = dsa.indexer_parts(self, hidden, q_resid, *position_embeddings)
+            k = past_key_values.update_indexer(k, self.layer_idx)
+            scores = dsa.index_scores(self, q, k, w) + attention_mask
+            return dsa.stable_topk(scores, min(self.index_topk, k.shape[1])).to(torch.int32)
+
+    ours = build_model(write_model_dir(ModelCfg(index_topk=8), tmp_path / "m"), seed=5).eval()
+    theirs = copy.deepcopy(ours)
+    for m in theirs.modules():
+        if isinstance(m, dsa.StableIndexer):
+            m.__class__ = type("AlwaysScored", (AlwaysScored, type(m)), {})
+    ids = torch.tensor([[5, 9, 14, 7, 22, 8, 30, 11, 6, 19, 12, 25]])
+    caches = [DynamicCache(config=ours.config), DynamicCache(config=theirs.config)]
+    with torch.no_grad():
+        steps = [(0, 5)] + [(t, t + 1) for t in range(5, ids.shape[1])]
+        for a, b in steps:
+            pos = torch.arange(a, b)[None]
+            got, want = (m(input_ids=ids[:, a:b], position_ids=pos, past_key_values=c, use_cache=True).logits
+                         for m, c in zip((ours, theirs), caches))
+            assert torch.allclose(got, want, atol=1e-5), f"tokens {a}..{b}: prl's indexer differs from scoring every key"
+        whole = ours(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(got[:, -1], whole[:, -1], atol=1e-5)
+    assert caches[0].layers[0].indexer_keys.shape[1] == ids.shape[1]  # every step's keys went into the cache
