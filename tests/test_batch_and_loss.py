@@ -7,7 +7,7 @@ from prl.orchestrator.buffer import Group, GroupBuffer
 from prl.orchestrator.orchestrator import group_advantages
 from prl.recipe.schema import LossCfg
 from prl.trainer.loss import mismatch_stats, rl_loss, token_logprobs
-from prl.transport.batch import Sample, pack, rows_by_sample
+from prl.transport.batch import Sample, first_fit, pack, rows_by_sample
 
 
 def make_samples(n=7):
@@ -55,13 +55,17 @@ def test_packed_forward_equals_separate(tiny_model):
 
 
 def test_rows_by_sample_gives_every_token_the_packed_rows_logprob(tiny_model):
-    """The trainer runs a row of short samples as [rows, longest sample]: the same loss tokens with the
-    same logprobs as the packed row, padding without loss."""
+    """The trainer runs a row of short samples as [rows, width] (first-fit rows at least as wide as the
+    longest sample, several samples to a row where they fit): the same loss tokens with the same
+    logprobs as the packed row, padding without loss, and no more padding than rows of the longest."""
     samples = make_samples(7)
     [[mb]] = pack(samples, 1, 4096)
-    flat, width = rows_by_sample(mb)
-    longest = max(s.num_tokens for s in samples)
-    assert width == longest and flat.input_ids.numel() % width == 0 and flat.input_ids.numel() <= 7 * longest
+    lengths = [s.num_tokens for s in samples]
+    longest = max(lengths)
+    assert rows_by_sample(mb)[1] == longest  # without the hidden size: rows of the longest sample
+    flat, width = rows_by_sample(mb, hidden_size=tiny_model.config.hidden_size)
+    assert width > longest and flat.input_ids.numel() % width == 0  # wider: rows hold several samples (the case tested)
+    assert flat.input_ids.numel() <= len(first_fit(lengths, longest)) * longest
     assert flat.loss_tokens == mb.loss_tokens
     with torch.no_grad():
         packed = token_logprobs(tiny_model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],

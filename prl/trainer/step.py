@@ -6,8 +6,9 @@ whole step across all ranks (FSDP then averages gradients over ranks, hence the 
 `ParallelDims.grad_divisor`);
 logprobs come from the chunked head (`prl.trainer.head`), never from full logits; with R3 the
 micro-batch's routing is replayed; without context parallelism a packed row of short samples runs
-as a `[rows, longest sample]` batch (`prl.transport.batch.rows_by_sample`), so attention and the
-DSA indexer cost each sample's square, not the whole row's.
+as a `[rows, width]` batch of first-fit rows a little wider than the longest sample
+(`prl.transport.batch.rows_by_sample`, `row_width`), so attention and the DSA indexer cost about each
+sample's square, not the whole row's.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     totals: dict[str, torch.Tensor] = {}
     for mb, segments, positions in rows:
         tokens = mb.input_ids.numel()
-        # without CP, a row of short samples runs as [rows, longest sample]: attention per sample
-        mb, width = rows_by_sample(mb) if seq is None else (mb, mb.input_ids.numel())
+        # without CP, a row of short samples runs as [rows, width]: attention about per sample
+        mb, width = rows_by_sample(mb, model.config.hidden_size) if seq is None else (mb, mb.input_ids.numel())
         mb = MicroBatch(**{k: None if v is None else v.to(device) for k, v in vars(mb).items()})
         # the replayed ids and the CP row stay set through backward: activation checkpointing reruns
         # the routers and the attention there
