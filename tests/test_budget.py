@@ -189,6 +189,7 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
         backend = make_backend("embedded", str(client.base_url), client.headers["Authorization"].removeprefix("Bearer "))
         order = []
         alone = await backend.generate(req, on_member=order.append)
+        kept = list(backend.http._transport._pool.connections)  # httpx's pool (internal): kept-alive connections
         changed = asyncio.Condition()
         pool = ServerPool([backend], EventLog(tmp_path / "m.jsonl", "test"), changed, hang_timeout_s=60)
         await pool.start(60)
@@ -206,10 +207,13 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
         resp = await GroupSampler(pool, 0, rollouts).generate(req)
         await asyncio.sleep(0.1)  # the last notifications reach the watcher
         watcher.cancel()
+        reused = kept == list(backend.http._transport._pool.connections)
         await backend.close()
-        return order, alone, resp, trace, (rollouts.active, pool.servers[0].active)
+        return order, alone, resp, trace, (rollouts.active, pool.servers[0].active), (kept, reused)
 
-    order, alone, resp, trace, left = asyncio.run(go())
+    order, alone, resp, trace, left, (kept, reused) = asyncio.run(go())
+    # a stream read to its end leaves its connection to the next request (a group does not open one)
+    assert len(kept) == 1 and reused, kept
     lengths = [len(c.token_ids) for c in alone.completions]
     assert sorted(order) == [0, 1, 2, 3] and len(set(lengths)) > 1, lengths
     assert [lengths[i] for i in order] == sorted(lengths), "members were named in the order they finished"

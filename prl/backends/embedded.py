@@ -41,6 +41,9 @@ class EmbeddedBackend(InferenceBackend):
         raise AssertionError("unreachable")
 
     async def _member_stream(self, body: dict, on_member: Callable[[int], None]) -> GenerateResponse:
+        """Read to the stream's end, past the response line: a stream left unread closes its connection
+        (httpx keeps only a finished one), and every group would then open a new one."""
+        response = None
         async with self.http.stream("POST", self.generate_path, json=body, timeout=httpx.Timeout(None, connect=10.0)) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -48,14 +51,18 @@ class EmbeddedBackend(InferenceBackend):
             async for line in r.aiter_lines():
                 try:
                     msg = json.loads(line) if line else None
-                    if isinstance(msg, dict) and set(msg) == {"member"}:
+                    if isinstance(msg, dict) and set(msg) == {"member"} and response is None:
                         on_member(int(msg["member"]))
+                    elif msg is not None and response is None:
+                        response = GenerateResponse.model_validate(msg)
                     elif msg is not None:
-                        return GenerateResponse.model_validate(msg)
+                        raise ValueError("a line after the response")
                 except (ValueError, TypeError, pydantic.ValidationError) as e:
                     raise MalformedResponse(f"{self.base_url}{self.generate_path}: bad member stream line "
                                             f"{line[:200]!r}: {e}") from None
-        raise BackendError(f"{self.base_url}{self.generate_path}: the member stream ended without the response")
+        if response is None:
+            raise BackendError(f"{self.base_url}{self.generate_path}: the member stream ended without the response")
+        return response
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResponse:
         """P/D: have this (prefill) server put the prompt's KV into the run's pool."""
