@@ -129,7 +129,8 @@ class Trainer:
                            senders=senders, share=share, agree=agree)
 
     def make_optimizer(self, lr: float, total_steps: int):
-        opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay)
+        # fused: one kernel over all parameters (CPU and CUDA); reverse-tiny's step 24 -> 8.5 ms on CPU
+        opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay, fused=True)
         fn = lr_lambda(self.tcfg.warmup_steps, total_steps, self.tcfg.schedule, self.tcfg.min_lr_ratio)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
