@@ -51,12 +51,12 @@ class EmbeddedBackend(InferenceBackend):
             async for line in r.aiter_lines():
                 try:
                     msg = json.loads(line) if line else None
-                    if isinstance(msg, dict) and set(msg) == {"member"} and response is None:
-                        on_member(int(msg["member"]))
-                    elif msg is not None and response is None:
-                        response = GenerateResponse.model_validate(msg)
-                    elif msg is not None:
+                    if msg is not None and response is not None:
                         raise ValueError("a line after the response")
+                    if isinstance(msg, dict) and set(msg) == {"member"}:
+                        on_member(int(msg["member"]))
+                    elif msg is not None:
+                        response = GenerateResponse.model_validate(msg)
                 except (ValueError, TypeError, pydantic.ValidationError) as e:
                     raise MalformedResponse(f"{self.base_url}{self.generate_path}: bad member stream line "
                                             f"{line[:200]!r}: {e}") from None

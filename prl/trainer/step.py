@@ -7,7 +7,7 @@ whole step across all ranks (FSDP then averages gradients over ranks, hence the 
 logprobs come from the chunked head (`prl.trainer.head`), never from full logits; with R3 the
 micro-batch's routing is replayed; without context parallelism a packed row of short samples runs
 as a `[rows, width]` batch of first-fit rows a little wider than the longest sample
-(`prl.transport.batch.rows_by_sample`, `row_width`), so attention and the DSA indexer cost about each
+(`prl.transport.batch.rows_by_sample`, `row_layout`), so attention and the DSA indexer cost about each
 sample's square, not the whole row's.
 """
 

@@ -192,27 +192,28 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-ROW_WIDTHS = (1.0, 1.25, 1.5, 2.0)  # the widths `row_width` weighs, as multiples of the longest sample
+ROW_WIDTHS = (1.0, 1.25, 1.5, 2.0)  # the widths `row_layout` weighs, as multiples of the longest sample
 
 
-def row_width(lengths: list[int], hidden_size: int | None) -> int:
+def row_layout(lengths: list[int], hidden_size: int | None) -> tuple[int, list[list[int]]]:
     """The width of the `[rows, width]` batch that packs `lengths` (first fit) at the least estimated
-    cost: of the widths in `ROW_WIDTHS`, the one with the fewest padded tokens, each token weighed
-    `1 + width / (6 hidden_size)` (a token's attention products against the rest of a layer, about
-    4 width hidden against 24 hidden^2 multiply-adds: an estimate, not a measurement); ties go to the
-    narrower. Without `hidden_size`, the longest sample. On a batch shaped like reverse-tiny's (128
-    samples of 12-22 tokens) that is 70 rows of 34 (8% padding) instead of 128 of 23 (26%), and the
-    forward-backward took 15% less time (a standalone run, medians of 18 steps)."""
+    cost, and its rows (indices of `lengths`): of the widths in `ROW_WIDTHS`, the one with the fewest
+    padded tokens, each token weighed `1 + width / (6 hidden_size)` (a token's attention products
+    against the rest of a layer, about 4 width hidden against 24 hidden^2 multiply-adds: an estimate,
+    not a measurement); ties go to the narrower. Without `hidden_size`, the longest sample. On a batch
+    shaped like reverse-tiny's (128 samples of 12-22 tokens) that is 70 rows of 34 (8% padding)
+    instead of 128 of 23 (26%), and the forward-backward took 15% less time (a standalone run, medians
+    of 18 steps)."""
     longest = max(lengths)
-    if hidden_size is None:
-        return longest
-    def cost(width: int) -> float:
-        return len(first_fit(lengths, width)) * width * (1 + width / (6 * hidden_size))
-    return min((int(longest * k) for k in ROW_WIDTHS), key=cost)
+    widths = [longest] if hidden_size is None else [int(longest * k) for k in ROW_WIDTHS]
+    def cost(layout: tuple[int, list[list[int]]]) -> float:  # one width without `hidden_size`: no cost to weigh
+        width, rows = layout
+        return len(rows) * width * (1 + width / (6 * hidden_size)) if hidden_size else 0.0
+    return min(((width, first_fit(lengths, width)) for width in widths), key=cost)
 
 
 def rows_by_sample(mb: MicroBatch, hidden_size: int | None = None) -> tuple[MicroBatch, int]:
-    """The packed row's samples regrouped into rows of `row_width` tokens (at least the longest
+    """The packed row's samples regrouped into rows of `row_layout`'s width (at least the longest
     sample's), each padded to that width with one-token samples that carry no loss (what `pad_row`
     adds), concatenated; and the width. The trainer runs them as a `[rows, width]` batch: attention
     (and GLM-5's DSA indexer) then costs rows x width^2 instead of the whole row squared (a 1,776-token
@@ -222,12 +223,12 @@ def rows_by_sample(mb: MicroBatch, hidden_size: int | None = None) -> tuple[Micr
     lengths = torch.bincount(sample_ids(mb.position_ids)).tolist()
     if 2 * max(lengths) > n:
         return mb, n
-    width = row_width(lengths, hidden_size)
+    width, rows = row_layout(lengths, hidden_size)
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
     index = []
-    for row in first_fit(lengths, width):
+    for row in rows:
         tokens = [t for i in row for t in range(starts[i], starts[i] + lengths[i])]
         index += tokens + [n] * (width - len(tokens))  # n: the padding token appended below
     index_t = torch.tensor(index, device=mb.input_ids.device)
