@@ -57,8 +57,11 @@ def leftovers(tmp_path: Path) -> str:
 
 
 def test_two_host_run_without_shared_storage_and_resume(rig, tmp_path):
+    """The orchestrator on a, the server on b, one torchrun per trainer host (--nnodes 2, rendezvous on
+    a; rank 0 scatters each step's micro-batches to rank 1 on b over gloo). Without a shared folder only
+    a holds checkpoints (rank 0 gathers them whole); the resumed run's rank 0 reads one and broadcasts."""
     a, b = rig["hosts"]
-    recipe = two_host_recipe(tmp_path, rig, steps=4)  # step 3 needs v2 served (max_async_level 1)
+    recipe = two_host_recipe(tmp_path, rig, steps=4, trainer="['a', 'b']")  # step 3 needs v2 served
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     ws = tmp_path / "workstation" / "reverse-tiny"
@@ -67,16 +70,18 @@ def test_two_host_run_without_shared_storage_and_resume(rig, tmp_path):
     assert [e["step"] for e in events(metrics, "orch_step")] == [0, 1, 2, 3]
     assert [e["step"] for e in events(metrics, "trainer_step") if e["stage"] == "rl"] == [0, 1, 2, 3]
     procs = {e["name"]: e["host"] for e in events(metrics, "process") if "host" in e}
-    assert procs == {"inference-0": "b", "orchestrator": "a", "trainer": "a"}
+    assert procs == {"inference-0": "b", "orchestrator": "a", "trainer-0": "a", "trainer-1": "b"}
     # the served policy advanced on b, from b's own verified copies of the weights
     served = [e["version"] for e in events(metrics, "weights")]  # relayed: b answered "loaded vN"
     assert served == sorted(served) and served[0] == 0 and served[-1] >= 2, served
     assert {e["name"] for e in events(metrics, "server")} == {"inference-0"}
     assert sorted(int(d.name[1:]) for d in (host_b / "weights").glob("v*"))[-1] >= 2
     assert not (host_b / "checkpoints").exists() and (host_a / "checkpoints").exists()
+    assert json.loads((host_a / "checkpoints" / "step_4" / "MANIFEST.json").read_text())["format"] == "full"
     # logs streamed back to the workstation
-    for name in ("trainer", "orchestrator", "inference-0"):
+    for name in ("trainer-0", "trainer-1", "orchestrator", "inference-0"):
         assert (ws / "logs" / f"{name}.log").stat().st_size > 0
+    assert "rank 1 of 2" in (ws / "logs" / "trainer-1.log").read_text()
     assert f"serving on http://{b.address}" in (ws / "logs" / "inference-0.log").read_text()
     assert not leftovers(tmp_path), leftovers(tmp_path)
     status = subprocess.run(prl_cmd("status", ws), capture_output=True, text=True, timeout=60,
@@ -118,15 +123,12 @@ def test_vllm_server_on_another_host(rig, tmp_path):
     assert not any(group_members(pid) for _, pid in procs.values() if pid), "vLLM's engine processes left"
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["full", "shared-sharded"])
-def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_path, shared):
-    """One torchrun per trainer host (--nnodes 2, rendezvous on a); rank 0 on a scatters each step's
-    micro-batches to rank 1 on b over gloo. The orchestrator runs on the workstation and reaches a and
-    b over the network. Without a shared folder only a holds checkpoints (rank 0 gathers them); with
-    `cluster.shared_checkpoints` both ranks write their shards there, and a resumed run reads them."""
+def test_trainer_across_two_hosts_orchestrated_from_the_workstation_shares_its_checkpoints(rig, tmp_path):
+    """One torchrun per trainer host, the orchestrator on the workstation (it reaches a and b over the
+    network). With `cluster.shared_checkpoints` both ranks write their shards there, and a resumed run
+    reads them. (Without one: `test_two_host_run_without_shared_storage_and_resume`.)"""
     recipe = two_host_recipe(tmp_path, rig, steps=3, trainer="['a', 'b']", orchestrator="workstation")
-    if shared:
-        recipe.write_text(recipe.read_text().replace("[cluster]\n", f"[cluster]\nshared_checkpoints = '{tmp_path}/nfs'\n"))
+    recipe.write_text(recipe.read_text().replace("[cluster]\n", f"[cluster]\nshared_checkpoints = '{tmp_path}/nfs'\n"))
     p = subprocess.run(prl_cmd("run", recipe, "--no-tui", *QUICK), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     ws = tmp_path / "workstation" / "reverse-tiny"
@@ -137,10 +139,6 @@ def test_trainer_across_two_hosts_orchestrated_from_the_workstation(rig, tmp_pat
     assert "rank 1 of 2" in (ws / "logs" / "trainer-1.log").read_text()  # streamed back from b
     host_a, host_b = (tmp_path / f"host_{h}" / "runs" / "reverse-tiny" / "checkpoints" for h in "ab")
     assert not leftovers(tmp_path), leftovers(tmp_path)
-    if not shared:
-        assert host_a.exists() and not host_b.exists()
-        assert json.loads((host_a / "step_3" / "MANIFEST.json").read_text())["format"] == "full"
-        return
     folder = tmp_path / "nfs" / "reverse-tiny"
     assert host_a.resolve() == host_b.resolve() == folder.resolve()
     assert json.loads((folder / "step_3" / "MANIFEST.json").read_text())["format"] == "dcp"
