@@ -9,13 +9,18 @@ warm start completion lengths are long-tailed too. One after the other on the sa
 - `async_drop`: the same with stale_policy "drop" (the old rule: stale groups are thrown away);
 - `async_capacity`: async_mask with the in-flight budget driven by the engine's KV capacity
   (`inference.kv_capacity_tokens`) instead of a fixed count;
+- `async_capacity_correct`: async_capacity with stale_policy "correct": the tokens past the window
+  are trained under the importance correction instead of masked, so no generated token is wasted
+  (what "mask" costs in throughput);
 - `partial`: partial rollouts on top of sync (APRIL's setting): `rl.overprovision` 0.5 starts half a
   step's groups more, each step trains the first to finish and the rest carry into the next under new
   weights (max_off_policy_steps 1, so their first step's tokens are trained, not masked);
 - `async_partial`: async_mask with the same over-provisioning.
 
 For each: completion tokens trained per second (steady state, the first steps excluded; stale tokens
-masked out are not counted), trainer
+masked out are not counted), samples trained per second and the mean completion length (the runs'
+policies drift apart, and async ones have learned to stop later on the same prompts: a longer mean
+raises tokens per second without more work done per sample, so read both ratios), trainer
 idle share, inference idle share, p90 length of the trajectories trained against all generated
 (the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's).
 
@@ -41,6 +46,8 @@ VARIANTS = {
     "async_drop": [*ASYNC, "rl.stale_policy=drop"],
     "async_capacity": [*ASYNC, "rl.stale_policy=mask", "inference.kv_capacity_tokens=4096",
                        "rl.max_inflight_rollouts=512", "rl.kv_usage_target=0.9"],
+    "async_capacity_correct": [*ASYNC, "rl.stale_policy=correct", "inference.kv_capacity_tokens=4096",
+                               "rl.max_inflight_rollouts=512", "rl.kv_usage_target=0.9"],
     "partial": ["rl.max_async_level=0", "rl.max_off_policy_steps=1", "rl.overprovision=0.5"],
     "async_partial": [*ASYNC, "rl.stale_policy=mask", "rl.overprovision=0.5"],
 }
@@ -65,9 +72,14 @@ def figures(events: list[dict], skip: int) -> dict:
     steady = [e for e in events if e["kind"] == "trainer_step" and e["stage"] == "rl"][skip - 1:]
     # completion tokens trained (rl.batch_size 128 of reverse-tiny); under "mask" the stale ones are not
     masked = [e["stale_tokens"] if e["stale_policy"] == "mask" else 0 for e in orch[skip:]]
-    trained = sum(e["completion_len"] * 128 for e in orch[skip:]) - sum(masked)
+    shipped = sum(e["completion_len"] * 128 for e in orch[skip:])
+    trained, span = shipped - sum(masked), steady[-1]["t"] - steady[0]["t"]
     last = orch[-1]
-    return {**m, "tokens_per_s": trained / (steady[-1]["t"] - steady[0]["t"]),
+    # samples per second too: the policies drift to different completion lengths on the same prompts
+    # (async runs' models stop later), so tokens per second alone credits longer answers as throughput
+    samples = 128 * (len(steady) - 1)
+    return {**m, "tokens_per_s": trained / span, "shipped_tokens_per_s": shipped / span,
+            "samples_per_s": samples / span, "completion_len_mean": shipped / (128 * len(orch[skip:])),
             "len_accepted_p90": last["len_accepted_p90"], "len_generated_p90": last["len_generated_p90"],
             "len_bias_p90": last["len_accepted_p90"] / max(1.0, last["len_generated_p90"]),
             "stale_tokens": sum(e["stale_tokens"] for e in orch), "stale_dropped": last["stale_dropped_total"],
@@ -92,7 +104,9 @@ def main() -> None:
     horizon = min(r["rewards"][-1][0] - r["rl_start"] for r in res.values())
     for name, r in res.items():
         r["reward_at_horizon"] = reward_at(r, horizon)
-        print(f"{name:15s} {r['tokens_per_s']:7.0f} tok/s  trainer idle {r['trainer_idle']:4.0%}  inference idle "
+        print(f"{name:22s} {r['tokens_per_s']:7.0f} tok/s ({r['shipped_tokens_per_s']:.0f} shipped)  "
+              f"{r['samples_per_s']:5.0f} samples/s  mean length {r['completion_len_mean']:4.1f}  "
+              f"trainer idle {r['trainer_idle']:4.0%}  inference idle "
               f"{r['inference_idle']:4.0%}  p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
               f"  stale tokens {r['stale_tokens']}  dropped {r['stale_dropped']}  reward at {horizon:.0f} s "
               f"{r['reward_at_horizon']:.3f}", flush=True)
@@ -100,10 +114,14 @@ def main() -> None:
     line = {"horizon_s": round(horizon, 1)}
     for name, r in res.items():
         line[f"{name}_tokens_per_s"] = round(r["tokens_per_s"], 1)
+        line[f"{name}_shipped_tokens_per_s"] = round(r["shipped_tokens_per_s"], 1)
+        line[f"{name}_samples_per_s"] = round(r["samples_per_s"], 1)
+        line[f"{name}_completion_len_mean"] = round(r["completion_len_mean"], 2)
         line[f"{name}_len_bias_p90"] = round(r["len_bias_p90"], 3)
         line[f"{name}_reward_at_horizon"] = round(r["reward_at_horizon"], 3)
         if name != "sync":
             line[f"{name}_over_sync"] = round(r["tokens_per_s"] / sync["tokens_per_s"], 3)
+            line[f"{name}_samples_over_sync"] = round(r["samples_per_s"] / sync["samples_per_s"], 3)
     print(json.dumps(line))
 
 
