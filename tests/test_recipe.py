@@ -37,6 +37,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[inference.kv_pool]\nenabled = true\nhost = 'h1'\n", "inference.kv_pool.host", "names a cluster host"),
     ("[inference]\nbackend = 'vllm'\ncompile = true\n", "inference", "compiles by its own options"),
     ("[inference]\ncompile = true\n[trainer]\nrouter_replay = true\n", "trainer.router_replay", "eager forwards"),
+    ("[trainer]\nshare_prompts = true\nnproc = 2\n[trainer.parallel]\ncp = 2\n", "trainer", "needs trainer.parallel.cp = 1"),
 ])
 def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
     path = write(tmp_path, text)

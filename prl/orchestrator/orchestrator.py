@@ -288,7 +288,8 @@ class Orchestrator:
         samples = [s for g in groups for s in g.samples]
         self.cursor.consume(g.prompt_index for g in groups)  # groups finish out of order: see DataCursor
         position, ahead = self.cursor.state()
-        batch = TrainBatch(step=step, micro_batches=pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens),
+        rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
+        batch = TrainBatch(step=step, micro_batches=rows,
                            data_position=position, data_ahead=ahead, prompt_indices=[g.prompt_index for g in groups])
         await self.trainer.send_batch(batch)
         env = summarize([i for g in groups for i in g.infos])

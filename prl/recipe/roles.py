@@ -5,7 +5,7 @@ section fails: the attribute does not exist.
 | role | sections | derived for it |
 | --- | --- | --- |
 | inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
-| orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, ... |
+| orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, share_prompts, ... |
 | trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
 | engine_worker | as inference | its engine's leader, its first data-parallel rank |
 | kv_master | run, kv_pool | its address |
@@ -113,6 +113,7 @@ class OrchestratorConfig(RoleConfig):
     sandboxes: list[str] = []  # env.kind = "code": the sandbox workers' base URLs
     data_parallel: int = 1  # trainer ranks that take their own micro-batches (packed for them)
     micro_batch_tokens: int = 4096
+    share_prompts: bool = False  # pack a group's members over one copy of their prompt (trainer.share_prompts)
     draft_weights: bool = False  # vLLM MTP on dummy-started (FP8) servers: load the drafter after the first version
 
 

@@ -323,8 +323,22 @@ class TrainerCfg(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     logprob_chunk_tokens: int = Field(1024, ge=0)  # logprobs per this many tokens (0: all at once)
+    # a group's members trained over one copy of their prompt (`prl.transport.trees`); unset: on
+    # unless context parallelism splits the rows (its attention does not take the trees' mask)
+    share_prompts: bool | None = None
     parallel: ParallelCfg = ParallelCfg()
     loss: LossCfg = LossCfg()
+
+    @model_validator(mode="after")
+    def _shared_prompts(self):
+        if self.share_prompts and self.parallel.cp > 1:
+            raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
+                             "splits rows its own way and does not take the shared prompts' attention mask")
+        return self
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.share_prompts is not False and self.parallel.cp == 1
 
 
 class KvPoolCfg(Section):

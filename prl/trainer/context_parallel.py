@@ -38,6 +38,7 @@ from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
 from prl.model.mla import absorbed_weights
 from prl.transport.batch import MicroBatch, cp_multiple, pad_row, sample_ids, shard_positions, shard_sequence
+from prl.transport.trees import has_branches
 
 
 @dataclass
@@ -220,7 +221,10 @@ class ContextParallelAttention:
 def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
     """This rank's part of a packed micro-batch (`seq.layout`), the row's sample ids and the row index
     of each local token. The row is first padded to a multiple of `cp_multiple` (cp, or 2 x cp for
-    zigzag) with loss-free one-token samples."""
+    zigzag) with loss-free one-token samples. Shared-prompt trees are not split over ranks: the
+    resolver keeps `share_prompts` off under context parallelism, and a tree that comes anyway is refused."""
+    if has_branches(mb.position_ids):
+        raise ValueError("a shared-prompt row reached context parallelism (set trainer.share_prompts = false)")
     row = pad_row(mb, cp_multiple(seq.size, seq.layout))
     positions = shard_positions(row.input_ids.numel(), seq.rank, seq.size, seq.layout)
     return shard_sequence(row, seq.rank, seq.size, seq.layout), sample_ids(row.position_ids), positions

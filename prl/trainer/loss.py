@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from prl.recipe.schema import LossCfg
-from prl.transport.batch import MicroBatch, sample_ids
+from prl.transport.batch import MicroBatch
+from prl.transport.trees import segment_ids
 
 
 def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -56,8 +57,9 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
 
 
 def sequence_ratio(d_L: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """exp(mean of d over each packed sample's loss tokens), broadcast back to its tokens."""
-    seg = sample_ids(mb.position_ids)
+    """exp(mean of d over each packed sample's loss tokens), broadcast back to its tokens (a member of
+    a shared-prompt tree is its branch: its root carries no loss)."""
+    seg = segment_ids(mb.position_ids)
     n = int(seg.max()) + 1
     m = mb.loss_mask.float()
     sums = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, d_L * m)

@@ -8,7 +8,8 @@ logprobs come from the chunked head (`prl.trainer.head`), never from full logits
 micro-batch's routing is replayed; without context parallelism a packed row of short samples runs
 as a `[rows, width]` batch of first-fit rows a little wider than the longest sample
 (`prl.transport.batch.rows_by_sample`, `row_layout`), so attention and the DSA indexer cost about each
-sample's square, not the whole row's.
+sample's square, not the whole row's; a row holding shared-prompt trees (`prl.transport.trees`) gets
+their attention mask.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prl.trainer import context_parallel as cp
 from prl.trainer import head
 from prl.trainer.context_parallel import local_slice
 from prl.trainer.loss import rl_loss, sft_loss
+from prl.transport import trees
 from prl.transport.batch import MicroBatch, rows_by_sample
 
 
@@ -46,8 +48,10 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
               cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
             with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens):
-                out = model(input_ids=mb.input_ids.view(-1, width), position_ids=mb.position_ids.view(-1, width),
-                            use_cache=False)
+                position_ids = mb.position_ids.view(-1, width)
+                mask = trees.attention_mask(model, position_ids) if seq is None else None  # CP: its own masks
+                out = model(input_ids=mb.input_ids.view(-1, width), position_ids=position_ids,
+                            attention_mask=mask, use_cache=False)
             logp = out.logits.reshape(-1)  # the head's [1, L, 1] logprobs, in the order of mb's tokens
             loss_sum, stats = rl_loss(logp, mb, tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
             if replay:

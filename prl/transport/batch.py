@@ -5,7 +5,8 @@ the last token, targets shifted by one, a loss mask over the completion, and per
 the inference logprob, the advantage and the policy version that produced it. A multi-turn
 completion interleaves model and environment tokens: `mask` says which are the model's (1, trained)
 and which the environment's (0: tool results, feedback, template tokens; never trained, version -1). Position ids
-restart at 0 for every sample, which is how the model keeps packed samples apart. Packing is
+restart at 0 for every sample, which is how the model keeps packed samples apart (with
+`share_prompts`, a group's members become one tree over their prompt: `prl.transport.trees`). Packing is
 first-fit-decreasing into bins of `max_tokens`; every rank gets the same number of micro-batches
 (an empty one where needed) because each forward/backward under FSDP is a collective.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from prl.transport import trees
 
 
 @dataclass
@@ -142,19 +145,22 @@ DTYPES = {"input_ids": torch.long, "position_ids": torch.long, "target_ids": tor
           "advantages": torch.float32, "infer_logprobs": torch.float32, "versions": torch.long}
 
 
-def make_micro_batch(samples: list[Sample]) -> MicroBatch:
-    if not samples:  # an empty slot: one token, no loss, keeps the ranks' collectives in step
+def make_micro_batch(units: list[list[Sample]]) -> MicroBatch:
+    """One row of packing units: a unit of one sample is its own stretch, of several a shared-prompt
+    tree (`prl.transport.trees`)."""
+    if not units:  # an empty slot: one token, no loss, keeps the ranks' collectives in step
         return MicroBatch(**{k: torch.zeros(1, dtype=dt) for k, dt in DTYPES.items()})
     cols: dict[str, list] = {k: [] for k in DTYPES}
-    for s in samples:
-        for k, v in sample_arrays(s).items():
+    for unit in units:
+        for k, v in trees.tree_arrays(unit, sample_arrays).items():
             cols[k].extend(v)
+    samples = [s for unit in units for s in unit]
     routing = None
     if all(s.routing is not None for s in samples):
         for s in samples:
             if s.routing.shape[0] != s.num_tokens:
                 raise ValueError(f"routing covers {s.routing.shape[0]} tokens, the sample has {s.num_tokens}")
-        routing = torch.cat([s.routing for s in samples])
+        routing = torch.cat([trees.tree_routing(unit) for unit in units])
     return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES[k]) for k, v in cols.items()}, routing=routing)
 
 
@@ -286,14 +292,18 @@ def unshard(parts: list[torch.Tensor], layout: str = "contiguous") -> torch.Tens
     return out
 
 
-def pack(samples: list[Sample], num_ranks: int, max_tokens: int) -> list[list[MicroBatch]]:
-    lengths = [s.num_tokens for s in samples]
-    if max(lengths, default=0) > max_tokens:
-        raise ValueError(f"a sample of {max(lengths)} tokens exceeds trainer.micro_batch_tokens ({max_tokens})")
+def pack(samples: list[Sample], num_ranks: int, max_tokens: int, share_prompts: bool = False) -> list[list[MicroBatch]]:
+    """Rows of at most `max_tokens` for each of `num_ranks` ranks, as many on each; with
+    `share_prompts` the samples of one prompt go as trees over one copy of it (`prl.transport.trees`)."""
+    longest = max((s.num_tokens for s in samples), default=0)
+    if longest > max_tokens:
+        raise ValueError(f"a sample of {longest} tokens exceeds trainer.micro_batch_tokens ({max_tokens})")
+    units = trees.share_prompts(samples, max_tokens) if share_prompts else [[s] for s in samples]
+    lengths = [trees.tree_tokens(u) for u in units]
     placed = first_fit(lengths, max_tokens)
-    bins = [[samples[i] for i in b] for b in placed]
+    bins = [[units[i] for i in b] for b in placed]
     loads = [sum(lengths[i] for i in b) for b in placed]
-    per_rank: list[list[list[Sample]]] = [[] for _ in range(num_ranks)]
+    per_rank: list[list[list[list[Sample]]]] = [[] for _ in range(num_ranks)]
     rank_load = [0] * num_ranks
     for b, load in sorted(zip(bins, loads), key=lambda x: -x[1]):
         r = min(range(num_ranks), key=lambda r: (rank_load[r], len(per_rank[r])))
