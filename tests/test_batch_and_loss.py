@@ -103,6 +103,25 @@ def test_tis_caps_and_mask_drops():
     assert torch.isclose(stats["mismatch_kl"], (d.exp() - d - 1).sum())
 
 
+def test_clip_stops_tokens_an_update_has_moved_far_enough():
+    """PPO's clip against the sampling policy: with A > 0 a token whose ratio is past 1 + clip_high
+    gets no gradient (counted as masked); below it, and every token with A < 0 above 1 - clip_low,
+    the importance weight (capped at tis_cap)."""
+    mb = _mb([-1.5, -1.1, -0.5], adv=1.0)  # ratios e^0.5 = 1.65, e^0.1 = 1.11, e^-0.5 = 0.61
+    logp = torch.full((mb.input_ids.numel(),), -1.0, requires_grad=True)
+    loss, stats = rl_loss(logp, mb, LossCfg(correction="clip", clip_low=0.2, clip_high=0.2))
+    loss.backward()
+    r = torch.tensor([0.5, 0.1, -0.5]).exp()
+    assert torch.allclose(logp.grad[mb.loss_mask], torch.tensor([0.0, -r[1], -r[2]]))
+    assert stats["masked_tokens"] == 1
+    mb = _mb([-1.5, -1.1, -0.5], adv=-1.0)  # A < 0: the token below 1 - clip_low is the one stopped
+    logp.grad = None
+    loss, stats = rl_loss(logp, mb, LossCfg(correction="clip", clip_low=0.2, clip_high=0.2))
+    loss.backward()
+    assert torch.allclose(logp.grad[mb.loss_mask], torch.tensor([r[0], r[1], 0.0]))
+    assert stats["masked_tokens"] == 1 and LossCfg().correction == "clip"
+
+
 def test_mismatch_kl_keeps_tiny_differences():
     """exp(d)-d-1 ~ d^2/2: at d = 1e-5 that is 5e-11, which float32 rounds to 0."""
     mb = _mb([-1.0, -1.0, -1.0], adv=1.0)

@@ -208,10 +208,12 @@ class SamplingCfg(Section):
 class LossCfg(Section):
     """Off-policy correction between trainer and inference logprobs (see README, "Loss")."""
 
-    correction: Literal["tis", "mask", "seq_mask", "none"] = "tis"
+    correction: Literal["tis", "clip", "mask", "seq_mask", "none"] = "clip"
     tis_cap: float = Field(2.0, gt=0)
     mask_low: float = Field(0.5, gt=0)
     mask_high: float = Field(2.0, gt=0)
+    clip_low: float = Field(0.2, gt=0, lt=1)  # "clip": PPO's clip on the ratio to the sampling policy
+    clip_high: float = Field(0.2, gt=0)
 
     @model_validator(mode="after")
     def _band(self):

@@ -1,7 +1,10 @@
 """Losses over packed micro-batches, summed over loss tokens (the caller normalises).
 
 RL loss per completion token t, with d_t = logp_train - logp_infer and ratio_t = exp(d_t):
-    tis  (default): -min(ratio_t, C) * A * logp_train      (truncated importance sampling)
+    tis           : -min(ratio_t, C) * A * logp_train      (truncated importance sampling)
+    clip (default): PPO's clipped objective against the sampling policy: as tis, but a token whose
+                    ratio is already past 1 + clip_high (A > 0) or below 1 - clip_low (A < 0) gets no
+                    gradient: an update made since sampling has moved it far enough
     mask          : -1[low <= ratio_t <= high] * A * logp_train   (tokens outside the band masked)
     seq_mask      : -1[low <= exp(mean_seq d) <= high] * A * logp_train (whole sequences masked by
                     their geometric-mean ratio)
@@ -42,6 +45,10 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
     ratio = torch.exp(logp_L.detach() - mb.infer_logprobs)
     if cfg.correction == "tis":
         weight, keep = ratio.clamp(max=cfg.tis_cap), mask
+    elif cfg.correction == "clip":
+        adv = mb.advantages
+        past = ((adv > 0) & (ratio > 1 + cfg.clip_high)) | ((adv < 0) & (ratio < 1 - cfg.clip_low))
+        weight, keep = ratio.clamp(max=cfg.tis_cap), mask & ~past
     elif cfg.correction == "mask":
         weight, keep = torch.ones_like(ratio), mask & (ratio >= cfg.mask_low) & (ratio <= cfg.mask_high)
     elif cfg.correction == "seq_mask":
@@ -52,7 +59,8 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.T
     loss_sum = -(weight * mb.advantages * logp_L)[keep].sum()
     stats = mismatch_stats(logp_L, mb)
     stats["masked_tokens"] = (mask & ~keep).sum().float()
-    stats["truncated_tokens"] = ((ratio > cfg.tis_cap) & mask).sum().float() if cfg.correction == "tis" else 0 * stats["loss_tokens"]
+    capped = cfg.correction in ("tis", "clip")
+    stats["truncated_tokens"] = ((ratio > cfg.tis_cap) & keep).sum().float() if capped else 0 * stats["loss_tokens"]
     return loss_sum, stats
 
 
