@@ -24,7 +24,7 @@ raises tokens per second without more work done per sample, so read both ratios)
 idle share, inference idle share, p90 length of the trajectories trained against all generated
 (the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's).
 
-    .venv/bin/python bench/long_tail.py [--steps 30] [--skip 3]
+    .venv/bin/python bench/long_tail.py [--steps 100] [--skip 3]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def reward_at(r: dict, seconds: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps excluded (start-up)")
     ap.add_argument("--only", nargs="*", default=None, help="variants to run (sync is always run)")
     args = ap.parse_args()

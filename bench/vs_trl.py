@@ -18,8 +18,8 @@ Both sides start from the same weights: reverse-tiny's GLM-5 model after prl's S
   from the start of training.
 
 Per side: samples trained per second over the window, the mean reward of the last 10 steps' batches
-before the deadline (`reward_at_wall`; the curve is noisy, so compare it over repeated runs) and of
-the first step (`reward_start`), start-up seconds (not in the window). TRL runs with `--trl-threads`
+before the deadline (`reward_at_wall`; the curve is noisy, so compare it over repeated runs), of the
+window's last third (`reward_late`, steadier) and of the first step (`reward_start`), start-up seconds (not in the window). TRL runs with `--trl-threads`
 torch threads (default 2: the cores prl's server and trainer use, one thread each; TRL is faster with
 2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
 it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
@@ -32,9 +32,10 @@ own, as a subprocess of this bench:
 
     python3 -m venv .venv-trl
     .venv-trl/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
-    .venv/bin/python bench/vs_trl.py [--wall 90] [--trl-python .venv-trl/bin/python] [--trl-threads 2] [--compiled]
+    .venv/bin/python bench/vs_trl.py [--wall 90] [--trl-python .venv-trl/bin/python] [--trl-threads 2] [--compiled] [--sync]
 
-`--compiled` runs prl a second time with `inference.compile = true` (the embedded engine's forwards
+`--sync` runs prl a second time synchronously (`rl.max_async_level = 0`: every step's rollouts
+sampled by the weights it trains, as TRL's). `--compiled` runs prl a second time with `inference.compile = true` (the embedded engine's forwards
 through torch.compile). On reverse-tiny's GLM-5 model the server then recompiles shapes its warm-up
 did not meet for a minute or more inside the window: not the default.
 """
@@ -208,6 +209,12 @@ def trl_figures(log: dict, wall: float, startup: float) -> dict:
     }
 
 
+def late_reward(curve: list, wall: float) -> float:
+    """The mean batch reward of the window's last third: less noisy than the last 10 steps (under 2 s
+    of either side's training here), the same span for both sides."""
+    return statistics.mean(r for t, r in curve if t >= wall * 2 / 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--wall", type=float, default=90.0, help="seconds of RL per side")
@@ -215,6 +222,7 @@ def main() -> None:
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--compiled", action="store_true", help="also prl with inference.compile = true")
+    ap.add_argument("--sync", action="store_true", help="also prl synchronous (rl.max_async_level = 0)")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
@@ -227,7 +235,11 @@ def main() -> None:
     sides = {"prl": run_prl(out, warm, args.wall)}
     if args.compiled:  # the embedded engine's forwards compiled (the warm-up before version 0 is not in the window)
         sides["prl_compiled"] = run_prl(out, warm, args.wall, "prl_compiled", ("inference.compile=true",))
+    if args.sync:
+        sides["prl_sync"] = run_prl(out, warm, args.wall, "prl_sync", ("rl.max_async_level=0",))
     sides["trl"] = trl = run_trl(out, warm, args)
+    for r in sides.values():
+        r["reward_late"] = late_reward(r["curve"], args.wall)
     (out / "curves.json").write_text(json.dumps({n: r.pop("curve") for n, r in sides.items()}))
     for name, r in sides.items():
         print(f"{name}: {r['steps']} steps in {args.wall:.0f} s, {r['samples_per_s']:.1f} samples/s, reward "
@@ -239,6 +251,7 @@ def main() -> None:
             report.update({
                 f"samples_per_s_{name}_over_trl": round(r["samples_per_s"] / trl["samples_per_s"], 3),
                 f"reward_at_wall_{name}_over_trl": round(r["reward_at_wall"] / trl["reward_at_wall"], 3),
+                f"reward_late_{name}_over_trl": round(r["reward_late"] / trl["reward_late"], 3),
                 f"reward_gain_{name}_over_trl": round((r["reward_at_wall"] - r["reward_start"])
                                                       / max(trl["reward_at_wall"] - trl["reward_start"], 1e-9), 3)})
     report["bench_s"] = round(time.time() - began, 1)
