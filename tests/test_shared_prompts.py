@@ -66,9 +66,11 @@ def test_units_and_mask():
     assert has_branches(pos) and not has_branches(torch.tensor([0, 1, 2, 0, 1]))
 
 
-@pytest.mark.parametrize("arch,correction", [("glm_moe_dsa", "tis"), ("glm_moe_dsa", "seq_mask"), ("qwen3_moe", "tis")])
-def test_tree_rows_train_as_the_samples_alone(tmp_path, arch, correction):
-    model = build_model(write_model_dir(ModelCfg(arch=arch), tmp_path / "m"), seed=0)
+@pytest.mark.parametrize("arch,correction,topk", [("glm_moe_dsa", "clip", 256), ("glm_moe_dsa", "seq_mask", 256),
+                                                  ("glm_moe_dsa", "tis", 4), ("qwen3_moe", "tis", 256)])
+def test_tree_rows_train_as_the_samples_alone(tmp_path, arch, correction, topk):
+    """topk 4: the DSA indexer really selects (4 keys of up to 18), over the tree's mask."""
+    model = build_model(write_model_dir(ModelCfg(arch=arch, index_topk=topk), tmp_path / "m"), seed=0)
     head.install(model)  # the trainer's chunked logprob head, as the trainer runs it
     replay = Replay(model, replay=True) if arch == "qwen3_moe" else None
     cfg = model.config
