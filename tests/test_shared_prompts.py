@@ -2,6 +2,8 @@
 on tree rows gives every loss token the logprob, and every parameter the gradient, of the same samples
 packed one by one, with fewer tokens; under R3 the replayed routes follow the tokens."""
 
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from prl.recipe.schema import ModelCfg, TrainerCfg
 from prl.trainer import head
 from prl.trainer.context_parallel import Sequence, local_slice
 from prl.trainer.step import forward_backward
-from prl.transport.batch import Sample, pack
+from prl.transport.batch import BadBatch, Sample, TrainBatch, load_batch, pack
 from prl.transport.trees import has_branches, segment_ids, share_prompts, tree_mask, tree_tokens
 
 
@@ -97,6 +99,25 @@ def test_tree_rows_train_as_the_samples_alone(tmp_path, arch, correction, topk):
 
 
 def test_context_parallelism_refuses_a_tree():
-    [[mb]] = pack(groups(), 1, 4096, share_prompts=True)
+    """At the trainer endpoint (a batch refused there never reaches the loop, where it would fail every
+    restart), and in the CP slicing should one come by another way."""
+    batch = TrainBatch(step=3, micro_batches=pack(groups(), 1, 4096, share_prompts=True))
+    buf = io.BytesIO()
+    torch.save(batch.to_dict(), buf)
+    assert load_batch(buf.getvalue(), 3, 1, trees_allowed=True).step == 3
+    with pytest.raises(BadBatch, match="shared-prompt rows"):
+        load_batch(buf.getvalue(), 3, 1, trees_allowed=False)
     with pytest.raises(ValueError, match="share_prompts"):
-        local_slice(mb, Sequence(None, 2, 0, "zigzag"))
+        local_slice(batch.micro_batches[0][0], Sequence(None, 2, 0, "zigzag"))
+
+
+def test_members_routed_apart_do_not_share():
+    """Multi-turn members are requests of their own: with R3, members whose prompts were routed
+    differently (another server, another version) keep their own stretches."""
+    samples = groups(layers=2)
+    first = samples[0]
+    samples[1].routing = samples[1].routing.clone()
+    samples[1].routing[0] = (first.routing[0] + 1) % 8  # the same prompt, routed apart
+    units = share_prompts(samples, 4096)
+    assert sorted(len(u) for u in units) == [1, 1, 1, 3, 4, 4]
+    assert [u for u in units if any(m is samples[1] for m in u)] == [[samples[1]]]

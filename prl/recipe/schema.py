@@ -332,10 +332,14 @@ class TrainerCfg(Section):
     loss: LossCfg = LossCfg()
 
     @model_validator(mode="after")
-    def _shared_prompts(self):
+    def _whole_rows(self):
+        """What needs each rank to hold whole samples: not context parallelism."""
         if self.share_prompts and self.parallel.cp > 1:
             raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
                              "splits rows its own way and does not take the shared prompts' attention mask")
+        if self.loss.correction == "seq_mask" and self.parallel.cp > 1:
+            raise ValueError("trainer.loss.correction = 'seq_mask' needs trainer.parallel.cp = 1: a rank holds "
+                             "part of a sample there, and the mask needs the whole sample's mean ratio")
         return self
 
     @property

@@ -87,7 +87,7 @@ class Trainer:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
                                             world=self.dims.dp_size,
                                             vocab_size=vocab_size(self.cfg.model_dir), fallback=self.cfg.port_fallback,
-                                            name="trainer").start()
+                                            name="trainer", trees=self.tcfg.parallel.cp == 1).start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import load_tokenizer

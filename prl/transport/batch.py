@@ -84,7 +84,8 @@ class BadBatch(ValueError):
     """A batch the trainer cannot train; the message names what is wrong."""
 
 
-def load_batch(data: bytes, step: int, world: int | None = None, vocab_size: int | None = None) -> TrainBatch:
+def load_batch(data: bytes, step: int, world: int | None = None, vocab_size: int | None = None,
+               trees_allowed: bool = True) -> TrainBatch:
     """Deserialize and check a batch as it arrives (the trainer endpoint refuses it with 400), so a
     malformed one never reaches the training loop, where it would kill every restart of the trainer."""
     import io
@@ -100,6 +101,9 @@ def load_batch(data: bytes, step: int, world: int | None = None, vocab_size: int
     for r, rank in enumerate(batch.micro_batches):
         for i, mb in enumerate(rank):
             check_micro_batch(mb, f"rank {r} micro-batch {i}", vocab_size)
+            if not trees_allowed and trees.has_branches(mb.position_ids):
+                raise BadBatch(f"rank {r} micro-batch {i}: shared-prompt rows, and this trainer runs context "
+                               "parallelism (the orchestrator must pack with share_prompts off)")
     return batch
 
 

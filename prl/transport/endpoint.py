@@ -43,12 +43,14 @@ RESCAN_S = 1.0  # a long poll looks at the folder again this often without a `se
 
 class TrainerEndpoint:
     def __init__(self, run_dir: Path, secret: str, host: str, port: int, world: int | None = None,
-                 vocab_size: int | None = None, fallback: bool = False, name: str | None = None):
-        """`world`, `vocab_size`: what an arriving batch is checked against (None: not checked).
+                 vocab_size: int | None = None, fallback: bool = False, name: str | None = None,
+                 trees: bool = True):
+        """`world`, `vocab_size`, `trees` (shared-prompt rows trainable: no context parallelism): what an
+        arriving batch is checked against (None: not checked).
         `fallback`: another free port when `port` is taken; `name`: publish the port got under this
         name in the run directory (`prl.transport.ports`)."""
         self.inbox = FilesystemRolloutTransport(Path(run_dir) / "rollouts")
-        self.world, self.vocab_size = world, vocab_size
+        self.world, self.vocab_size, self.trees = world, vocab_size, trees
         self.weights_root = Path(run_dir) / "weights"
         self.secret = secret
         self.base: tuple[int, int] | None = None  # (step, data position) of the trainer's checkpoint
@@ -170,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, {"detail": f"incomplete body: {len(data)} of {length} bytes"})
         step = int(m.group(1))
         try:
-            batch = load_batch(data, step, self.ep.world, self.ep.vocab_size)
+            batch = load_batch(data, step, self.ep.world, self.ep.vocab_size, self.ep.trees)
         except BadBatch as e:
             return self._reply(400, {"detail": f"batch {step} refused: {e}"})
         self.ep.positions[step] = (batch.data_position, list(batch.data_ahead))

@@ -36,16 +36,26 @@ def can_share(s) -> bool:
     return len(s.prompt_ids) >= 2
 
 
+def prompt_key(s) -> tuple:
+    """What members of one tree have in common: the prompt, and its routes where replayed."""
+    root = len(s.prompt_ids) - 1
+    routes = None if s.routing is None else s.routing[:root].contiguous().numpy().tobytes()
+    return tuple(s.prompt_ids), routes
+
+
 def share_prompts(samples: list, max_tokens: int) -> list[list]:
     """`samples` as packing units: the samples of one prompt (in the order they came) grouped into
-    trees of at most `max_tokens` tokens; a sample alone where no other shares its prompt."""
-    by_prompt: dict[tuple[int, ...], list] = {}
+    trees of at most `max_tokens` tokens; a sample alone where no other shares its prompt. With R3,
+    only samples whose prompts were routed alike share (a multi-turn environment sends each member
+    as its own request, perhaps to another server or under another version: the root replays one
+    member's routes for all)."""
+    by_prompt: dict[tuple, list] = {}
     units: list[list] = []
     for s in samples:
         if not can_share(s):
             units.append([s])
             continue
-        by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
+        by_prompt.setdefault(prompt_key(s), []).append(s)
     for members in by_prompt.values():
         tree: list = []
         for s in members:
