@@ -37,8 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from prl.model import families
 from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
 from prl.model.mla import absorbed_weights
-from prl.transport.batch import MicroBatch, cp_multiple, pad_row, sample_ids, shard_positions, shard_sequence
-from prl.transport.trees import has_branches
+from prl.transport.batch import MicroBatch, cp_multiple, pad_row, shard_positions, shard_sequence
+from prl.transport.trees import has_branches, sample_ids
 
 
 @dataclass

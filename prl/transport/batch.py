@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from prl.transport import trees
+from prl.transport.trees import sample_ids
 
 
 @dataclass
@@ -180,11 +181,6 @@ def pad_row(mb: MicroBatch, multiple: int) -> MicroBatch:
         ids = torch.arange(routing.shape[-1], dtype=routing.dtype).expand(pad, *routing.shape[1:])
         routing = torch.cat([routing, ids])
     return MicroBatch(**fields, routing=routing)
-
-
-def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Which packed sample each token of a row belongs to (a sample starts where its position is 0)."""
-    return torch.cumsum((position_ids == 0).long(), 0) - 1
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -92,6 +92,12 @@ def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sample (a tree counts as one) each token of a row belongs to: a sample starts where
+    its position is 0."""
+    return torch.cumsum((position_ids == 0).long(), -1) - 1
+
+
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """[L]: which segment (a sample, or a branch of a tree past its first) each token belongs to."""
     return torch.cumsum(segment_starts(position_ids).long(), -1) - 1
@@ -118,7 +124,7 @@ def tree_mask(position_ids: torch.Tensor) -> torch.Tensor:
     pos = position_ids
     starts = segment_starts(pos)
     seg = torch.cumsum(starts.long(), -1)
-    sample = torch.cumsum((pos == 0).long(), -1)
+    sample = sample_ids(pos)
     seg_first_pos = _at_last(starts, pos)  # the position where the token's segment starts
     root_seg = _at_last(pos == 0, seg)  # the first segment of the token's sample
     q, k = (lambda t: t[:, :, None]), (lambda t: t[:, None, :])
