@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -202,21 +203,39 @@ def test_server_and_trainer_killed_in_one_run(tmp_path):
     assert back, "inference-1 came back"
 
 
+def wait_until_generating(run_dir: Path, proc: subprocess.Popen, name: str) -> None:
+    """Until the server `name` holds a running request (its own `/metrics`), so that a kill now
+    catches a request in flight; a run that ends first fails the test."""
+    from prl.transport.ports import url_of
+    secret = (run_dir / "secret").read_text().strip()
+    with httpx.Client(headers={"Authorization": f"Bearer {secret}"}, timeout=5) as client:
+        while True:
+            try:
+                if client.get(url_of(run_dir, name, "http://127.0.0.1:1") + "/metrics").json()["running"] > 0:
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass  # not up yet, or restarting
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended first (rc {proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+            time.sleep(0.01)
+
+
 def test_a_server_killed_mid_conversation_loses_no_group(tmp_path):
     """code-tiny from random init on two servers: every conversation has two turns (a program, the
-    sandbox's verdict, a second program). inference-1 is SIGKILLed after a random RL step while
-    conversations are inside or between turns: the turns it ran are re-issued on the other server
-    (`reissued` events) and conversations whose earlier turn ran on it take their next turn there
-    (`moved`), with their tokens so far; it restarts and rejoins. Every step trains once, no prompt is
-    lost or trained twice, nothing is left running. Which turns the kill catches depends on timing, so
-    those counts are printed, not asserted (`tests/test_budget.py` moves a conversation between turns
-    on purpose)."""
+    sandbox's verdict, a second program). inference-1 is SIGKILLed after a random RL step, once its
+    `/metrics` shows a request running, while conversations are inside or between turns: the turns it
+    ran are re-issued on the other server (`reissued` events) and conversations whose earlier turn ran
+    on it take their next turn there (`moved`), with their tokens so far; it restarts and rejoins.
+    Every step trains once, no prompt is lost or trained twice, nothing is left running. That the kill
+    catches a request is asserted; which turns it catches depends on timing, so those counts are
+    printed (`tests/test_budget.py` moves a conversation between turns on purpose)."""
     steps, at = 8, fault_rng("server kill mid-conversation").randrange(1, 4)
     print(f"SIGKILL inference-1 after RL step {at}")
     proc = start(tmp_path, "--set", f"rl.max_steps={steps}", "--set", "sft.steps=0", "--set", "inference.num_servers=2",
                  recipe=ROOT / "recipes" / "code-tiny.toml")
     run_dir = tmp_path / "code-tiny"
     wait_for(run_dir, proc, rl_step_reached(at))
+    wait_until_generating(run_dir, proc, "inference-1")  # the orchestrator may be waiting on the trainer
     os.kill(pid_of(run_dir, "inference-1"), signal.SIGKILL)
     wait_for(run_dir, proc, restarted("inference-1"))
     out, _ = proc.communicate(timeout=900)
