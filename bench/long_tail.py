@@ -24,7 +24,7 @@ raises tokens per second without more work done per sample, so read both ratios)
 idle share, inference idle share, p90 length of the trajectories trained against all generated
 (the length bias), stale tokens, and the reward at a fixed wall time (the shortest run's).
 
-    .venv/bin/python bench/long_tail.py [--steps 100] [--skip 3]
+    .venv/bin/python bench/long_tail.py [--steps 100] [--skip 3] [--only VARIANT ...] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def run(name: str, args, out: Path) -> list[dict]:
            "--set", f"run.output_dir={out}", "--set", f"run.name={name}", "--set", "task.name=reverse_long_tail",
            "--set", "task.min_len=3", "--set", "task.max_len=40", "--set", "sampling.max_tokens=48",
            "--set", f"rl.max_steps={args.steps}", "--set", "trainer.checkpoint_every=0"]
-    for item in VARIANTS[name]:
+    for item in [*VARIANTS[name], *args.set]:
         cmd += ["--set", item]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
@@ -75,11 +75,15 @@ def figures(events: list[dict], skip: int) -> dict:
     shipped = sum(e["completion_len"] * 128 for e in orch[skip:])
     trained, span = shipped - sum(masked), steady[-1]["t"] - steady[0]["t"]
     last = orch[-1]
+    servers = [e for e in events if e["kind"] == "server" and e["t"] >= steady[0]["t"]]
+    decodes = servers[-1].get("decode_steps", 0) - servers[0].get("decode_steps", 0)
+    prefills = servers[-1].get("prefill_forwards", 0) - servers[0].get("prefill_forwards", 0)
     # samples per second too: the policies drift to different completion lengths on the same prompts
     # (async runs' models stop later), so tokens per second alone credits longer answers as throughput
     samples = 128 * (len(steady) - 1)
     return {**m, "tokens_per_s": trained / span, "shipped_tokens_per_s": shipped / span,
-            "samples_per_s": samples / span, "completion_len_mean": shipped / (128 * len(orch[skip:])),
+            "samples_per_s": samples / span, "prefills_per_decode": prefills / max(1, decodes),
+            "completion_len_mean": shipped / (128 * len(orch[skip:])),
             "len_accepted_p90": last["len_accepted_p90"], "len_generated_p90": last["len_generated_p90"],
             "len_bias_p90": last["len_accepted_p90"] / max(1.0, last["len_generated_p90"]),
             "stale_tokens": sum(e["stale_tokens"] for e in orch), "stale_dropped": last["stale_dropped_total"],
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps excluded (start-up)")
     ap.add_argument("--only", nargs="*", default=None, help="variants to run (sync is always run)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every variant")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="prl-long-tail-"))
     names = [n for n in VARIANTS if args.only is None or n == "sync" or n in args.only]
@@ -107,7 +112,7 @@ def main() -> None:
         print(f"{name:22s} {r['tokens_per_s']:7.0f} tok/s ({r['shipped_tokens_per_s']:.0f} shipped)  "
               f"{r['samples_per_s']:5.0f} samples/s  mean length {r['completion_len_mean']:4.1f}  "
               f"trainer idle {r['trainer_idle']:4.0%}  inference idle "
-              f"{r['inference_idle']:4.0%}  p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
+              f"{r['inference_idle']:4.0%}  prefills/decode {r['prefills_per_decode']:.2f}  p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
               f"  stale tokens {r['stale_tokens']}  dropped {r['stale_dropped']}  reward at {horizon:.0f} s "
               f"{r['reward_at_horizon']:.3f}", flush=True)
     sync = res["sync"]
@@ -117,6 +122,7 @@ def main() -> None:
         line[f"{name}_shipped_tokens_per_s"] = round(r["shipped_tokens_per_s"], 1)
         line[f"{name}_samples_per_s"] = round(r["samples_per_s"], 1)
         line[f"{name}_completion_len_mean"] = round(r["completion_len_mean"], 2)
+        line[f"{name}_prefills_per_decode"] = round(r["prefills_per_decode"], 3)
         line[f"{name}_len_bias_p90"] = round(r["len_bias_p90"], 3)
         line[f"{name}_reward_at_horizon"] = round(r["reward_at_horizon"], 3)
         if name != "sync":

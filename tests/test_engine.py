@@ -60,6 +60,49 @@ def test_request_joins_mid_generation(tiny_model):
     assert short.out_ids == alone.out_ids
 
 
+def test_waiting_prompts_are_prefilled_ahead_in_a_joining_ones_forward(tiny_model):
+    """Behind a full batch, requests wait; the forward of a prompt joining now also computes the
+    prompts of up to three waiting ones (`_ahead`), which later join with no forward of their own and
+    generate what they generate alone."""
+    core = EngineCore(tiny_model, max_batch_size=2)
+    first = [Sequence([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=n)) for n in (3, 30)]
+    waiting = [Sequence(p, GREEDY) for p in ([9, 10], [11, 12, 13], [14], [15, 16, 17, 18], [19, 20])]
+    for s in first + waiting:
+        core.add(s)
+    core.step()
+    assert [s.admitted_at_step for s in waiting] == [-1] * 5, "the batch is full"
+    assert core.stats.prefill_forwards == 1 and core.stats.prefilled_ahead == 3, "one forward, four prompts"
+    while waiting[3].admitted_at_step < 0:
+        core.step()
+    assert core.stats.prefill_forwards == 2 and core.stats.prefilled_ahead == 4, "the fourth's, and the fifth ahead"
+    while core.has_work():
+        core.step()
+    assert core.stats.prefill_forwards == 2, "those computed ahead joined with no forward"
+    assert core.stats.prefill_tokens == 3 + 2 + 3 + 1 + 4 + 2, "each prompt computed once"
+    for seq in waiting:
+        ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
+        assert seq.out_ids == ref.out_ids
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_short_shared_instruction_is_recomputed_in_a_shared_forward(tiny_model):
+    """Prompts sharing a short instruction (4 of 9 tokens, as reverse's "rev:") with an earlier entry
+    join in one forward that recomputes it, rather than one forward each after the reused prefix; a
+    prompt extending an entry by little (a conversation's next turn) reuses its prefix."""
+    core = EngineCore(tiny_model)
+    first = run_all(core, [Sequence([3, 4, 5, 6, 7, 8, 9, 10, 11], GREEDY)])[0]
+    others = [Sequence([3, 4, 5, 6, *tail], GREEDY) for tail in ([12, 13, 14, 15, 16], [17, 18, 19, 20, 21], [22, 23, 24, 25])]
+    turn = Sequence(first.prompt_ids + first.out_ids + [4], GREEDY)
+    run_all(core, [*others, turn])
+    assert core.stats.prefill_forwards == 3, "the first, the three sharing one forward, the turn's own"
+    # the first's KV: its prompt and all it generated but the last token (never fed back)
+    assert core.stats.prefix_hits == 1 and core.stats.prefix_hit_tokens == len(first.prompt_ids) + len(first.out_ids) - 1
+    for seq in [*others, turn]:
+        ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
+        assert seq.out_ids == ref.out_ids
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+
+
 def perturbed(model, scale=0.5, seed=1):
     g = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v

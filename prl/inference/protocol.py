@@ -178,3 +178,5 @@ class Metrics(Msg):
     kv_usage: float | None = None  # KV held over capacity (vLLM: the fullest engine's); None: unbounded
     collective_staged: int = 0  # versions staged from the collective weight path
     collective_receiving: int = -1  # tensors received of the version on the wire now (-1: none)
+    decode_steps: int = 0  # embedded engine: batch decode forwards
+    prefill_forwards: int = 0  # embedded engine: forwards that computed prompt tokens

@@ -236,6 +236,7 @@ def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
             pool_dropped=pool.dropped if pool else 0, kv_usage=core.kv_usage(),
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - s.started, 1e-9)), busy_s=st.busy_s,
             collective_staged=s.receiver.received, collective_receiving=s.receiver.receiving,
+            decode_steps=st.steps, prefill_forwards=st.prefill_forwards,
         )
 
 
