@@ -91,13 +91,46 @@ def test_a_short_shared_instruction_is_recomputed_in_a_shared_forward(tiny_model
     prompt extending an entry by little (a conversation's next turn) reuses its prefix."""
     core = EngineCore(tiny_model)
     first = run_all(core, [Sequence([3, 4, 5, 6, 7, 8, 9, 10, 11], GREEDY)])[0]
-    others = [Sequence([3, 4, 5, 6, *tail], GREEDY) for tail in ([12, 13, 14, 15, 16], [17, 18, 19, 20, 21], [22, 23, 24, 25])]
+    tails = ([12, 13, 14, 15, 16], [17, 18, 19, 20, 21], [22, 23])
+    others = [Sequence([3, 4, 5, 6, *tail], GREEDY) for tail in tails]
     turn = Sequence(first.prompt_ids + first.out_ids + [4], GREEDY)
     run_all(core, [*others, turn])
     assert core.stats.prefill_forwards == 3, "the first, the three sharing one forward, the turn's own"
     # the first's KV: its prompt and all it generated but the last token (never fed back)
-    assert core.stats.prefix_hits == 1 and core.stats.prefix_hit_tokens == len(first.prompt_ids) + len(first.out_ids) - 1
+    reused = len(first.prompt_ids) + len(first.out_ids) - 1
+    assert core.stats.prefix_hits == 1 and core.stats.prefix_hit_tokens == reused
     for seq in [*others, turn]:
+        ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
+        assert seq.out_ids == ref.out_ids
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+
+
+def test_requests_arriving_one_by_one_wait_to_share_a_prefill_forward(tiny_model):
+    """`prefill_wait_steps`: while a batch decodes, a request arriving alone waits (up to that many
+    decode steps) for others to share its prefill forward. Four prompts arriving on four steps are
+    prefilled in one forward and generate what they generate alone; one more, alone, joins after its
+    wait; an empty batch admits at once."""
+    core = EngineCore(tiny_model, prefill_wait_steps=8)
+    long = Sequence([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=40))
+    core.add(long)
+    core.step()
+    assert long.admitted_at_step == 0 and core.stats.prefill_forwards == 1, "an empty batch admits at once"
+    late = []
+    for p in ([9, 10], [11, 12, 13], [14], [15, 16, 17, 18]):
+        late.append(Sequence(p, GREEDY))
+        core.add(late[-1])
+        core.step()
+    assert [s.admitted_at_step for s in late] == [4] * 4, "admitted together once four prompts waited"
+    assert core.stats.prefill_forwards == 2 and core.stats.batched_prefills == 1
+    alone = Sequence([19, 20], GREEDY)
+    core.add(alone)
+    arrived = core.stats.steps
+    while alone.admitted_at_step < 0:
+        core.step()
+    assert alone.admitted_at_step == arrived + 8, "alone, it waited prefill_wait_steps decode steps"
+    while core.has_work():
+        core.step()
+    for seq in [*late, alone]:
         ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
         assert seq.out_ids == ref.out_ids
         torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)

@@ -37,7 +37,7 @@ from prl.model.weights import nonfinite_names
 
 PREFILL_BATCH = 4  # prompts one prefill forward computes at most when some are computed ahead (`_ahead`)
 LOOKAHEAD = 64  # waiting requests `_ahead` looks at
-SHORT_HIT = 16  # a prefix hit this short (and at most half the prompt) is recomputed in a shared prefill forward (`_recomputed`)
+SHORT_HIT = 16  # a hit this short on an entry the prompt does not extend is recomputed in a shared forward
 
 
 @dataclass
@@ -64,6 +64,7 @@ class Sequence:
     length: int = 0  # real tokens in the KV cache
     pending: int = -1  # sampled token not yet fed to the model
     generator: torch.Generator | None = None
+    arrived_at_step: int = -1  # the engine's decode steps when it was added
     admitted_at_step: int = -1
     aborted: bool = False  # its client went away: dropped at the next step
     prefill_only: bool = False  # P/D: compute the prompt's KV into the pool, generate nothing
@@ -100,7 +101,8 @@ class EngineStats:
 class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
                  capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None,
-                 kv_capacity_tokens: int = 0, compiled: bool = False, latent_decode: bool = True):
+                 kv_capacity_tokens: int = 0, compiled: bool = False, latent_decode: bool = True,
+                 prefill_wait_steps: int = 0):
         self.model = model.eval()
         if latent_decode:  # MLA (GLM-5): decode steps attend in the latent space, nothing re-expanded
             mla.install(model)
@@ -121,6 +123,7 @@ class EngineCore:
             self.capture = Capture(model)
         self.max_batch_size = max_batch_size
         self.kv_capacity_tokens = kv_capacity_tokens  # token slots of the batch's KV cache (0: unbounded)
+        self.prefill_wait_steps = prefill_wait_steps  # see `_defer_prefill`
         self.prefix_cache_entries = prefix_cache_entries
         self.version = -1  # no policy loaded yet: random init
         self.stats = EngineStats()
@@ -135,6 +138,7 @@ class EngineCore:
     # ---- called from any thread ----
     def add(self, seq: Sequence) -> None:
         with self._lock:
+            seq.arrived_at_step = self.stats.steps
             self.waiting.append(seq)
 
     def stage_weights(self, policy: "Policy") -> threading.Event:
@@ -279,14 +283,32 @@ class EngineCore:
 
     def _take_waiting(self) -> list[Sequence]:
         """The waiting requests that join this step, in order, while the batch and its KV capacity allow
-        (a request that does not fit waits for running ones to finish)."""
+        (a request that does not fit waits for running ones to finish); none while `_defer_prefill`."""
         seqs: list[Sequence] = []
         with self._lock:
+            if self._defer_prefill():
+                return seqs
             while self.waiting and len(self.running) + len(seqs) < self.max_batch_size:
                 if not self.room_for(self.waiting[0], joining=seqs):
                     break
                 seqs.append(self.waiting.popleft())
         return seqs
+
+    def _defer_prefill(self) -> bool:
+        """Whether the waiting requests wait for more to share their prefill forward (called under the
+        lock): while a batch decodes, until PREFILL_BATCH distinct prompts wait or the oldest has
+        waited `prefill_wait_steps` decode steps. In an async RL run groups arrive one by one as
+        others finish, each paying a prefill forward of its own, which costs about what a forward of
+        several does. Never with an empty batch (nothing would run), nor where prompts cannot share a
+        forward (routing capture, the KV pool)."""
+        if not (self.prefill_wait_steps and self.running and self.waiting) or self.capture is not None \
+                or self.pool is not None or len(self.running) >= self.max_batch_size:
+            return False
+        oldest = self.waiting[0]
+        if self.stats.steps - oldest.arrived_at_step >= self.prefill_wait_steps or not self._recomputed(oldest, set()):
+            return False  # waited enough, or a conversation's next turn (its own forward after its history)
+        prompts = {tuple(s.prompt_ids) for s in itertools.islice(self.waiting, LOOKAHEAD)}
+        return len(prompts) < PREFILL_BATCH
 
     def _batchable(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Those that can share one forward computing their whole prompt (`_recomputed`), the first of
@@ -302,16 +324,16 @@ class EngineCore:
 
     def _recomputed(self, s: Sequence, seen: set) -> bool:
         """Whether `s`'s prompt, not met before in `seen` (which learns it), is best computed whole in a
-        shared forward: no prefix entry covers more than its first SHORT_HIT tokens and half of it (a
-        task's common instruction, "rev:"; recomputed, as that costs a shared forward little next to a
-        forward of its own; a conversation's earlier turns are reused) and none knows its last logits
-        (it costs no forward at all)."""
+        shared forward: no prefix entry covers more than its first SHORT_HIT tokens unless the prompt
+        extends it whole (a task's common instruction, "rev:" and a letter, is recomputed, as that costs
+        a shared forward little next to a forward of its own; a conversation's earlier turns are
+        reused), and none knows its last logits (it costs no forward at all)."""
         ids = tuple(s.prompt_ids)
         if s.prefill_only or ids in seen:
             return False
         seen.add(ids)
         hit = self.prefix.lookup(self.version, ids)
-        return hit is None or (hit.logits is None and hit.tokens <= min(SHORT_HIT, len(ids) // 2))
+        return hit is None or (hit.logits is None and hit.tokens <= SHORT_HIT and hit.shared < len(hit.entry.ids))
 
     def _ahead(self, room: int, seen: set) -> list[Sequence]:
         """Up to `room` requests still waiting (behind a full batch or the KV capacity) whose prompts

@@ -414,7 +414,7 @@ def serve(cfg, log) -> None:
         print(f"{cfg.name}: FP8 ({backend()}) on {len(report['fp8'])} layers, kept {len(report['kept'])}", flush=True)
     core = EngineCore(model, inf.max_batch_size, inf.prefix_cache_entries, seed=cfg.run.seed + 1000 * cfg.index,
                       capture_routing=cfg.router_replay, pool=join_pool(cfg), kv_capacity_tokens=inf.kv_capacity_tokens,
-                      compiled=inf.compile)
+                      compiled=inf.compile, prefill_wait_steps=inf.prefill_wait_steps)
     if inf.compile:
         t0 = time.perf_counter()
         core.warm_up()

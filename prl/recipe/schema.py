@@ -380,6 +380,9 @@ class InferenceCfg(Section):
     threads: int = Field(1, gt=0)
     prefix_cache_entries: int = Field(256, ge=0)
     kv_capacity_tokens: int = Field(0, ge=0)  # embedded engine: KV token slots of the running batch (0: unbounded)
+    # embedded engine: while a batch decodes, a request whose prompt is computed whole waits up to this
+    # many decode steps for others to share its prefill forward (0: each joins at once)
+    prefill_wait_steps: int = Field(3, ge=0)
     # embedded engine: every forward through torch.compile (CPU: about 1.5x the tokens/s on the tiny
     # Qwen3-MoE; the server compiles for a minute or so before it answers /health)
     compile: bool = False
