@@ -62,7 +62,7 @@ def start_sshd(root: Path, address: str, client_pub: Path, netns: str | None = N
     Path("/run/sshd").mkdir(exist_ok=True)  # privilege-separation directory sshd insists on
     prefix = ["ip", "netns", "exec", netns] if netns else []
     proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", str(config)], stderr=open(root / "sshd.log", "wb"))
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # only how long a failure takes to show
     while True:
         try:
             socket.create_connection((address, port), timeout=0.2).close()

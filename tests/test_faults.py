@@ -40,15 +40,24 @@ def start(tmp_path: Path, *args: str, recipe: Path = RECIPE) -> subprocess.Popen
 
 
 def wait_for(run_dir: Path, proc: subprocess.Popen, done) -> list[dict]:
-    """Wait on the run's own events until `done(events)`; a run that ends first fails the test."""
+    """Wait on the run's own events until `done(events)`; a run that ends first fails the test. Reads
+    only what was appended since the last look, so a poll stays short however long the run."""
+    evs: list[dict] = []
+    offset, partial = 0, b""
     while True:
-        if (run_dir / "metrics.jsonl").exists():
-            evs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            *lines, partial = (partial + chunk).split(b"\n")
+            evs += [json.loads(ln) for ln in lines if ln.strip()]
             if done(evs):
                 return evs
         if proc.poll() is not None:
             raise AssertionError(f"the run ended first (rc {proc.returncode}):\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def rl_step_reached(step: int):
@@ -56,13 +65,12 @@ def rl_step_reached(step: int):
 
 
 def three_steps_past_a_checkpoint(step: int):
-    """The newest RL step trained is `step` or later and the third after a checkpoint
-    (trainer.checkpoint_every = 4): a trainer stopped now has three steps to replay after its restart,
-    the second trained with the optimizer state and the third with the learning rate it restored."""
-    def reached(evs) -> bool:
-        steps = [e["step"] for e in evs if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
-        return bool(steps) and steps[-1] >= step and steps[-1] % 4 == 2
-    return reached
+    """An RL step `step` or later that is the third after a checkpoint (trainer.checkpoint_every = 4) was
+    trained: a trainer stopped now has three steps to replay after its restart, the second trained
+    with the optimizer state and the third with the learning rate it restored. Stays true once met (a
+    poll that comes a step late still strikes; `check_trainer_restart` holds wherever the fault lands)."""
+    return lambda evs: any(e["kind"] == "trainer_step" and e.get("stage") == "rl" and e["step"] >= step
+                           and e["step"] % 4 == 2 for e in evs)
 
 
 def restarted(unit: str, count: int = 1):
@@ -203,18 +211,21 @@ def test_server_and_trainer_killed_in_one_run(tmp_path):
     assert back, "inference-1 came back"
 
 
-def wait_until_generating(run_dir: Path, proc: subprocess.Popen, name: str) -> None:
-    """Until the server `name` holds a running request (its own `/metrics`), so that a kill now
-    catches a request in flight; a run that ends first fails the test."""
+def stop_while_generating(run_dir: Path, proc: subprocess.Popen, name: str) -> int:
+    """SIGSTOP the server `name` the moment its own `/metrics` shows a request running (a stopped
+    server finishes nothing, so a kill after this catches that request in flight); its pid. A run
+    that ends first fails the test."""
     from prl.transport.ports import url_of
     secret = (run_dir / "secret").read_text().strip()
+    pid = pid_of(run_dir, name)
     with httpx.Client(headers={"Authorization": f"Bearer {secret}"}, timeout=5) as client:
         while True:
             try:
                 if client.get(url_of(run_dir, name, "http://127.0.0.1:1") + "/metrics").json()["running"] > 0:
-                    return
+                    os.kill(pid, signal.SIGSTOP)
+                    return pid
             except (httpx.HTTPError, KeyError, ValueError):
-                pass  # not up yet, or restarting
+                pass  # not up yet
             if proc.poll() is not None:
                 raise AssertionError(f"the run ended first (rc {proc.returncode}):\n{proc.stdout.read()[-4000:]}")
             time.sleep(0.01)
@@ -223,7 +234,7 @@ def wait_until_generating(run_dir: Path, proc: subprocess.Popen, name: str) -> N
 def test_a_server_killed_mid_conversation_loses_no_group(tmp_path):
     """code-tiny from random init on two servers: every conversation has two turns (a program, the
     sandbox's verdict, a second program). inference-1 is SIGKILLed after a random RL step, once its
-    `/metrics` shows a request running, while conversations are inside or between turns: the turns it
+    `/metrics` shows a request running (stopped at once, then killed), while conversations are inside or between turns: the turns it
     ran are re-issued on the other server (`reissued` events) and conversations whose earlier turn ran
     on it take their next turn there (`moved`), with their tokens so far; it restarts and rejoins.
     Every step trains once, no prompt is lost or trained twice, nothing is left running. That the kill
@@ -235,8 +246,7 @@ def test_a_server_killed_mid_conversation_loses_no_group(tmp_path):
                  recipe=ROOT / "recipes" / "code-tiny.toml")
     run_dir = tmp_path / "code-tiny"
     wait_for(run_dir, proc, rl_step_reached(at))
-    wait_until_generating(run_dir, proc, "inference-1")  # the orchestrator may be waiting on the trainer
-    os.kill(pid_of(run_dir, "inference-1"), signal.SIGKILL)
+    os.kill(stop_while_generating(run_dir, proc, "inference-1"), signal.SIGKILL)  # not while idle
     wait_for(run_dir, proc, restarted("inference-1"))
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
@@ -309,7 +319,8 @@ def test_kv_master_killed_mid_run_costs_only_recomputation(tmp_path):
                  "--set", "inference.kv_pool.memory_gb=0.05", "--set", "inference.num_servers=2",
                  "--set", "inference.kv_pool.retry_s=2")
     run_dir = tmp_path / "reverse-tiny"
-    wait_for(run_dir, proc, rl_step_reached(at))
+    served = lambda evs: any(e["kind"] == "server" and e["pool_hit_tokens"] > 0 for e in evs)  # noqa: E731
+    wait_for(run_dir, proc, lambda evs: rl_step_reached(at)(evs) and served(evs))  # a report shows pool hits
     os.kill(pid_of(run_dir, "kv-master"), signal.SIGKILL)
     killed_at = len((run_dir / "metrics.jsonl").read_text().splitlines())  # events before this one predate it
     wait_for(run_dir, proc, restarted("kv-master"))

@@ -60,7 +60,7 @@ def test_set_overrides_are_typed(tmp_path):
 
 def test_cli_rejects_bad_recipe_and_starts_nothing(tmp_path):
     path = write(tmp_path, f"[run]\nname = 'bad'\noutput_dir = '{tmp_path}/runs'\n[rl]\nbatch_size = 60\n")
-    p = subprocess.run(prl_cmd("run", path, "--no-tui"), capture_output=True, text=True, timeout=60)
+    p = subprocess.run(prl_cmd("run", path, "--no-tui"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "rl.batch_size" in p.stderr and str(path) in p.stderr and "nothing was started" in p.stderr
     assert not (tmp_path / "runs").exists()
@@ -68,7 +68,7 @@ def test_cli_rejects_bad_recipe_and_starts_nothing(tmp_path):
 
 def test_dry_run_prints_recipe_and_plan(tmp_path):
     p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", "--dry-run", "--set", "trainer.nproc=2"),
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "[trainer]" in out and "nproc = 2" in out
@@ -124,10 +124,10 @@ def test_a_broken_pretrained_folder_is_refused_before_launch(tmp_path):
 def test_cli_help_names_tables_and_the_workstation_side_stays_torch_free():
     import sys
 
-    p = subprocess.run(prl_cmd("--help"), capture_output=True, text=True, timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    p = subprocess.run(prl_cmd("--help"), capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0 and "Usage: prl " in p.stdout and "recipe's [cluster]" in p.stdout, p.stdout
     code = "import sys, prl.launch.driver, prl.launch.cluster, prl.launch.doctor; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", "the driver must not import torch (it costs seconds before prl run prints)"
 
 
@@ -135,7 +135,7 @@ def test_dry_run_checks_what_run_checks(tmp_path):
     """A custom task whose module does not exist is refused by --dry-run too, before anything starts."""
     path = write(tmp_path, "[task]\nname = 'custom'\ndataset = 'no_such_module:data'\nreward = 'no_such_module:score'\n")
     for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
-        p = subprocess.run(prl_cmd("run", path, *extra), capture_output=True, text=True, timeout=60)
+        p = subprocess.run(prl_cmd("run", path, *extra), capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "no_such_module" in p.stdout + p.stderr, p.stdout + p.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -153,7 +153,7 @@ def test_wandb_without_a_login_or_package_is_refused_before_launch(tmp_path, mon
     online = ["--set", 'run.wandb={project="p"}']
     for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
         p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", *online, *extra),
-                           capture_output=True, text=True, timeout=60, env=env)
+                           capture_output=True, text=True, timeout=120, env=env)
         assert p.returncode == 2 and "wandb login" in p.stdout, p.stdout + p.stderr
     assert not (tmp_path / "runs").exists()
     recipe = load_recipe(ROOT / "recipes/reverse-tiny.toml", ['run.wandb={project="p"}'])

@@ -43,7 +43,7 @@ def test_unimportable_task_fails_before_start(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(f"[run]\noutput_dir = '{tmp_path}/runs'\n[task]\nname = 'custom'\n"
                       "dataset = 'no_such_module:data'\nreward = 'prl.tasks.builtin:exact_match'\n")
-    p = subprocess.run(prl_cmd("run", recipe, "--no-tui"), capture_output=True, text=True, timeout=60)
+    p = subprocess.run(prl_cmd("run", recipe, "--no-tui"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "task.dataset" in p.stdout + p.stderr and "no_such_module" in p.stdout + p.stderr
     assert not (tmp_path / "runs").exists()
 
