@@ -62,10 +62,10 @@ def timed_prefill(core: EngineCore) -> list[float]:
     spent = []
 
     def timed(fn):
-        def wrapped(arg):
+        def wrapped(*args):
             t0 = time.process_time()
             try:
-                return fn(arg)
+                return fn(*args)
             finally:
                 spent.append(time.process_time() - t0)
         return wrapped
