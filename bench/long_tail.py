@@ -75,9 +75,7 @@ def figures(events: list[dict], skip: int) -> dict:
     shipped = sum(e["completion_len"] * 128 for e in orch[skip:])
     trained, span = shipped - sum(masked), steady[-1]["t"] - steady[0]["t"]
     last = orch[-1]
-    servers = [e for e in events if e["kind"] == "server" and e["t"] >= steady[0]["t"]]
-    decodes = servers[-1].get("decode_steps", 0) - servers[0].get("decode_steps", 0)
-    prefills = servers[-1].get("prefill_forwards", 0) - servers[0].get("prefill_forwards", 0)
+    decodes, prefills = grown(events, steady[0]["t"], "decode_steps"), grown(events, steady[0]["t"], "prefill_forwards")
     # samples per second too: the policies drift to different completion lengths on the same prompts
     # (async runs' models stop later), so tokens per second alone credits longer answers as throughput
     samples = 128 * (len(steady) - 1)
@@ -88,6 +86,15 @@ def figures(events: list[dict], skip: int) -> dict:
             "len_bias_p90": last["len_accepted_p90"] / max(1.0, last["len_generated_p90"]),
             "stale_tokens": sum(e["stale_tokens"] for e in orch), "stale_dropped": last["stale_dropped_total"],
             "rl_start": steady[0]["t"], "rewards": [(e["t"], e["reward"]) for e in orch]}
+
+
+def grown(events: list[dict], since: float, key: str) -> int:
+    """How much a server counter grew from `since` on, summed over the servers (each its own count)."""
+    per: dict[str, list[int]] = {}
+    for e in events:
+        if e["kind"] == "server" and e["t"] >= since:
+            per.setdefault(e["name"], []).append(e.get(key, 0))
+    return sum(v[-1] - v[0] for v in per.values())
 
 
 def reward_at(r: dict, seconds: float) -> float:
@@ -101,7 +108,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps excluded (start-up)")
     ap.add_argument("--only", nargs="*", default=None, help="variants to run (sync is always run)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every variant")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every variant")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="prl-long-tail-"))
     names = [n for n in VARIANTS if args.only is None or n == "sync" or n in args.only]
@@ -112,7 +120,8 @@ def main() -> None:
         print(f"{name:22s} {r['tokens_per_s']:7.0f} tok/s ({r['shipped_tokens_per_s']:.0f} shipped)  "
               f"{r['samples_per_s']:5.0f} samples/s  mean length {r['completion_len_mean']:4.1f}  "
               f"trainer idle {r['trainer_idle']:4.0%}  inference idle "
-              f"{r['inference_idle']:4.0%}  prefills/decode {r['prefills_per_decode']:.2f}  p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
+              f"{r['inference_idle']:4.0%}  prefills/decode {r['prefills_per_decode']:.2f}  "
+              f"p90 trained/generated {r['len_accepted_p90']:.0f}/{r['len_generated_p90']:.0f}"
               f"  stale tokens {r['stale_tokens']}  dropped {r['stale_dropped']}  reward at {horizon:.0f} s "
               f"{r['reward_at_horizon']:.3f}", flush=True)
     sync = res["sync"]

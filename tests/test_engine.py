@@ -79,6 +79,8 @@ def test_waiting_prompts_are_prefilled_ahead_in_a_joining_ones_forward(tiny_mode
         core.step()
     assert core.stats.prefill_forwards == 2, "those computed ahead joined with no forward"
     assert core.stats.prefill_tokens == 3 + 2 + 3 + 1 + 4 + 2, "each prompt computed once"
+    st = core.stats  # those computed ahead count as computed, not as hits when they join
+    assert st.prefix_hits == 1 and st.prefill_tokens + st.prefix_hit_tokens == st.prompt_tokens
     for seq in waiting:
         ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
         assert seq.out_ids == ref.out_ids
@@ -90,14 +92,16 @@ def test_a_short_shared_instruction_is_recomputed_in_a_shared_forward(tiny_model
     join in one forward that recomputes it, rather than one forward each after the reused prefix; a
     prompt extending an entry by little (a conversation's next turn) reuses its prefix."""
     core = EngineCore(tiny_model)
-    first = run_all(core, [Sequence([3, 4, 5, 6, 7, 8, 9, 10, 11], GREEDY)])[0]
+    first = run_all(core, [Sequence([3, 4, 5, 6, 7, 8, 9, 10, 11], SamplingParams(temperature=0.0, max_tokens=4))])[0]
     tails = ([12, 13, 14, 15, 16], [17, 18, 19, 20, 21], [22, 23])
     others = [Sequence([3, 4, 5, 6, *tail], GREEDY) for tail in tails]
     turn = Sequence(first.prompt_ids + first.out_ids + [4], GREEDY)
     run_all(core, [*others, turn])
     assert core.stats.prefill_forwards == 3, "the first, the three sharing one forward, the turn's own"
-    # the first's KV: its prompt and all it generated but the last token (never fed back)
+    # the first's KV: its prompt and all it generated but the last token (never fed back), within
+    # SHORT_HIT: reused because the turn extends it, not for its length
     reused = len(first.prompt_ids) + len(first.out_ids) - 1
+    assert reused <= 16
     assert core.stats.prefix_hits == 1 and core.stats.prefix_hit_tokens == reused
     for seq in [*others, turn]:
         ref = run_all(EngineCore(tiny_model), [Sequence(seq.prompt_ids, GREEDY)])[0]
@@ -128,6 +132,14 @@ def test_requests_arriving_one_by_one_wait_to_share_a_prefill_forward(tiny_model
     while alone.admitted_at_step < 0:
         core.step()
     assert alone.admitted_at_step == arrived + 8, "alone, it waited prefill_wait_steps decode steps"
+    while core.has_work():
+        core.step()
+    core.add(Sequence([21, 22, 23], SamplingParams(temperature=0.0, max_tokens=20)))
+    core.step()
+    turn = Sequence(late[0].prompt_ids + late[0].out_ids + [4], GREEDY)  # extends a finished request's KV
+    core.add(turn)
+    core.step()
+    assert turn.admitted_at_step == core.stats.steps - 1, "a conversation's next turn does not wait"
     while core.has_work():
         core.step()
     for seq in [*late, alone]:

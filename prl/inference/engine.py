@@ -285,9 +285,9 @@ class EngineCore:
         """The waiting requests that join this step, in order, while the batch and its KV capacity allow
         (a request that does not fit waits for running ones to finish); none while `_defer_prefill`."""
         seqs: list[Sequence] = []
+        if self._defer_prefill():
+            return seqs
         with self._lock:
-            if self._defer_prefill():
-                return seqs
             while self.waiting and len(self.running) + len(seqs) < self.max_batch_size:
                 if not self.room_for(self.waiting[0], joining=seqs):
                     break
@@ -295,20 +295,22 @@ class EngineCore:
         return seqs
 
     def _defer_prefill(self) -> bool:
-        """Whether the waiting requests wait for more to share their prefill forward (called under the
-        lock): while a batch decodes, until PREFILL_BATCH distinct prompts wait or the oldest has
-        waited `prefill_wait_steps` decode steps. In an async RL run groups arrive one by one as
+        """Whether the waiting requests wait for more to share their prefill forward: while a batch
+        decodes, until PREFILL_BATCH distinct prompts wait or the oldest has waited
+        `prefill_wait_steps` decode steps. In an async RL run groups arrive one by one as
         others finish, each paying a prefill forward of its own, which costs about what a forward of
         several does. Never with an empty batch (nothing would run), nor where prompts cannot share a
         forward (routing capture, the KV pool)."""
         if not (self.prefill_wait_steps and self.running and self.waiting) or self.capture is not None \
                 or self.pool is not None or len(self.running) >= self.max_batch_size:
             return False
-        oldest = self.waiting[0]
-        if self.stats.steps - oldest.arrived_at_step >= self.prefill_wait_steps or not self._recomputed(oldest, set()):
-            return False  # waited enough, or a conversation's next turn (its own forward after its history)
-        prompts = {tuple(s.prompt_ids) for s in itertools.islice(self.waiting, LOOKAHEAD)}
-        return len(prompts) < PREFILL_BATCH
+        with self._lock:  # what other threads change; the prefix cache is the engine thread's own
+            waiting = list(itertools.islice(self.waiting, LOOKAHEAD))
+        if not waiting or self.stats.steps - waiting[0].arrived_at_step >= self.prefill_wait_steps:
+            return False  # waited enough
+        if not self._recomputed(waiting[0], set(), touch=False):
+            return False  # a conversation's next turn (its own forward after its history), or cached
+        return len({tuple(s.prompt_ids) for s in waiting}) < PREFILL_BATCH
 
     def _batchable(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Those that can share one forward computing their whole prompt (`_recomputed`), the first of
@@ -319,36 +321,43 @@ class EngineCore:
             return [], []
         seen: set = set()
         out = [s for s in seqs if self._recomputed(s, seen)]
-        ahead = self._ahead(PREFILL_BATCH - len(out), seen) if out and self.prefix.max_entries > 0 else []
+        room = min(PREFILL_BATCH, self.prefix.max_entries - 1) - len(out)  # entries it fills stay till used
+        ahead = self._ahead(room, seen, max(len(s.prompt_ids) for s in out)) if out and not self._staged else []
         return (out, ahead) if len(out) + len(ahead) > 1 else ([], [])
 
-    def _recomputed(self, s: Sequence, seen: set) -> bool:
+    def _recomputed(self, s: Sequence, seen: set, touch: bool = True) -> bool:
         """Whether `s`'s prompt, not met before in `seen` (which learns it), is best computed whole in a
         shared forward: no prefix entry covers more than its first SHORT_HIT tokens unless the prompt
         extends it whole (a task's common instruction, "rev:" and a letter, is recomputed, as that costs
         a shared forward little next to a forward of its own; a conversation's earlier turns are
-        reused), and none knows its last logits (it costs no forward at all)."""
+        reused), and none knows its last logits (it costs no forward at all). `touch`: a lookup that
+        uses what it finds (keeps the entry recent)."""
         ids = tuple(s.prompt_ids)
         if s.prefill_only or ids in seen:
             return False
         seen.add(ids)
-        hit = self.prefix.lookup(self.version, ids)
+        hit = self.prefix.lookup(self.version, ids, touch=touch)
         return hit is None or (hit.logits is None and hit.tokens <= SHORT_HIT and hit.shared < len(hit.entry.ids))
 
-    def _ahead(self, room: int, seen: set) -> list[Sequence]:
+    def _ahead(self, room: int, seen: set, width: int) -> list[Sequence]:
         """Up to `room` requests still waiting (behind a full batch or the KV capacity) whose prompts
         `_recomputed` takes: their prefill shares the forward of those joining now, and their KV and
         last logits wait in the prefix cache, so that joining later costs them no forward. A prefill
         forward costs about the same for one short prompt as for several (reverse-tiny's model: 3.2 ms
         for one, 4.6 ms for four; a decode step of 120 rows 6.9 ms), and a full batch frees room for
-        one group at a time, each group's first member paying a forward of its own."""
+        one group at a time, each group's first member paying a forward of its own. Only prompts of
+        half the forward's `width` (its longest joining prompt) to all of it: the forward's cost is rows
+        x width, and its peak memory is not in the KV capacity."""
+        if room <= 0:
+            return []
+        with self._lock:  # what other threads change; the prefix cache is the engine thread's own
+            waiting = list(itertools.islice(self.waiting, LOOKAHEAD))
         out: list[Sequence] = []
-        with self._lock:
-            for s in itertools.islice(self.waiting, LOOKAHEAD):
-                if len(out) >= room:
-                    break
-                if self._recomputed(s, seen):
-                    out.append(s)
+        for s in waiting:
+            if len(out) >= room:
+                break
+            if width // 2 <= len(s.prompt_ids) <= width and self._recomputed(s, seen, touch=False):
+                out.append(s)
         return out
 
     def _prefill_batch(self, joining: list[Sequence], ahead: list[Sequence]) -> dict[int, tuple[object, torch.Tensor]]:
@@ -375,8 +384,10 @@ class EngineCore:
             if self.template is None:
                 self.template = empty_like_cache(row)
             self.stats.prefill_tokens += n
-            if i >= len(joining):  # joins later, as a hit on this entry
-                self.prefix.insert(self.version, tuple(s.prompt_ids), clone_cache(row), None, {n: logits[i]})
+            if i >= len(joining):  # joins later on this entry (counted as computed here, not as a hit then)
+                entry = self.prefix.insert(self.version, tuple(s.prompt_ids), clone_cache(row), None, {n: logits[i]})
+                if entry is not None:
+                    entry.ahead = True
                 continue
             s.length, s.kv_version, s.prompt_routing = n, self.version, None
             self.stats.prompt_tokens += n
@@ -395,7 +406,10 @@ class EngineCore:
         ids = tuple(seq.prompt_ids)
         hit = None if seq.prefill_only else self.prefix.lookup(self.version, ids)  # prefill-only: all for the pool
         if hit is not None and hit.logits is not None:  # the whole prompt, with its last logits
-            self._count_hit(hit.tokens)
+            if hit.entry.ahead:  # computed ahead for this very request: its prefill, counted then
+                hit.entry.ahead = False
+            else:
+                self._count_hit(hit.tokens)
             seq.prompt_routing = None if hit.entry.routing is None else hit.entry.routing[: seq.length]
             seq.prefix_entry = hit.entry if len(hit.entry.ids) == seq.length else None
             return narrow_cache(hit.entry.cache, seq.length), hit.logits

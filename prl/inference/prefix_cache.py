@@ -46,6 +46,7 @@ class Entry:
     pooled: int = 0  # leading tokens already offered to the KV pool (not put again)
     id: int = field(default_factory=itertools.count().__next__)
     keys: list[int] = field(default_factory=list)  # its block keys, to unregister it
+    ahead: bool = False  # computed for a request still waiting, which has not used it yet
 
 
 @dataclass
@@ -99,7 +100,7 @@ class PrefixCache:
         self.index.clear()
         self.tokens = 0
 
-    def lookup(self, version: int, ids: tuple[int, ...]) -> Hit | None:
+    def lookup(self, version: int, ids: tuple[int, ...], touch: bool = True) -> Hit | None:
         """The entry of `version` sharing the longest prefix with `ids`, leaving at least the last
         token to compute unless the entry knows the logits after all of `ids`."""
         found, start = None, 0
@@ -114,7 +115,8 @@ class PrefixCache:
                    key=lambda hit: hit.tokens, default=None)
         if best is None or best.tokens == 0 or best.entry.ids[:start] != ids[:start]:
             return None  # nothing shared, or a hash collision: a miss
-        self.entries.move_to_end(best.entry.id)
+        if touch:  # a probe that will not use the entry leaves its place in the eviction order
+            self.entries.move_to_end(best.entry.id)
         return best
 
     def _usable(self, e: Entry, ids: tuple[int, ...], start: int) -> Hit:
