@@ -308,7 +308,7 @@ class EngineCore:
             waiting = list(itertools.islice(self.waiting, LOOKAHEAD))
         if not waiting or self.stats.steps - waiting[0].arrived_at_step >= self.prefill_wait_steps:
             return False  # waited enough
-        if not self._recomputed(waiting[0], set(), touch=False):
+        if not self._recomputed(waiting[0], set()):
             return False  # a conversation's next turn (its own forward after its history), or cached
         return len({tuple(s.prompt_ids) for s in waiting}) < PREFILL_BATCH
 
@@ -325,18 +325,18 @@ class EngineCore:
         ahead = self._ahead(room, seen, max(len(s.prompt_ids) for s in out)) if out and not self._staged else []
         return (out, ahead) if len(out) + len(ahead) > 1 else ([], [])
 
-    def _recomputed(self, s: Sequence, seen: set, touch: bool = True) -> bool:
+    def _recomputed(self, s: Sequence, seen: set) -> bool:
         """Whether `s`'s prompt, not met before in `seen` (which learns it), is best computed whole in a
         shared forward: no prefix entry covers more than its first SHORT_HIT tokens unless the prompt
         extends it whole (a task's common instruction, "rev:" and a letter, is recomputed, as that costs
         a shared forward little next to a forward of its own; a conversation's earlier turns are
-        reused), and none knows its last logits (it costs no forward at all). `touch`: a lookup that
-        uses what it finds (keeps the entry recent)."""
+        reused), and none knows its last logits (it costs no forward at all). The probe leaves the
+        entry's place in the eviction order: `_prefill` looks up again what it reuses."""
         ids = tuple(s.prompt_ids)
         if s.prefill_only or ids in seen:
             return False
         seen.add(ids)
-        hit = self.prefix.lookup(self.version, ids, touch=touch)
+        hit = self.prefix.lookup(self.version, ids, touch=False)
         return hit is None or (hit.logits is None and hit.tokens <= SHORT_HIT and hit.shared < len(hit.entry.ids))
 
     def _ahead(self, room: int, seen: set, width: int) -> list[Sequence]:
@@ -356,7 +356,7 @@ class EngineCore:
         for s in waiting:
             if len(out) >= room:
                 break
-            if width // 2 <= len(s.prompt_ids) <= width and self._recomputed(s, seen, touch=False):
+            if width // 2 <= len(s.prompt_ids) <= width and self._recomputed(s, seen):
                 out.append(s)
         return out
 
