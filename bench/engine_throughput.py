@@ -47,8 +47,9 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return reqs
 
 
-def run_engine(model, reqs, batch: int, compiled: bool = False, latent: bool = True) -> float:
-    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0, compiled=compiled, latent_decode=latent)
+def run_engine(model, reqs, batch: int, compiled: bool = False, latent: bool = True, lean: bool = True) -> float:
+    core = EngineCore(model, max_batch_size=batch, prefix_cache_entries=0, compiled=compiled, latent_decode=latent,
+                      lean=lean)
     t0 = time.perf_counter()
     for prompt, n in reqs:
         core.add(Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=())))
@@ -145,9 +146,10 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
         if srv:
             run_vllm(srv, reqs[:4])
-        eng, com, gen, vll = [], [], [], []
+        eng, hf, com, gen, vll = [], [], [], [], []
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all
             eng.append(run_engine(model, reqs, args.batch))
+            hf.append(run_engine(model, reqs, args.batch, lean=False))
             if compile_s is not None:
                 com.append(run_engine(model, reqs, args.batch, compiled=True))
             gen.append(run_generate(model, reqs, args.batch))
@@ -156,17 +158,19 @@ def main() -> None:
     finally:
         if srv:
             srv.stop()
-    e, g = useful / min(eng), useful / min(gen)
+    e, f, g = useful / min(eng), useful / min(hf), useful / min(gen)
     if vll:
         v = useful / min(vll)
         print(f"vLLM (HTTP)     : {v:8.0f} tokens/s")
     print(f"embedded engine : {e:8.0f} tokens/s")
+    print(f"  HF forwards     : {f:8.0f} tokens/s (the engine calling the model, no lean forward)")
     if com:
         c = useful / min(com)
         print(f"  compiled        : {c:8.0f} tokens/s (compiled in {compile_s:.0f} s, before the timings)")
     print(f"model.generate  : {g:8.0f} tokens/s")
     print(f"ratio engine/generate: {e / g:.2f}x" + (f", vLLM/engine: {v / e:.2f}x" if vll else ""))
-    line = {"engine_tokens_s": round(e), "generate_tokens_s": round(g), "engine_over_generate": round(e / g, 3)}
+    line = {"engine_tokens_s": round(e), "generate_tokens_s": round(g), "engine_over_generate": round(e / g, 3),
+            "engine_hf_tokens_s": round(f), "engine_hf_over_generate": round(f / g, 3), "lean_over_hf": round(e / f, 3)}
     if com:
         line.update(compiled_tokens_s=round(c), compiled_over_generate=round(c / g, 3),
                     compiled_over_engine=round(c / e, 3), compile_s=round(compile_s, 1))

@@ -150,7 +150,7 @@ def test_requests_arriving_one_by_one_wait_to_share_a_prefill_forward(tiny_model
 
 def perturbed(model, scale=0.5, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+    return {k: v + scale * torch.randn(v.shape, generator=g).to(v.device) if v.is_floating_point() else v
             for k, v in model.state_dict().items()}
 
 
@@ -279,6 +279,55 @@ def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
     for a, b in zip(eager, compiled):
         assert b.out_ids == a.out_ids and b.versions == a.versions
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("r3", [False, True])
+def test_the_lean_forward_serves_what_the_model_forward_does(r3, tmp_path):
+    """Qwen3-MoE's lean forward (`prl.model.lean_forward`, the engine's default for the family) against
+    the engine calling transformers' forward: the same greedy tokens, logprobs and (R3) captured routing
+    through a left-padded batched prefill (without R3), a conversation's next turn extending a reused
+    prefix, requests joining and leaving mid-generation and a weight load in flight. Each of: padding
+    unmasked, the causal mask dropped, rope's sign or the experts' weights swapped, fails it (checked)."""
+    lean_against_model_forward(tmp_path, r3, torch.device("cpu"), atol=1e-4)
+
+
+def lean_against_model_forward(tmp_path, r3: bool, device: torch.device, atol: float) -> None:
+    """Also `tests/test_gpu.py`'s, on CUDA."""
+    import copy
+
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe", num_layers=3), tmp_path / "m"), seed=0).to(device)
+    new_weights = perturbed(model)
+
+    def serve(core):
+        first = run_all(core, [Sequence(p, GREEDY) for p in ([5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13, 14])])
+        turn = Sequence(first[1].prompt_ids + first[1].out_ids + [4, 9], GREEDY)  # extends the second's KV
+        late = Sequence([9, 10, 11], SamplingParams(temperature=0.0, max_tokens=20))
+        core.add(turn)
+        core.add(late)
+        for _ in range(3):
+            core.step()
+        core.stage_weights(Policy(new_weights, {}, version=1))
+        while core.has_work():
+            core.step()
+        return [*first, turn, late], core.stats
+
+    hf, hf_stats = serve(EngineCore(copy.deepcopy(model), capture_routing=r3, lean=False))  # before the load
+    lean_core = EngineCore(model, capture_routing=r3)
+    assert lean_core.lean is not None
+    lean, stats = serve(lean_core)
+    assert stats.prefix_hits == hf_stats.prefix_hits >= 1 and stats.batched_prefills == hf_stats.batched_prefills
+    assert stats.batched_prefills == (0 if r3 else 1)
+    assert -1 in lean[-1].versions and 1 in lean[-1].versions, "the late request spans the load"
+    for a, b in zip(hf, lean):
+        assert b.out_ids == a.out_ids and b.versions == a.versions
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=atol, rtol=0)
+        if r3:
+            assert torch.equal(b.prompt_routing, a.prompt_routing)
+            assert torch.equal(b.completion_routing(), a.completion_routing())
 
 
 def test_latent_decode_equals_the_expanded_attention(tmp_path):

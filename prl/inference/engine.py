@@ -33,6 +33,7 @@ from prl.inference.kv_pool import fill_cache
 from prl.inference.kvcache import BatchCache, cache_row, clone_cache, narrow_cache
 from prl.inference.prefix_cache import Entry, Hit, PrefixCache
 from prl.model import mla
+from prl.model.lean_forward import forward_for as lean_forward_for
 from prl.model.weights import nonfinite_names
 
 PREFILL_BATCH = 4  # prompts one prefill forward computes at most when some are computed ahead (`_ahead`)
@@ -102,7 +103,7 @@ class EngineCore:
     def __init__(self, model, max_batch_size: int = 64, prefix_cache_entries: int = 256, seed: int = 0,
                  capture_routing: bool = False, pool=None, prefix_cache_tokens: int | None = None,
                  kv_capacity_tokens: int = 0, compiled: bool = False, latent_decode: bool = True,
-                 prefill_wait_steps: int = 0):
+                 prefill_wait_steps: int = 0, lean: bool = True):
         self.model = model.eval()
         if latent_decode:  # MLA (GLM-5): decode steps attend in the latent space, nothing re-expanded
             mla.install(model)
@@ -110,6 +111,8 @@ class EngineCore:
         # compiled with dynamic shapes). Parameters are graph inputs, so weights copied in by a load
         # take effect at the next step as they do eagerly.
         self.forward = torch.compile(model, dynamic=True) if compiled else model
+        # eager forwards without transformers' per-call machinery, where the family has one (Qwen3-MoE)
+        self.lean = lean_forward_for(model) if lean and not compiled else None
         self.pool = pool  # prl.inference.kv_pool.KvPool: prompt KV shared with the run's other servers
         self.template = None  # an empty cache of this model's layer types (from the first prefill)
         self.device = next(model.parameters()).device  # inputs go there; sampling runs on the CPU
@@ -375,9 +378,8 @@ class EngineCore:
             ids[i, width - n:] = torch.tensor(s.prompt_ids)
             mask[i, width - n:] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.forward(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), use_cache=True)
-        cache, logits = cache_of(out), out.logits[:, -1].float().cpu()
+        logits, cache = self._forward(ids.to(self.device), pos.to(self.device), None, mask)
+        logits = logits[:, -1].float().cpu()
         result = {}
         for i, (s, n) in enumerate(zip(seqs, lengths)):
             row = cache_row(cache, i, n)
@@ -416,13 +418,13 @@ class EngineCore:
         done, cache, before, pooled = self._start(seq.prompt_ids, hit)
         if done and not pooled:
             self._count_hit(done)
-        out, seq.prompt_routing = self._forward_prompt(seq.prompt_ids, done, cache, before)
+        logits, cache, seq.prompt_routing = self._forward_prompt(seq.prompt_ids, done, cache, before)
         self.stats.prefill_forwards += 1
-        logits = out.logits[0, -1].float().cpu()
+        logits = logits[0, -1].float().cpu()
         self.stats.prefill_tokens += seq.length - done
-        offered = self._put_in_pool(seq, out.cache, pooled, hit if done and not pooled else None)
-        self._remember_prompt(seq, ids, out.cache, logits, offered, hit)
-        return out.cache, logits
+        offered = self._put_in_pool(seq, cache, pooled, hit if done and not pooled else None)
+        self._remember_prompt(seq, ids, cache, logits, offered, hit)
+        return cache, logits
 
     def _count_hit(self, tokens: int) -> None:
         self.stats.prefix_hits += 1
@@ -450,20 +452,30 @@ class EngineCore:
 
     def _forward_prompt(self, prompt: list[int], done: int, cache, before: torch.Tensor | None):
         """The forward of `prompt[done:]` after `cache` (the KV of `prompt[:done]`, whose routing is
-        `before`): the model output with `.cache` (the whole prompt's), and the whole prompt's routing."""
+        `before`): its logits, the whole prompt's cache and the whole prompt's routing."""
         ids = torch.tensor([prompt[done:]], device=self.device)
-        if done:
-            pos = torch.arange(done, len(prompt), device=self.device)[None]
-            out = self.forward(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
-        else:
-            out = self.forward(input_ids=ids, use_cache=True)
-        out.cache = cache_of(out)
+        pos = torch.arange(done, len(prompt), device=self.device)[None]
+        logits, cache = self._forward(ids, pos, cache if done else None)
         if self.template is None:
-            self.template = empty_like_cache(out.cache)
+            self.template = empty_like_cache(cache)
         routing = self.capture.take() if self.capture else None
         if routing is not None and done:
             routing = torch.cat([before, routing])
-        return out, routing
+        return logits, cache, routing
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache, mask: torch.Tensor | None = None):
+        """(logits [B, S, V], cache): `ids` [B, S] at positions `pos` after the P tokens `cache` holds
+        (None: none), `mask` [B, P + S] True at real tokens (None: all real, one row); the lean forward
+        where the family has one, else the model's."""
+        if self.lean is not None:
+            if mask is None:
+                mask = torch.ones(1, int(pos[0, 0]) + ids.shape[1], dtype=torch.bool)
+            return self.lean(ids, pos, cache, mask.bool())
+        kw = {} if cache is None else {self.cache_kw: cache}
+        if mask is not None:
+            kw["attention_mask"] = mask.long().to(self.device)
+        out = self.forward(input_ids=ids, position_ids=pos, use_cache=True, **kw)
+        return out.logits, cache_of(out)
 
     def _put_in_pool(self, seq: Sequence, cache, pooled: int, local: Hit | None) -> int:
         """Offer the prompt's full chunks to the KV pool, but those it came with (from the pool, or
@@ -493,21 +505,14 @@ class EngineCore:
     def _decode(self) -> list[Sequence]:
         ids = torch.tensor([[s.pending] for s in self.running], device=self.device)
         pos = torch.tensor([[s.length] for s in self.running], device=self.device)
-        out = self.forward(
-            input_ids=ids,
-            attention_mask=self.batch.step_mask().long().to(self.device),
-            position_ids=pos,
-            use_cache=True,
-            **{self.cache_kw: self.batch.cache},
-        )
-        self.batch.cache = cache_of(out)
+        logits, self.batch.cache = self._forward(ids, pos, self.batch.cache, self.batch.step_mask())
         self.batch.advance()
         routing = self.capture.take() if self.capture else None
         for i, s in enumerate(self.running):
             s.length += 1
             if routing is not None:
                 s.routing_chunks.append(routing[i : i + 1])
-        tokens, logprobs = self._sample(out.logits[:, -1].float().cpu(), self.running)
+        tokens, logprobs = self._sample(logits[:, -1].float().cpu(), self.running)
         for s, tok, lp in zip(self.running, tokens, logprobs):
             self._emit(s, tok, lp)
         keep = [i for i, s in enumerate(self.running) if not s.finish_reason]

@@ -1,0 +1,125 @@
+"""A lean forward for the embedded engine: the model's own modules, none of transformers' per-call
+machinery.
+
+On a small model most of a step through `model(...)` is not the products but what wraps them: the
+causal-mask builder, the output classes, keyword plumbing through decorators, RMSNorm as seven ops.
+`forward_for(model)` returns a function computing the same math for the engine's forwards (decode
+steps over its right-aligned batch cache, `prl.inference.kvcache`, and left-padded or prefix-extending
+prefills), or None where the family has none (the engine then calls the model). It calls the model's
+leaf modules (projections, routers, experts, embedding, rotary, head), so what prl swaps into them
+(FP8 linears, R3's capture hooks on the routers) still applies; only HF's plain experts on the CPU
+are computed here, with the grouped product their own forward uses.
+
+Only Qwen3-MoE has one (`FamilySpec.lean_forward`): GLM-5's attention has its own decode
+(`prl.model.mla`). Equality with the model's forward is tested (`tests/test_engine.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from prl.model.families import FAMILIES
+
+
+def forward_for(model):
+    """`forward(ids [B, S], positions [B, S], cache | None, mask [B, P + S] bool) -> (logits [B, S, V],
+    cache)`: the S new tokens of each row after the P the cache holds (None: a new cache), `mask` True
+    at real tokens (rows right-aligned); each layer's keys and values appended to the cache. None where
+    no lean forward fits the model."""
+    cfg = model.config
+    fam = FAMILIES.get(cfg.model_type)
+    if fam is None or not fam.lean_forward:
+        return None
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "layer_types", None) and \
+            any(t != "full_attention" for t in cfg.layer_types):
+        return None  # sliding-window layers keep another cache layout
+    return functools.partial(qwen3_moe_forward, model)
+
+
+def rms_norm(mod, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm (statistics in fp32, the weight applied in the input's dtype): one op for fp32."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, mod.weight.shape, mod.weight, mod.variance_epsilon)
+    return mod.weight * torch.rms_norm(x.float(), mod.weight.shape, None, mod.variance_epsilon).to(x.dtype)
+
+
+def linear(mod, x: torch.Tensor) -> torch.Tensor:
+    """A plain `nn.Linear` without the module call; anything prl swapped in (FP8) or hooked through its own call."""
+    if type(mod) is torch.nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
+        return F.linear(x, mod.weight, mod.bias)
+    return mod(x)
+
+
+def attention_bias(mask: torch.Tensor, new: int) -> torch.Tensor:
+    """[B, 1, 1, S, P + S] additive bias: a new token sees the real tokens up to itself, and itself
+    always (a padding row then stays finite: its keys and values are masked out of every real row)."""
+    B, T = mask.shape
+    key = torch.arange(T, device=mask.device)
+    query = torch.arange(T - new, T, device=mask.device)[:, None]
+    seen = (mask[:, None, :] & (key <= query)) | (key == query)  # [B, S, T]
+    bias = torch.zeros(seen.shape, dtype=torch.float32, device=mask.device).masked_fill_(~seen, float("-inf"))
+    return bias[:, None, None]
+
+
+@torch.no_grad()
+def qwen3_moe_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor):
+    from transformers import DynamicCache
+
+    m = model.model
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    h = m.embed_tokens(ids)  # [B, S, H]
+    cos, sin = m.rotary_emb(h, positions)  # [B, S, D]
+    half = cos.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half's sign, so x.roll(half) replaces it
+    rope = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
+    bias = attention_bias(mask.to(h.device), ids.shape[1])
+    for i, layer in enumerate(m.layers):
+        h = h + attend(layer.self_attn, rms_norm(layer.input_layernorm, h), rope, bias, cache.layers[i])
+        h = h + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+    return linear(model.lm_head, rms_norm(m.norm, h)), cache
+
+
+def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
+    """One layer's GQA attention of S new tokens per row; their keys and values appended to `kv`."""
+    B, S, D = x.shape[0], x.shape[1], a.head_dim
+    cos, sin = rope
+    q = rms_norm(a.q_norm, linear(a.q_proj, x).view(B, S, -1, D)).transpose(1, 2)  # [B, heads, S, D]
+    k = rms_norm(a.k_norm, linear(a.k_proj, x).view(B, S, -1, D)).transpose(1, 2)  # [B, kv heads, S, D]
+    q = q * cos + q.roll(D // 2, -1) * sin
+    k = k * cos + k.roll(D // 2, -1) * sin
+    keys, values = kv.update(k, linear(a.v_proj, x).view(B, S, -1, D).transpose(1, 2))  # [B, kv heads, T, D]
+    groups = q.shape[1] // keys.shape[1]  # query heads per K/V head (transformers' repeat_kv order)
+    q = q.reshape(B, keys.shape[1], groups * S, D)
+    scores = torch.matmul(q, keys.transpose(2, 3)).view(B, keys.shape[1], groups, S, -1) * a.scaling + bias
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(values.dtype).view(B, keys.shape[1], groups * S, -1)
+    out = torch.matmul(probs, values).view(B, -1, S, D).transpose(1, 2)  # [B, S, heads, D]
+    return linear(a.o_proj, out.reshape(B, S, -1))
+
+
+def mlp(block, x: torch.Tensor) -> torch.Tensor:
+    """A dense MLP as it is; an MoE block: the router module (R3's hooks see it), then the experts."""
+    experts = getattr(block, "experts", None)
+    if experts is None:
+        return block(x)
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    _, weights, ids = block.gate(x)
+    if type(experts).__name__ == "Qwen3MoeExperts" and x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
+        return grouped_experts(experts, x, ids, weights).view(shape)
+    return experts(x, ids, weights).view(shape)  # what prl swapped in (FP8), or a GPU: its own forward
+
+
+def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """HF's plain stacked experts, their rows sorted by expert into one grouped product each way."""
+    k = ids.shape[-1]
+    order, perm = torch.sort(ids.reshape(-1))
+    ends = torch.cumsum(torch.bincount(order, minlength=ex.num_experts), 0, dtype=torch.int32)
+    rows = perm // k
+    gate, up = torch._grouped_mm(x[rows], ex.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, -1)
+    y = torch._grouped_mm(ex.act_fn(gate) * up, ex.down_proj.transpose(-2, -1), offs=ends)
+    y = y * weights.reshape(-1)[perm, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
