@@ -281,17 +281,19 @@ def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm_moe_dsa"])
 @pytest.mark.parametrize("r3", [False, True])
-def test_the_lean_forward_serves_what_the_model_forward_does(r3, tmp_path):
-    """Qwen3-MoE's lean forward (`prl.model.lean_forward`, the engine's default for the family) against
+def test_the_lean_forward_serves_what_the_model_forward_does(arch, r3, tmp_path):
+    """Qwen3-MoE's and GLM-5's lean forwards (`prl.model.lean_forward`, the engine's default) against
     the engine calling transformers' forward: the same greedy tokens, logprobs and (R3) captured routing
     through a left-padded batched prefill (without R3), a conversation's next turn extending a reused
     prefix, requests joining and leaving mid-generation and a weight load in flight. Each of: padding
-    unmasked, the causal mask dropped, rope's sign or the experts' weights swapped, fails it (checked)."""
-    lean_against_model_forward(tmp_path, r3, torch.device("cpu"), atol=1e-4)
+    unmasked, the causal mask dropped, rope's sign or the experts' weights swapped, GLM-5's shared experts
+    left out, fails it (checked)."""
+    lean_against_model_forward(tmp_path, arch, r3, torch.device("cpu"), atol=1e-4)
 
 
-def lean_against_model_forward(tmp_path, r3: bool, device: torch.device, atol: float) -> None:
+def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.device, atol: float) -> None:
     """Also `tests/test_gpu.py`'s, on CUDA."""
     import copy
 
@@ -299,7 +301,8 @@ def lean_against_model_forward(tmp_path, r3: bool, device: torch.device, atol: f
     from prl.model.tiny import write_model_dir
     from prl.recipe.schema import ModelCfg
 
-    model = build_model(write_model_dir(ModelCfg(arch="qwen3_moe", num_layers=3), tmp_path / "m"), seed=0).to(device)
+    cfg = ModelCfg(arch=arch, num_layers=3, index_topk=4)  # GLM-5: the DSA indexer keeps 4 keys of up to 30
+    model = build_model(write_model_dir(cfg, tmp_path / "m"), seed=0).to(device)
     new_weights = perturbed(model)
 
     def serve(core):

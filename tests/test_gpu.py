@@ -240,14 +240,15 @@ def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
 
 
 # ---------------------------------------------------------------- the embedded engine on CUDA
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm_moe_dsa"])
 @pytest.mark.parametrize("r3", [False, True], ids=["plain", "r3-capture"])
-def test_the_engines_lean_forward_on_cuda_serves_what_the_model_forward_does(tmp_path, r3):
+def test_the_engines_lean_forward_on_cuda_serves_what_the_model_forward_does(tmp_path, arch, r3):
     """`prl.model.lean_forward` on CUDA (the experts through transformers' own forward there) against
     the engine calling the model: tokens, logprobs and captured routing (tests/test_engine.py's check)."""
     from test_engine import lean_against_model_forward
 
     need(require_cuda)
-    lean_against_model_forward(tmp_path, r3, torch.device("cuda"), atol=1e-3)
+    lean_against_model_forward(tmp_path, arch, r3, torch.device("cuda"), atol=1e-3)
 
 
 # ---------------------------------------------------------------- vLLM on CUDA

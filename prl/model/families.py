@@ -64,7 +64,7 @@ class FamilySpec:
 FAMILIES = {s.model_type: s for s in (
     FamilySpec("glm_moe_dsa", "GlmMoeDsaTopkRouter", "sigmoid", ("GlmMoeDsaExperts",),
                attention_class="GlmMoeDsaAttention", indexer_class="GlmMoeDsaIndexer", latent_decode=True,
-               tiny=True),
+               lean_forward=True, tiny=True),
     FamilySpec("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", ("DeepseekV3NaiveMoe", "DeepseekV3Experts")),
     FamilySpec("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", ("Qwen3MoeExperts",), lean_forward=True, tiny=True),
 )}

@@ -31,12 +31,11 @@ def forward_for(model):
     no lean forward fits the model."""
     cfg = model.config
     fam = FAMILIES.get(cfg.model_type)
-    if fam is None or not fam.lean_forward:
+    if fam is None or not fam.lean_forward or cfg.model_type not in FORWARDS:
         return None
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "layer_types", None) and \
-            any(t != "full_attention" for t in cfg.layer_types):
+    if getattr(cfg, "use_sliding_window", False) or any("sliding" in t for t in getattr(cfg, "layer_types", None) or ()):
         return None  # sliding-window layers keep another cache layout
-    return functools.partial(qwen3_moe_forward, model)
+    return functools.partial(FORWARDS[cfg.model_type], model)
 
 
 def rms_norm(mod, x: torch.Tensor) -> torch.Tensor:
@@ -53,13 +52,18 @@ def linear(mod, x: torch.Tensor) -> torch.Tensor:
     return mod(x)
 
 
-def attention_bias(mask: torch.Tensor, new: int) -> torch.Tensor:
-    """[B, 1, 1, S, P + S] additive bias: a new token sees the real tokens up to itself, and itself
-    always (a padding row then stays finite: its keys and values are masked out of every real row)."""
-    B, T = mask.shape
+def visible(mask: torch.Tensor, new: int) -> torch.Tensor:
+    """[B, S, P + S] bool: a new token sees the real tokens up to itself, and itself always (a padding
+    row then stays finite: its keys and values are masked out of every real row)."""
+    T = mask.shape[1]
     key = torch.arange(T, device=mask.device)
     query = torch.arange(T - new, T, device=mask.device)[:, None]
-    seen = (mask[:, None, :] & (key <= query)) | (key == query)  # [B, S, T]
+    return (mask[:, None, :] & (key <= query)) | (key == query)
+
+
+def attention_bias(mask: torch.Tensor, new: int) -> torch.Tensor:
+    """`visible` as a [B, 1, 1, S, P + S] additive bias."""
+    seen = visible(mask, new)
     bias = torch.zeros(seen.shape, dtype=torch.float32, device=mask.device).masked_fill_(~seen, float("-inf"))
     return bias[:, None, None]
 
@@ -101,16 +105,46 @@ def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
 
 
 def mlp(block, x: torch.Tensor) -> torch.Tensor:
-    """A dense MLP as it is; an MoE block: the router module (R3's hooks see it), then the experts."""
+    """Qwen3-MoE's MLP: a dense one as it is, an MoE block's routed experts."""
     experts = getattr(block, "experts", None)
     if experts is None:
         return block(x)
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
+    return routed(block, x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+def routed(block, x: torch.Tensor) -> torch.Tensor:
+    """An MoE block's routed experts on `x` [N, H]: the router module (R3's hooks see it), then HF's plain
+    experts on the CPU as two grouped products, anything else (prl's FP8 swap, a GPU) by its own forward."""
     _, weights, ids = block.gate(x)
-    if type(experts).__name__ == "Qwen3MoeExperts" and x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
-        return grouped_experts(experts, x, ids, weights).view(shape)
-    return experts(x, ids, weights).view(shape)  # what prl swapped in (FP8), or a GPU: its own forward
+    experts = block.experts
+    if type(experts).__name__ in PLAIN_EXPERTS and x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
+        return grouped_experts(experts, x, ids, weights)
+    return experts(x, ids, weights)
+
+
+@torch.no_grad()
+def glm_moe_dsa_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor):
+    """GLM-5: the model's decoder layers' parts called directly (its attention module as it is: prl's
+    latent decode with the DSA indexer, transformers' expanded attention for a long prefill), with one
+    boolean mask for attention and indexer alike."""
+    from transformers import DynamicCache
+
+    m = model.model
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    h = m.embed_tokens(ids)  # [B, S, H]
+    rope = m.rotary_emb(h, positions)
+    seen = visible(mask.to(h.device), ids.shape[1])[:, None]  # [B, 1, S, T]
+    topk = None  # a shared DSA layer reuses the previous indexer layer's selection
+    for layer in m.layers:
+        out, _, topk = layer.self_attn(rms_norm(layer.input_layernorm, h), rope, seen, cache, positions, topk)
+        h = h + out
+        x = rms_norm(layer.post_attention_layernorm, h)
+        if getattr(layer.mlp, "experts", None) is None:
+            h = h + layer.mlp(x)
+        else:
+            h = h + routed(layer.mlp, x.reshape(-1, x.shape[-1])).view(x.shape) + layer.mlp.shared_experts(x)
+    return linear(model.lm_head, rms_norm(m.norm, h)), cache
 
 
 def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -123,3 +157,7 @@ def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     y = torch._grouped_mm(ex.act_fn(gate) * up, ex.down_proj.transpose(-2, -1), offs=ends)
     y = y * weights.reshape(-1)[perm, None].to(y.dtype)
     return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+FORWARDS = {"qwen3_moe": qwen3_moe_forward, "glm_moe_dsa": glm_moe_dsa_forward}
+PLAIN_EXPERTS = ("Qwen3MoeExperts", "GlmMoeDsaExperts")  # transformers' stacked experts, as they ship

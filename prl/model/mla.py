@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from prl.model import families
 from prl.model.dsa import rotate_interleaved
+from prl.model.lean_forward import linear, rms_norm
 
 
 def latent_is_cheaper(attn, queries: int, keys: int) -> bool:
@@ -77,11 +78,12 @@ class LatentDecodeAttention:
         if past_key_values is None or not latent_is_cheaper(self, S, cached + S):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                    position_ids, prev_topk_indices, **kwargs)
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-        q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+        q_resid = rms_norm(self.q_a_layernorm, linear(self.q_a_proj, hidden_states))
+        q_states = linear(self.q_b_proj, q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(kv_pass).view(B, 1, S, self.kv_lora_rank)
+        kv = linear(self.kv_a_proj_with_mqa, hidden_states)
+        kv_pass, k_rot = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = rms_norm(self.kv_a_layernorm, kv_pass).view(B, 1, S, self.kv_lora_rank)
         cos, sin = position_embeddings
         q_rot = rotate_interleaved(q_rot, cos, sin, 1)
         k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1)
@@ -102,7 +104,7 @@ class LatentDecodeAttention:
         else:
             mask = attention_mask.masked_fill(outside, torch.finfo(attention_mask.dtype).min)
         out = attend_latent(self, q_pass, q_rot, latent, k_rot, mask)
-        return self.o_proj(out), None, topk
+        return linear(self.o_proj, out), None, topk
 
 
 def install(model) -> int:
