@@ -260,17 +260,7 @@ def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
     def serve(core):
         core.warm_up()
         assert core.stats.generated_tokens == 0 and not core.prefix.entries and core.version == -1
-        first = run_all(core, [Sequence(p, GREEDY) for p in ([5, 6, 7], [8, 9, 10, 11, 12], [13, 14])])
-        turn = Sequence(first[0].prompt_ids + first[0].out_ids + [4], GREEDY)  # extends the first's KV
-        late = Sequence([9, 10], SamplingParams(temperature=0.0, max_tokens=20))
-        core.add(turn)
-        core.add(late)
-        for _ in range(3):
-            core.step()
-        core.stage_weights(Policy(new_weights, {}, version=1))
-        while core.has_work():
-            core.step()
-        return [*first, turn, late], core.stats
+        return serve_through_a_load(core, new_weights, ([5, 6, 7], [8, 9, 10, 11, 12], [13, 14]), 0, [4], [9, 10])
 
     eager, eager_stats = serve(EngineCore(copy.deepcopy(model)))
     compiled, stats = serve(EngineCore(model, compiled=True))
@@ -279,6 +269,23 @@ def test_a_compiled_engine_serves_what_the_eager_one_does(tmp_path):
     for a, b in zip(eager, compiled):
         assert b.out_ids == a.out_ids and b.versions == a.versions
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+def serve_through_a_load(core, new_weights, prompts, extend: int, suffix: list[int], late: list[int]):
+    """Greedy `prompts` to the end; then a next turn extending prompt `extend`'s KV by `suffix` and a
+    `late` request, with a weight load (version 1) staged three decode steps in. The sequences in order
+    (the prompts', the turn, the late one) and the engine's stats."""
+    first = run_all(core, [Sequence(p, GREEDY) for p in prompts])
+    turn = Sequence(first[extend].prompt_ids + first[extend].out_ids + suffix, GREEDY)
+    late = Sequence(late, SamplingParams(temperature=0.0, max_tokens=20))
+    core.add(turn)
+    core.add(late)
+    for _ in range(3):
+        core.step()
+    core.stage_weights(Policy(new_weights, {}, version=1))
+    while core.has_work():
+        core.step()
+    return [*first, turn, late], core.stats
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm_moe_dsa"])
@@ -306,17 +313,8 @@ def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.devi
     new_weights = perturbed(model)
 
     def serve(core):
-        first = run_all(core, [Sequence(p, GREEDY) for p in ([5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13, 14])])
-        turn = Sequence(first[1].prompt_ids + first[1].out_ids + [4, 9], GREEDY)  # extends the second's KV
-        late = Sequence([9, 10, 11], SamplingParams(temperature=0.0, max_tokens=20))
-        core.add(turn)
-        core.add(late)
-        for _ in range(3):
-            core.step()
-        core.stage_weights(Policy(new_weights, {}, version=1))
-        while core.has_work():
-            core.step()
-        return [*first, turn, late], core.stats
+        prompts = ([5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13, 14])
+        return serve_through_a_load(core, new_weights, prompts, 1, [4, 9], [9, 10, 11])
 
     hf, hf_stats = serve(EngineCore(copy.deepcopy(model), capture_routing=r3, lean=False))  # before the load
     lean_core = EngineCore(model, capture_routing=r3)
