@@ -300,16 +300,28 @@ def test_the_lean_forward_serves_what_the_model_forward_does(arch, r3, tmp_path)
     lean_against_model_forward(tmp_path, arch, r3, torch.device("cpu"), atol=1e-4)
 
 
-def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.device, atol: float) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm_moe_dsa"])
+def test_the_lean_forward_keeps_fp8_layers(arch, tmp_path):
+    """With `inference.fp8` the lean forward goes through prl's FP8 linears and experts, not around them
+    (`linear` and `routed` take only transformers' plain modules): it serves what the model forward does.
+    `linear` taking any nn.Linear subclass (Qwen3-MoE) or `routed` any experts (GLM-5) fails it (checked)."""
+    lean_against_model_forward(tmp_path, arch, False, torch.device("cpu"), atol=1e-4, fp8=True)
+
+
+def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.device, atol: float,
+                               fp8: bool = False) -> None:
     """Also `tests/test_gpu.py`'s, on CUDA."""
     import copy
 
     from prl.model.build import build_model
+    from prl.model.fp8 import apply_fp8
     from prl.model.tiny import write_model_dir
     from prl.recipe.schema import ModelCfg
 
     cfg = ModelCfg(arch=arch, num_layers=3, index_topk=4)  # GLM-5: the DSA indexer keeps 4 keys of up to 30
     model = build_model(write_model_dir(cfg, tmp_path / "m"), seed=0).to(device)
+    if fp8:
+        assert apply_fp8(model)["fp8"]
     new_weights = perturbed(model)
 
     def serve(core):
