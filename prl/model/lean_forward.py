@@ -10,8 +10,10 @@ leaf modules (projections, routers, experts, embedding, rotary, head), so what p
 (FP8 linears, R3's capture hooks on the routers) still applies; only HF's plain experts on the CPU
 are computed here, with the grouped product their own forward uses.
 
-Only Qwen3-MoE has one (`FamilySpec.lean_forward`): GLM-5's attention has its own decode
-(`prl.model.mla`). Equality with the model's forward is tested (`tests/test_engine.py`).
+Qwen3-MoE and GLM-5 have one (`FamilySpec.lean_forward`, `FORWARDS`): Qwen3-MoE's attention is
+computed here; GLM-5 calls its attention module as it is (prl's latent decode, `prl.model.mla`, with
+the DSA indexer) with one boolean mask. Equality with the model's forward is tested, FP8 layers
+swapped in too (`tests/test_engine.py`).
 """
 
 from __future__ import annotations
