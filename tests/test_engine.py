@@ -308,8 +308,17 @@ def test_the_lean_forward_keeps_fp8_layers(arch, tmp_path):
     lean_against_model_forward(tmp_path, arch, False, torch.device("cpu"), atol=1e-4, fp8=True)
 
 
+@pytest.mark.parametrize("arch,attn", [("qwen3_moe", "sdpa"), ("glm_moe_dsa", "sdpa"), ("glm_moe_dsa", "eager")])
+def test_the_lean_forward_rounds_as_the_model_forward_does(arch, attn, tmp_path):
+    """In bf16 the lean forward serves exactly what the model forward does, under transformers' sdpa and
+    eager attention: the same kernels and the same order of roundings (the routing weights applied in
+    fp32, GLM-5's shared experts added to the routed ones before the residual; GLM-5's attention under
+    eager takes an additive mask). Each of those undone fails it (checked)."""
+    lean_against_model_forward(tmp_path, arch, False, torch.device("cpu"), atol=0.0, dtype="bfloat16", attn=attn)
+
+
 def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.device, atol: float,
-                               fp8: bool = False) -> None:
+                               fp8: bool = False, dtype: str = "float32", attn: str | None = None) -> None:
     """Also `tests/test_gpu.py`'s, on CUDA."""
     import copy
 
@@ -319,7 +328,9 @@ def lean_against_model_forward(tmp_path, arch: str, r3: bool, device: torch.devi
     from prl.recipe.schema import ModelCfg
 
     cfg = ModelCfg(arch=arch, num_layers=3, index_topk=4)  # GLM-5: the DSA indexer keeps 4 keys of up to 30
-    model = build_model(write_model_dir(cfg, tmp_path / "m"), seed=0).to(device)
+    model = build_model(write_model_dir(cfg, tmp_path / "m"), seed=0, dtype=dtype).to(device)
+    if attn:
+        model.config._attn_implementation = attn
     if fp8:
         assert apply_fp8(model)["fp8"]
     new_weights = perturbed(model)

@@ -37,6 +37,8 @@ def forward_for(model):
         return None
     if getattr(cfg, "use_sliding_window", False) or any("sliding" in t for t in getattr(cfg, "layer_types", None) or ()):
         return None  # sliding-window layers keep another cache layout
+    if cfg.model_type == "glm_moe_dsa" and cfg._attn_implementation not in ("sdpa", "eager"):
+        return None  # its attention module takes the mask of another implementation (flash, flex) another way
     return functools.partial(FORWARDS[cfg.model_type], model)
 
 
@@ -82,7 +84,10 @@ def qwen3_moe_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, 
     half = cos.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half's sign, so x.roll(half) replaces it
     rope = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
-    bias = attention_bias(mask.to(h.device), ids.shape[1])
+    if model.config._attn_implementation == "sdpa":  # the kernel transformers' forward runs, for its rounding
+        bias = visible(mask.to(h.device), ids.shape[1])[:, None]  # [B, 1, S, T] bool
+    else:
+        bias = attention_bias(mask.to(h.device), ids.shape[1])
     for i, layer in enumerate(m.layers):
         h = h + attend(layer.self_attn, rms_norm(layer.input_layernorm, h), rope, bias, cache.layers[i])
         h = h + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
@@ -90,7 +95,8 @@ def qwen3_moe_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, 
 
 
 def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
-    """One layer's GQA attention of S new tokens per row; their keys and values appended to `kv`."""
+    """One layer's GQA attention of S new tokens per row; their keys and values appended to `kv`. `bias`:
+    a bool mask (the model runs sdpa: so does this, for the same rounding) or an additive one (products)."""
     B, S, D = x.shape[0], x.shape[1], a.head_dim
     cos, sin = rope
     q = rms_norm(a.q_norm, linear(a.q_proj, x).view(B, S, -1, D)).transpose(1, 2)  # [B, heads, S, D]
@@ -99,6 +105,9 @@ def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
     k = k * cos + k.roll(D // 2, -1) * sin
     keys, values = kv.update(k, linear(a.v_proj, x).view(B, S, -1, D).transpose(1, 2))  # [B, kv heads, T, D]
     groups = q.shape[1] // keys.shape[1]  # query heads per K/V head (transformers' repeat_kv order)
+    if bias.dtype == torch.bool:  # sdpa over K/V repeated per query head, as transformers' sdpa path on a CPU
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=a.scaling, enable_gqa=True)
+        return linear(a.o_proj, out.transpose(1, 2).reshape(B, S, -1))
     q = q.reshape(B, keys.shape[1], groups * S, D)
     scores = torch.matmul(q, keys.transpose(2, 3)).view(B, keys.shape[1], groups, S, -1) * a.scaling + bias
     probs = torch.softmax(scores, -1, dtype=torch.float32).to(values.dtype).view(B, keys.shape[1], groups * S, -1)
@@ -137,6 +146,8 @@ def glm_moe_dsa_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache
     h = m.embed_tokens(ids)  # [B, S, H]
     rope = m.rotary_emb(h, positions)
     seen = visible(mask.to(h.device), ids.shape[1])[:, None]  # [B, 1, S, T]
+    if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+        seen = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
     topk = None  # a shared DSA layer reuses the previous indexer layer's selection
     for layer in m.layers:
         out, _, topk = layer.self_attn(rms_norm(layer.input_layernorm, h), rope, seen, cache, positions, topk)
@@ -145,7 +156,7 @@ def glm_moe_dsa_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache
         if getattr(layer.mlp, "experts", None) is None:
             h = h + layer.mlp(x)
         else:
-            h = h + routed(layer.mlp, x.reshape(-1, x.shape[-1])).view(x.shape) + layer.mlp.shared_experts(x)
+            h = h + (routed(layer.mlp, x.reshape(-1, x.shape[-1])).view(x.shape) + layer.mlp.shared_experts(x))
     return linear(model.lm_head, rms_norm(m.norm, h)), cache
 
 
@@ -157,8 +168,8 @@ def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     rows = perm // k
     gate, up = torch._grouped_mm(x[rows], ex.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, -1)
     y = torch._grouped_mm(ex.act_fn(gate) * up, ex.down_proj.transpose(-2, -1), offs=ends)
-    y = y * weights.reshape(-1)[perm, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, y)
+    y = y * weights.reshape(-1)[perm, None]  # as transformers: in the routing weights' dtype (fp32), one rounding
+    return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, rows, y).to(x.dtype)
 
 
 FORWARDS = {"qwen3_moe": qwen3_moe_forward, "glm_moe_dsa": glm_moe_dsa_forward}
