@@ -170,6 +170,39 @@ def test_staging_runs_off_the_caller_and_reports_through_status_files(tmp_path):
         ranks[0].result(3)
 
 
+def test_a_stager_keeps_the_newest_version_and_names_it_to_an_older_ask(tmp_path):
+    """The version race (the trainer streamed v6 before the orchestrator asked for v5): asked to stage
+    v5, a worker keeps v6 and the status answers "newer" naming it; asked to load v5, it refuses
+    with `SUPERSEDED` naming v6 (nothing is read or loaded for v5). A failed newer version does
+    not hide the older: v5 is then read."""
+    from prl.backends.vllm.staging import Stager, Superseded, read_status, superseded_by
+
+    reads = []
+
+    def read(version):
+        reads.append(version)
+        if version == 8:
+            raise ValueError("v8: broken")
+        return {"w": version}
+
+    ranks = [Stager(read, tmp_path, rank=r, world=2) for r in range(2)]
+    for r in ranks:
+        r.start(6)
+        r.thread.join()
+        r.start(5)
+    assert reads == [6, 6] and read_status(tmp_path, 5) == {"state": "newer", "error": None, "version": 6}
+    with pytest.raises(Superseded) as e:
+        ranks[0].result(5)
+    assert superseded_by(str(e.value)) == 6 and e.value.newer == 6
+    assert superseded_by("[prl: streamed only] v6") is None
+    assert ranks[0].result(6) == {"w": 6}
+    for r in ranks:
+        r.start(8)
+        r.thread.join()
+    assert read_status(tmp_path, 7)["state"] == "staging", "a failed newer version is no reason to skip v7"
+    assert ranks[1].result(7) == {"w": 7}
+
+
 # ---- fault paths of the vLLM client against a stand-in server (tests/fake_vllm.py) ----
 
 def pool_on(fake, tmp_path):

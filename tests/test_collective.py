@@ -51,11 +51,15 @@ def sink_for(run_dir, url: str, secret: str):
                           timeout_s=30)
 
 
-def greedy(client) -> list[float]:
+def generate(client) -> dict:
     r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.0,
                                        "stop_token_ids": []})
     assert r.status_code == 200, r.text
-    return r.json()["completions"][0]["logprobs"]
+    return r.json()
+
+
+def greedy(client) -> list[float]:
+    return generate(client)["completions"][0]["logprobs"]
 
 
 def test_a_broadcast_version_is_staged_then_applied_whole(server):
@@ -311,11 +315,16 @@ def test_two_trainer_ranks_stream_a_version_and_a_dead_one_costs_only_that_versi
     outs = stream(run_dir, url, secret, 24)
     assert all("error None" in o for o in outs), outs
     assert client.post("/update_weights", json={"version": 24}).json()["source"] == "collective"
-    # a trainer ahead of the orchestrator: v31 streams before v30 is asked for, and both stay staged
+    # a trainer ahead of the orchestrator: v31 streams before v30 is asked for; asked for v30, the server
+    # serves the newest it holds (v31, labelled v31), v30 is counted as skipped, and v31 is served already
+    skipped = client.get("/metrics").json()["weights_skipped"]
     outs = stream(run_dir, url, secret, "30,31", knock=False)
     assert all(o.count("error None") == 2 for o in outs), outs
-    assert client.post("/update_weights", json={"version": 30}).json()["source"] == "collective"
-    assert client.post("/update_weights", json={"version": 31}).json()["source"] == "collective"
+    r = client.post("/update_weights", json={"version": 30}).json()
+    assert (r["version"], r["source"]) == (31, "collective"), r
+    assert client.post("/update_weights", json={"version": 31}).json()["source"] == "served"
+    assert client.get("/metrics").json()["weights_skipped"] == skipped + 1
+    assert {v for c in generate(client)["completions"] for v in c["versions"]} == {31}
 
 
 def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_written_whole(server):
@@ -323,8 +332,7 @@ def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_wri
     its folder without tensors; asked for it again while serving it (a restarted orchestrator), the
     server answers at once. The server then leaves the group, misses v36's stream, and every rank
     publishes v36 again, whole: the server loads it from the folder with the same logprobs as v36's
-    weights. A server asked for v35 when it no longer has it answers 503 naming why (not a rejection:
-    the orchestrator takes it out until a later version)."""
+    weights. Asked for v35 again while serving v36, the server keeps v36 and counts v35 as skipped."""
     from prl.model.weights import read_weights, version_dir, write_weights
 
     client, run_dir, url, secret = server
@@ -340,8 +348,10 @@ def test_a_streamed_version_seals_an_empty_folder_and_one_a_server_missed_is_wri
     assert not manifest.get("streamed_only") and len(state) == len(state_for(run_dir, 36))
     assert client.post("/update_weights", json={"version": 36}).json()["source"] == "folder"
     from_folder = greedy(client)
-    r = client.post("/update_weights", json={"version": 35})  # not served, not staged, no tensors in its folder
-    assert r.status_code == 503 and "[prl: streamed only]" in r.json()["detail"], r.text
+    skipped = client.get("/metrics").json()["weights_skipped"]
+    r = client.post("/update_weights", json={"version": 35})  # older than the one served: never goes back
+    assert r.json() == {**r.json(), "version": 36, "source": "served"}, r.text
+    assert client.get("/metrics").json()["weights_skipped"] == skipped + 1
     write_weights(run_dir / "weights" / "v37", state_for(run_dir, 36), {"version": 37})
     client.post("/update_weights", json={"version": 37})
     assert greedy(client) == from_folder
@@ -362,3 +372,43 @@ def test_each_vllm_worker_is_sent_the_experts_of_its_slots():
     assert shares(cfg(True), 3, 8) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # the remainder on the first ranks
     assert shares(cfg(True, redundant=1), 3, 8) == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]  # slot 8 holds expert 0
     assert shares(cfg(True, redundant=4), 4, 8) == [[0, 1, 2], [3, 4, 5], [0, 6, 7], [1, 2, 3]]
+
+
+def test_a_server_that_answers_why_it_did_not_load_is_taken_out_never_killed(tmp_path):
+    """A server asked for a version that went by the stream only, which it missed, answers 503 naming
+    why: the orchestrator's pool takes it out until a later version (it rejoins on the next one) but
+    does not report it hung or stuck, so the driver never kills it; it serves on meanwhile."""
+    import asyncio
+
+    from prl.backends.registry import make_backend
+    from prl.metrics import EventLog, read_events
+    from prl.model.weights import commit_dir, tmp_dir_for, version_dir, write_weights
+    from prl.orchestrator.servers import ServerPool
+
+    proc, cfg, client = start_server(tmp_path, Recipe.model_validate({}))
+    weights = tmp_path / "weights"
+    commit_dir(tmp_dir_for(version_dir(weights, 3)), version_dir(weights, 3), {"version": 3, "streamed_only": True})
+    write_weights(version_dir(weights, 4), state_for(tmp_path, 4), {"version": 4})
+
+    async def go():
+        pool = ServerPool([make_backend("embedded", f"http://{cfg.host}:{cfg.port}", cfg.secret())],
+                          EventLog(tmp_path / "m.jsonl", "orchestrator"), asyncio.Condition(), hang_timeout_s=30)
+        try:
+            await pool.start(30)
+            await pool.load_all(3)
+            assert not pool.servers[0].up
+            pool.served = 4  # the next version, written whole
+            await pool.rejoin(pool.servers[0])
+            assert pool.servers[0].up and pool.servers[0].backend.version == 4
+        finally:
+            await pool.servers[0].backend.close()
+
+    try:
+        asyncio.run(go())
+        kinds = [(e["kind"], e.get("state"), e.get("cause", "")) for e in read_events(tmp_path / "m.jsonl")[0]]
+        assert not [k for k in kinds if k[0] == "unresponsive"], kinds
+        assert any(k[1] == "down" and "[prl: streamed only]" in k[2] for k in kinds), kinds
+        assert proc.poll() is None and greedy(client)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)

@@ -177,6 +177,7 @@ class Metrics(Msg):
     pool_dropped: int = 0  # chunks not put because puts fell behind prefill (embedded engine)
     kv_usage: float | None = None  # KV held over capacity (vLLM: the fullest engine's); None: unbounded
     collective_staged: int = 0  # versions staged from the collective weight path
+    weights_skipped: int = 0  # versions asked for while the server held a newer one, which it served instead
     collective_receiving: int = -1  # tensors received of the version on the wire now (-1: none)
     decode_steps: int = 0  # embedded engine: batch decode forwards
     prefill_forwards: int = 0  # embedded engine: forwards that computed prompt tokens

@@ -2,10 +2,12 @@
 
 `join` forms the server's member of the trainer's group (a new epoch replaces the old group);
 `receive` takes one version off the wire and stages it, checked whole against the model
-(`make_policy`); `take` hands a staged version to `/update_weights` when the orchestrator asks for
-it. The newest `KEEP` versions stay staged until then (a trainer that runs ahead streams the next
-before the orchestrator asked for the last). Nothing here touches the served model: a receive that fails drops what it had, leaves the old
-version serving, and the group is gone until the trainer forms a new one.
+(`make_policy`); `take` hands `/update_weights` the newest staged version at or after the one the
+orchestrator asks for (a trainer that runs ahead streams the next before the orchestrator asked
+for the last: newer weights are always acceptable, each token is labelled with the version that
+produced it). The newest `KEEP` versions stay staged until then. Nothing here touches the served
+model: a receive that fails drops what it had, leaves the old version serving, and the group is
+gone until the trainer forms a new one.
 """
 
 from __future__ import annotations
@@ -76,15 +78,18 @@ class Receiver:
         self.receiving += 1
 
     def take(self, version: int) -> Policy | None:
-        """The staged policy if it is `version` (then no longer staged). Waits only for a receive of
-        that very version; a load of another never queues behind the wire."""
+        """The newest staged policy at or after `version` (then no longer staged), None if there is
+        none. Waits only for a receive of that very version; a load of another never queues behind
+        the wire."""
         if self.on_wire == version:
             with self.lock:
                 pass
         with self.slot:
-            policy = self.staged.pop(version, None)
-            if policy is not None:  # older ones will not be asked for
-                self.staged = {v: p for v, p in self.staged.items() if v > version}
+            newest = max((v for v in self.staged if v >= version), default=None)
+            if newest is None:
+                return None
+            policy = self.staged.pop(newest)
+            self.staged = {v: p for v, p in self.staged.items() if v > newest}  # older ones will not be asked for
             return policy
 
     def holds(self, version: int) -> bool:

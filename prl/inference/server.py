@@ -60,6 +60,7 @@ class Served:
         self.vocab, self.context = config.vocab_size, getattr(config, "max_position_embeddings", None)
         self.eos = [self.tokenizer.eos_token_id]
         self.receiver = Receiver(self.loop.core.model)  # the collective weight path's staging
+        self.weights_skipped = 0  # versions asked for while a newer one was served or staged (served instead)
 
     def check_prompt(self, ids: list[int], max_tokens: int, field_name: str) -> None:
         """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
@@ -143,8 +144,9 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
 
 
 async def staged_or_read(s: Served, req: UpdateWeightsRequest):
-    """(policy, source, where) of the version asked for: staged from the collective stream (off the event
-    loop: it may wait for that version's receive to end), else read and checked from its folder. A
+    """(policy, source, where) of the version asked for, or of the newest staged after it: staged from the
+    collective stream (off the event loop: it may wait for that version's receive to end), else read
+    and checked from its folder. A
     refused version answers 409; one that went by the stream only, which this server missed, 503."""
     policy = None if req.path else await asyncio.to_thread(s.receiver.take, req.version)
     if policy is not None:
@@ -170,13 +172,16 @@ def add_weight_routes(app: FastAPI, s: Served, guarded: list) -> None:
             raise HTTPException(400, "this server has no weight source: give a path")
         if req.path is not None and s.weights_root is not None and not _inside(Path(req.path), s.weights_root):
             raise HTTPException(400, f"path: {req.path} is not a version folder of this run ({s.weights_root})")
-        if req.path is None and req.version == loop.core.version and not s.receiver.holds(req.version):
-            # served already (asked again, e.g. by a restarted orchestrator): a streamed-only folder cannot
-            # be read again, and need not be
-            return UpdateWeightsResponse(version=loop.core.version, load_s=0.0, source="served")
+        served = loop.core.version
+        if req.path is None and (req.version < served or (req.version == served and not s.receiver.holds(served))):
+            # served already (asked again, e.g. by a restarted orchestrator: a streamed-only folder cannot be
+            # read again, and need not be), or a newer one is (loaded in place of an older ask): skipped
+            s.weights_skipped += req.version < served
+            return UpdateWeightsResponse(version=served, load_s=0.0, source="served")
         policy, source, path = await staged_or_read(s, req)
-        if policy.version != req.version:
+        if policy.version < req.version or (source == "folder" and policy.version != req.version):
             raise HTTPException(409, f"{path} holds v{policy.version}, not v{req.version}")
+        s.weights_skipped += policy.version != req.version  # a newer one came by the stream first: served instead
         await loop.load(policy)
         return UpdateWeightsResponse(version=loop.core.version, load_s=time.perf_counter() - t0, source=source)
 
@@ -236,6 +241,7 @@ def add_status_routes(app: FastAPI, s: Served, guarded: list) -> None:
             pool_dropped=pool.dropped if pool else 0, kv_usage=core.kv_usage(),
             busy_frac=min(1.0, st.busy_s / max(time.monotonic() - s.started, 1e-9)), busy_s=st.busy_s,
             collective_staged=s.receiver.received, collective_receiving=s.receiver.receiving,
+            weights_skipped=s.weights_skipped,
             decode_steps=st.steps, prefill_forwards=st.prefill_forwards,
         )
 

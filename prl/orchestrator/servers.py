@@ -10,7 +10,13 @@ Rules:
   goes on meanwhile (with `run.max_restarts = 0` the driver stops it, naming the server);
 - a server comes back once it answers `/health` again and has loaded the version being served, so
   no request ever runs on stale or half-loaded weights;
-- a 4xx answer is the request's fault, not the server's: it is raised, never retried elsewhere.
+- a 4xx answer is the request's fault, not the server's: it is raised, never retried elsewhere;
+- "stuck" means stuck: a server that answers why it did not load a version (missed the stream, a
+  newer one held) is at most taken out until the next version, never reported for a restart; only
+  one that does not answer within `run.hang_timeout_s`, or whose load failed after it began to
+  change the model, is;
+- servers may serve different versions for a moment: one asked for vN that holds a newer version
+  (the trainer streamed it first) serves the newer, logged as `weights_skipped`.
 """
 
 from __future__ import annotations
@@ -196,6 +202,8 @@ class ServerPool:
                     raise r
                 else:
                     paused.append(r)
+                    if s.backend.version > version:  # held a newer one (streamed first): serves that instead
+                        self.log.emit("weights_skipped", name=s.name, asked=version, serves=s.backend.version)
             return paused
 
     # ---- watching ----

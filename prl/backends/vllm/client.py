@@ -11,7 +11,12 @@
   touched (`WeightsRejected`): the old one keeps serving. A failure after the load began leaves the
   server paused (a half-loaded model is never served) and raises `ServerStuck`, as does a `/resume`
   that fails: the orchestrator takes the server out, the driver restarts it, it rejoins with the
-  served version, and the run goes on.
+  served version, and the run goes on. A server that answers with a reason (a missed or skipped
+  version, a refused one) is never taken for stuck.
+- Versions race: asked for vN while the workers hold a newer version (the trainer streamed it
+  first), the client stages and loads the newest they hold instead, labelled with its own number;
+  vN is skipped (`weights_skipped`). Asked for a version older than the one served: nothing to do,
+  skipped too.
 - Prefix KV: requests carry `cache_salt = "prl-v{N}"`; N becomes the new version once the server is
   paused for it, so every request queued from then on is prefilled under vN and never hits blocks
   computed under an older version (a request sent before keeps running under the new weights, like
@@ -31,11 +36,18 @@ import httpx
 
 from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.backends.vllm.rejected import REJECTED
+from prl.backends.vllm.staging import Superseded, superseded_by
 from prl.model.weights import STREAMED_ONLY
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
+MAX_NEWER = 8  # newer versions in a row one load may move on to before the server is taken out
+
+
+class VersionMissed(BackendError):
+    """The version went by the stream only and this server missed it (answered, not loaded): the server
+    is taken out, not restarted, and rejoins on a later version, which the trainer writes whole."""
 WARM_UP_PROMPT = list(range(3, 19))
 
 
@@ -60,6 +72,7 @@ class VllmBackend(InferenceBackend):
         self.staged_version: int | None = None  # staged in an open weight-update session
         self._rate: list[tuple[float, float]] = []
         self.weight_loads = 0  # versions this client swapped in (vLLM counts none)
+        self.weights_skipped = 0  # versions asked for while the server held a newer one (not loaded)
         self.busy = BusyClock()
 
     # ---- start ----
@@ -128,27 +141,47 @@ class VllmBackend(InferenceBackend):
         super().reset()
         self.staged_version = None  # a restarted server holds no staged session
         self.drafted = False  # nor its drafter's weights
-        self.weight_loads, self.busy = 0, BusyClock()  # counted per server process, as the embedded engine does
+        self.weight_loads, self.weights_skipped, self.busy = 0, 0, BusyClock()  # counted per server process, as the embedded engine does
 
     async def load_weights(self, version: int) -> float:
         """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
-        stood still (from the pause to the resume)."""
-        await self.stage(version)
-        return await self.swap(version)
+        stood still (from the pause to the resume). A server that holds a newer version than `version`
+        (the trainer streamed it first) serves that one instead: `version` is skipped and counted."""
+        if version <= self.version:  # served already, or a newer one is (loaded in place of an older ask)
+            self.weights_skipped += version < self.version
+            return 0.0
+        target = version
+        for _ in range(MAX_NEWER):
+            target = await self.stage(target)
+            try:
+                paused = await self.swap(target)
+            except Superseded as e:  # a newer version came between staging and the load: that one
+                target = e.newer
+                continue
+            self.weights_skipped += target != version
+            return paused
+        raise BackendError(f"{self.base_url}: newer weights kept arriving while loading v{version} "
+                           f"({MAX_NEWER} in a row); taken out, it rejoins on the served version")
 
-    async def stage(self, version: int) -> None:
-        """Open a weight-update session and have every worker fetch, verify and check `version`;
-        returns once all are ready (the session stays open for `swap`)."""
-        if self.staged_version == version:
-            return
+    async def stage(self, version: int) -> int:
+        """Open a weight-update session and have every worker fetch, verify and check `version`, or
+        the newer one they hold; returns the version staged once all are ready (the session stays
+        open for `swap`)."""
+        if self.staged_version is not None and self.staged_version >= version:
+            return self.staged_version
         await self.open_session()
         try:
-            await self.update(version, "stage")
-            await self.wait_staged(version)
+            while True:
+                await self.update(version, "stage")
+                newer = await self.wait_staged(version)
+                if newer is None:
+                    break
+                version = newer  # the workers hold it (streamed): stage and load that one
         except BaseException:
             await self.end_session()
             raise
         self.staged_version = version
+        return version
 
     async def open_session(self) -> None:
         """Start a weight-update session; one left open by a client that went away (an orchestrator
@@ -166,7 +199,7 @@ class VllmBackend(InferenceBackend):
         a `/resume` that fails, raises `ServerStuck`: the server stays paused until it is restarted."""
         self.staged_version = None
         t0 = time.perf_counter()
-        loading = False
+        loading, salt = False, self.salt_version
         try:
             self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
             self.salt_version = max(self.salt_version, version)  # queued from now on: prefilled under vN
@@ -176,6 +209,11 @@ class VllmBackend(InferenceBackend):
             if self.draft_weights and not self.drafted:
                 await self.load_draft(version)
         except ServerStuck:
+            raise
+        except (Superseded, VersionMissed):  # answered before touching the model: the old version serves on
+            self.salt_version = salt
+            await self.end_session()
+            await self.resume()
             raise
         except WeightsRejected:
             await self.end_session()
@@ -205,16 +243,19 @@ class VllmBackend(InferenceBackend):
         await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
         self.drafted = True
 
-    async def wait_staged(self, version: int, timeout: float = 600.0) -> None:
-        """Poll prl's status route (not vLLM's engine loop) until every worker staged `version`."""
+    async def wait_staged(self, version: int, timeout: float = 600.0) -> int | None:
+        """Poll prl's status route (not vLLM's engine loop) until every worker staged `version` (None),
+        or a worker holds a newer one (that version)."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.check(await self.get(f"/prl/staged?version={version}"), "/prl/staged").json()
             if status["state"] == "ready":
-                return
+                return None
+            if status["state"] == "newer":
+                return int(status["version"])
             if status["state"] == "failed":
                 if STREAMED_ONLY in (status["error"] or ""):  # missed the stream: taken out, rejoins on a later version
-                    raise BackendError(f"{self.base_url}: weights v{version}: {status['error']}")
+                    raise VersionMissed(f"{self.base_url}: weights v{version}: {status['error']}")
                 raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {status['error']}")
             if time.monotonic() > deadline:
                 raise BackendError(f"{self.base_url}: weights v{version} not staged after {timeout:.0f}s")
@@ -224,8 +265,11 @@ class VllmBackend(InferenceBackend):
         r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})
         if r.status_code < 400:
             return
+        newer = superseded_by(r.text)
+        if newer is not None:  # holds a newer version (streamed first): the caller loads that one
+            raise Superseded(version, newer)
         if STREAMED_ONLY in r.text:  # the version went by the stream only and this server missed it: taken out
-            raise BackendError(f"{self.base_url}: weights v{version}: {r.text[:400]}")
+            raise VersionMissed(f"{self.base_url}: weights v{version}: {r.text[:400]}")
         if action == "stage" or REJECTED in r.text:  # refused before any tensor was touched: the old version serves on
             raise WeightsRejected(f"{self.base_url} rejected weights v{version}: {r.text[:400]}")
         raise ServerStuck(f"{self.base_url}: loading weights v{version} failed after it began; the model is in an "
@@ -267,6 +311,7 @@ class VllmBackend(InferenceBackend):
             prefill_tokens=int(m.get("vllm:prompt_tokens_total", 0) - m.get("vllm:prefix_cache_hits_total", 0)
                                - m.get("vllm:external_prefix_cache_hits_total", 0)),  # computed here
             prefix_hits=int(m.get("vllm:prefix_cache_hits_total", 0)), weight_loads=self.weight_loads,
+            weights_skipped=self.weights_skipped,
             pool_hit_tokens=int(m.get("vllm:external_prefix_cache_hits_total", 0)),
             kv_usage=prometheus_max(r.text, "vllm:kv_cache_usage_perc"),
             **mooncake_counts(r.text),

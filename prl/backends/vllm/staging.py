@@ -7,6 +7,14 @@ checks version N while decoding goes on, and writes its state to a status file p
 server (same host) answers `GET /prl/staged` from those files, so the client waits for "ready"
 without touching the engine loop, and pauses only for the load proper.
 
+Versions race (the trainer streams vN+1 into the workers before the orchestrator asked for vN): a
+worker keeps the newest version it holds. Asked to stage an older one, it keeps the newer (the
+status then answers "newer", naming it, and the client stages and loads that one instead); asked
+to load an older one, it refuses before touching the model with `SUPERSEDED` and the newer version,
+and the client resumes and loads the newer. Newer weights are always acceptable in async RL: every
+token is labelled with the version that produced it. Every worker of a server sees the same
+sequence of RPCs (vLLM hands each to all workers in order), so they agree on the newest version.
+
 No vLLM import here: the API server's middleware reads the status without loading the plugin.
 """
 
@@ -14,11 +22,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Callable
 
-from prl.model.weights import STREAMED_ONLY, StreamedOnly
+SUPERSEDED = "[prl: superseded]"  # a worker's answer to a load of vN while it holds a newer version
+
+
+class Superseded(RuntimeError):
+    """The worker holds `newer` (staged or staging): the older version asked for is skipped."""
+
+    def __init__(self, asked: int, newer: int):
+        super().__init__(f"{SUPERSEDED} v{newer} is staged, newer than v{asked}: v{asked} is skipped on this server")
+        self.newer = newer
+
+
+def superseded_by(text: str) -> int | None:
+    """The newer version a `SUPERSEDED` answer names, None if `text` is no such answer."""
+    m = re.search(re.escape(SUPERSEDED) + r" v(\d+)", text)
+    return int(m.group(1)) if m else None
 
 
 def status_dir(cfg) -> Path:
@@ -33,13 +56,17 @@ def write_status(folder: Path, rank: int, world: int, version: int, state: str, 
 
 
 def read_status(folder: Path, version: int) -> dict:
-    """`{"state": "staging" | "ready" | "failed", "error": ...}` of `version` over every rank."""
+    """`{"state": "staging" | "ready" | "failed" | "newer", "error": ..., "version": ...}` of `version`
+    over every rank; "newer": a rank holds a newer version (not failed), named by "version"."""
     ranks = []
     for p in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
         try:
             ranks.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
             return {"state": "staging", "error": None}
+    newer = [r["version"] for r in ranks if r.get("version", -1) > version and r.get("state") != "failed"]
+    if newer:
+        return {"state": "newer", "error": None, "version": max(newer)}
     mine = [r for r in ranks if r.get("version") == version]
     failed = [r for r in mine if r.get("state") == "failed"]
     if failed:
@@ -50,8 +77,8 @@ def read_status(folder: Path, version: int) -> dict:
 
 
 class Stager:
-    """One version at a time: `start(v)` reads v on a thread; `result(v)` waits for it and returns the
-    tensors or raises what went wrong."""
+    """One version at a time, the newest: `start(v)` reads v on a thread; `result(v)` waits for it and
+    returns the tensors or raises what went wrong (`Superseded` when a newer one came meanwhile)."""
 
     def __init__(self, read: Callable[[int], dict], folder: Path, rank: int = 0, world: int = 1):
         self.read, self.folder, self.rank, self.world = read, folder, rank, world
@@ -63,13 +90,8 @@ class Stager:
     def start(self, version: int, read: Callable[[int], dict] | None = None) -> None:
         """Stage `version` with `read` (default: the folder's); one already staging or staged is kept
         (e.g. staged from the collective weight path before the orchestrator asked for it)."""
-        if self.version == version and self.error is None:
-            return  # already staging or staged
-        if self.version is not None and self.version > version and self.error is None:
-            # a newer version came by the stream before the orchestrator asked for this one: keep it
-            # (the orchestrator asks for it next); this one is not staged
-            raise StreamedOnly(f"{STREAMED_ONLY} v{self.version} is staged, newer than v{version}: v{version} is "
-                               f"skipped on this server")
+        if self.holds(version):
+            return  # already staging or staged, or a newer one (came by the stream first): kept
         if self.thread is not None:
             self.thread.join()
         self.version, self.state, self.error = version, None, None
@@ -77,6 +99,10 @@ class Stager:
         self.thread = threading.Thread(target=self._run, args=(version, read or self.read),
                                        name=f"prl-stage-v{version}", daemon=True)
         self.thread.start()
+
+    def holds(self, version: int) -> bool:
+        """Whether `version` or a newer one is staging or staged (not failed)."""
+        return self.version is not None and self.version >= version and self.error is None
 
     def already(self, version: int) -> None:
         """`version` is the one served: nothing to stage or load; reported ready."""
@@ -93,6 +119,8 @@ class Stager:
             write_status(self.folder, self.rank, self.world, version, "failed", f"{type(e).__name__}: {e}")
 
     def result(self, version: int) -> dict:
+        if self.holds(version + 1):
+            raise Superseded(version, self.version)
         if self.version != version:
             self.start(version)
         self.thread.join()
