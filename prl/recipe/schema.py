@@ -17,31 +17,41 @@ from prl.parallel_dims import ParallelDims
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class WandbCfg(Section):
     """Log the run to Weights & Biases (the driver logs every process's metrics to one W&B run)."""
 
     project: str = Field(min_length=1)
-    entity: str | None = None  # your default entity when unset
-    mode: Literal["online", "offline"] = "online"  # offline: files under RUN_DIR/wandb, `wandb sync` later
-    name: str | None = None  # the W&B run's display name; run.name when unset
+    """The W&B project the run logs to."""
+    entity: str | None = None
+    """The W&B team or user; unset: your default entity."""
+    mode: Literal["online", "offline"] = "online"
+    """How W&B logs: "online" as the run goes; "offline" to files under RUN_DIR/wandb for `wandb sync` later."""
+    name: str | None = None
+    """The W&B run's display name; unset: run.name."""
     group: str | None = None
+    """The W&B group the run is filed under, to compare runs together; unset: none."""
     tags: list[str] = []
+    """Tags on the W&B run."""
 
 
 class RunCfg(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    """The run's name: its folder is run.output_dir/NAME (letters, digits, `.`, `_`, `-`)."""
     output_dir: str = "runs"
+    """The folder runs are made in, relative to where `prl` is started."""
     seed: int = 0
-    # faults: a process that dies or hangs is restarted up to this many times (the trainer's ranks
-    # count as one); past it, or with 0, the run stops and names it
+    """Seed of the task's examples, the tiny model's random init and the servers' sampling."""
     max_restarts: int = Field(3, ge=0)
-    # a server or trainer endpoint that answers nothing, or an orchestrator that logs nothing, for
-    # this long is hung: it is killed and restarted
+    """Faults: a process that dies or hangs is restarted up to this many times (the trainer's ranks count as one); past
+    it, or with 0, the run stops and names it."""
     hang_timeout_s: float = Field(60.0, ge=5)
-    wandb: WandbCfg | None = None  # off unless set, e.g. wandb = { project = "rl", mode = "offline" }
+    """Seconds: a server or trainer endpoint that answers nothing, or an orchestrator that logs nothing, for this long
+    is hung: it is killed and restarted."""
+    wandb: WandbCfg | None = None
+    """Log the run to Weights & Biases; off unless set, e.g. wandb = { project = "rl", mode = "offline" }."""
 
 
 class ModelCfg(Section):
@@ -50,19 +60,36 @@ class ModelCfg(Section):
     With `path`, every process loads that folder's weights (`model.safetensors`, or shards listed in
     `model.safetensors.index.json`); the tiny-model keys below are then unused."""
 
-    arch: Literal[tuple(families.with_feature("tiny"))] = "glm_moe_dsa"  # the families `prl.model.tiny` builds
-    path: str | None = None  # a local Hugging Face folder with weights; on a cluster, at this path on every host
+    arch: Literal[tuple(families.with_feature("tiny"))] = "glm_moe_dsa"
+    """The model family: what a tiny model is built as (`prl.model.tiny`); with `path`, what `prl plan` assumes when
+    the folder is not on this machine."""
+    path: str | None = None
+    """A local Hugging Face folder with weights; on a cluster, at this path on every host. Unset: a tiny random-init
+    model shaped by the keys below."""
     hidden_size: int = Field(128, gt=0)
+    """Tiny model: width of the residual stream."""
     num_layers: int = Field(3, gt=0)
+    """Tiny model: decoder layers."""
     first_dense_layers: int = Field(1, ge=0)
+    """Tiny model: leading layers with a dense MLP instead of experts (num_layers or more: a dense model)."""
     num_heads: int = Field(4, gt=0)
-    head_dim: int = Field(32, gt=0, multiple_of=2)  # MLA: qk_nope = v = head_dim, rope = head_dim / 2
+    """Tiny model: attention heads (Qwen3-MoE: half as many key/value heads)."""
+    head_dim: int = Field(32, gt=0, multiple_of=2)
+    """Tiny model: dimension of one attention head, even; GLM-5's MLA: qk_nope = v = head_dim, rope = head_dim / 2."""
     num_experts: int = Field(8, gt=0)
+    """Tiny model: routed experts per MoE layer."""
     experts_per_token: int = Field(2, gt=0)
+    """Tiny model: routed experts each token goes to (at most num_experts)."""
     expert_dim: int = Field(128, gt=0)
+    """Tiny model: hidden size of each expert's MLP."""
     dense_dim: int = Field(256, gt=0)
+    """Tiny model: hidden size of the dense layers' MLP."""
     index_topk: int = Field(256, gt=0)
+    """Tiny GLM-5 model: keys each query attends to, picked by the DSA indexer (the sequence length or more: every
+    key)."""
     max_position_embeddings: int = Field(512, gt=0)
+    """Tiny model: positions it holds, which must fit the longest sample (prompt and completion); a pretrained folder's
+    own value is used instead."""
 
     @model_validator(mode="after")
     def _experts(self):
@@ -78,12 +105,23 @@ class TaskCfg(Section):
     """Built-in task by name, a reasoning-gym task as `reasoning_gym:<name>` (the `envs` extra; the
     name and options are checked when `prl run` imports the task), or user functions as `module:function`."""
 
-    name: str = "reverse"  # reverse | reverse_long_tail | sort | add | custom | reasoning_gym:<name>
+    name: str = "reverse"
+    """A built-in task (reverse, reverse_long_tail, sort, add), "custom" (task.dataset and task.reward), or
+    "reasoning_gym:<name>"."""
     dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    """A dataset function as "module:function" ((index, seed, min_len, max_len) -> {"prompt", "answer", ...}); replaces
+    the named task's dataset; needed by name = "custom"."""
     reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
-    min_len: int = Field(3, gt=0)  # built-in tasks only
+    """A reward function as "module:function" ((completion, example) -> a float in [0, 1]); replaces the named task's
+    reward; needed by name = "custom"."""
+    min_len: int = Field(3, gt=0)
+    """Shortest problem, passed to the dataset function (built-ins: letters of the word; add: digits of an operand, at
+    most 4; reverse_long_tail: the median)."""
     max_len: int = Field(8, gt=0)
-    options: dict[str, Any] = {}  # reasoning_gym tasks: the dataset's config, e.g. { size = 500, min_digits = 2 }
+    """Longest problem, in min_len's unit; prl also sizes the longest prompt from it (2 tokens a character plus 8) to
+    check that a sample fits."""
+    options: dict[str, Any] = {}
+    """reasoning_gym tasks: the dataset's config, e.g. { size = 500, min_digits = 2 }."""
 
     @field_validator("name")
     @classmethod
@@ -112,25 +150,36 @@ class SftCfg(Section):
     Unset, it is 40 steps for a tiny random-init model and off for a pretrained `model.path`."""
 
     steps: int | None = Field(None, ge=0)
+    """Warm-start steps before RL (0: none); unset: 40 for a tiny random-init model, 0 for a pretrained model.path."""
 
     def steps_for(self, model: "ModelCfg") -> int:
         if self.steps is not None:
             return self.steps
         return 0 if model.path else 40
     batch_size: int = Field(32, gt=0)
+    """Demonstrations per warm-start step."""
     lr: float = Field(3e-3, gt=0)
+    """Warm-start learning rate (AdamW, with trainer.warmup_steps and trainer.schedule over the warm-start steps)."""
 
 
 class SandboxCfg(Section):
     """Where model-written code runs (`prl.sandbox`): its own uid and namespaces, limits, a pool."""
 
-    isolation: Literal["namespaces", "none"] = "namespaces"  # none: rlimits and the uid only (shown, warned)
+    isolation: Literal["namespaces", "none"] = "namespaces"
+    """How executions are walled off: "namespaces" (bubblewrap's mount, pid, network, ipc and uts namespaces around the
+    uid and rlimits) or "none" (rlimits and the uid only; shown, warned)."""
     timeout_s: float = Field(5.0, gt=0)
+    """Seconds of wall clock one execution may take before it is stopped."""
     memory_mb: int = Field(256, gt=0)
+    """MiB of address space per process (RLIMIT_AS); the execution's memory.max where a cgroup is available."""
     max_procs: int = Field(16, gt=0)
+    """Processes one execution may have at once (RLIMIT_NPROC of its own uid; pids.max with a cgroup)."""
     max_output_bytes: int = Field(4096, gt=0)
-    concurrency: int = Field(2, gt=0)  # executions at once in each sandbox worker
-    workers: int = Field(1, gt=0)  # sandbox worker processes on one machine (a cluster: one per sandbox host)
+    """Bytes an execution may write to stdout, and to stderr; past it the program is stopped."""
+    concurrency: int = Field(2, gt=0)
+    """Executions at once in each sandbox worker (programs in parallel per worker, not workers)."""
+    workers: int = Field(1, gt=0)
+    """Sandbox worker processes on one machine (a cluster: one per sandbox host, placement.sandbox)."""
 
 
 class EnvCfg(Section):
@@ -138,19 +187,32 @@ class EnvCfg(Section):
     turns whose code runs in the sandbox. Per turn the model samples up to `sampling.max_tokens`."""
 
     kind: Literal["single_turn", "tools", "code"] = "single_turn"
+    """The rollout: "single_turn" (one completion per prompt), "tools" (turns that call env.tools) or "code" (turns
+    whose programs run in the sandbox)."""
     max_turns: int = Field(4, gt=0)
-    max_total_tokens: int = Field(512, gt=0)  # model and environment tokens after the prompt
-    tools: list[str] = []  # kind = "tools": Python functions as "module:function"
+    """Multi-turn environments: model turns a trajectory takes at most."""
+    max_total_tokens: int = Field(512, gt=0)
+    """Multi-turn environments: model and environment tokens after the prompt; the trajectory ends when
+    they reach it."""
+    tools: list[str] = []
+    """kind = "tools": the Python functions the model may call, as "module:function"."""
     tool_timeout_s: float = Field(5.0, gt=0)
-    max_env_chars: int = Field(512, gt=0)  # a tool result or program output is cut here, with a marker
-    format: Literal["auto", "tiny", "chat"] = "auto"  # auto: chat when the tokenizer has a chat template
-    language: Literal["minilang", "python"] = "minilang"  # kind = "code": what the model writes
-    # kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at
-    # once beats passing after feedback (which still beats failing: at most half the output's similarity)
+    """kind = "tools": seconds a tool call may take; past it the model gets a timeout error."""
+    max_env_chars: int = Field(512, gt=0)
+    """A tool result or program output is cut at this many characters, with a marker."""
+    format: Literal["auto", "tiny", "chat"] = "auto"
+    """How turns look in tokens: "chat" (the tokenizer's chat template, <tool_call>{json}</tool_call>), "tiny" (prl's
+    character-level format); "auto": chat when the tokenizer has a chat template."""
+    language: Literal["minilang", "python"] = "minilang"
+    """kind = "code": what the model writes ("minilang": prl's tiny print language; "python": a ```python block)."""
     attempt_penalty: float = Field(0.0, ge=0, le=0.25)
-    # kind = "code": a failing program scores this times its output's similarity to the target (0: pass or fail only)
+    """kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at once beats
+    passing after feedback (which still beats failing: at most half the output's similarity)."""
     fail_credit: float = Field(0.5, ge=0, le=0.5)
+    """kind = "code": a failing program scores this times its output's similarity to the target (0: pass or
+    fail only)."""
     sandbox: SandboxCfg = SandboxCfg()
+    """kind = "code": where the programs run (limits, workers)."""
 
     @model_validator(mode="after")
     def _tools(self):
@@ -164,26 +226,39 @@ class EnvCfg(Section):
 
 class RlCfg(Section):
     max_steps: int = Field(30, gt=0)
-    batch_size: int = Field(64, gt=0)  # samples (completions) per trainer step
-    group_size: int = Field(8, gt=0)  # completions per prompt
-    max_async_level: int = Field(1, ge=0)  # steps inference may run ahead of the trainer
-    max_off_policy_steps: int = Field(2, ge=0)  # tokens older than this follow stale_policy, counted
-    # partial rollouts: start this share of a step's groups beyond what max_async_level allows; each step
-    # trains the first groups to finish and the rest carry on under new weights (prl.orchestrator)
+    """RL steps (trainer optimizer steps) of the run; trainer.schedule spans them."""
+    batch_size: int = Field(64, gt=0)
+    """Samples (completions) per trainer step; a multiple of group_size."""
+    group_size: int = Field(8, gt=0)
+    """Completions per prompt, compared with each other for the advantage."""
+    max_async_level: int = Field(1, ge=0)
+    """Steps inference may run ahead of the trainer (0: each step samples with the newest weights)."""
+    max_off_policy_steps: int = Field(2, ge=0)
+    """Tokens sampled more than this many versions ago follow stale_policy (counted)."""
     overprovision: float = Field(0.0, ge=0, le=8)
-    stale_policy: Literal["mask", "correct", "drop"] = "mask"  # prl.orchestrator.buffer
-    max_inflight_rollouts: int = Field(64, gt=0)  # the cap; below it, the servers' KV usage decides
-    kv_usage_target: float = Field(0.9, ge=0, le=1)  # prl.orchestrator.budget; 0: always the cap
+    """Partial rollouts: start this share of a step's groups beyond what max_async_level allows; each step trains the
+    first groups to finish and the rest carry on under new weights (prl.orchestrator)."""
+    stale_policy: Literal["mask", "correct", "drop"] = "mask"
+    """Tokens older than max_off_policy_steps: "mask" (not trained; the rest of the trajectory is), "correct" (trained,
+    trainer.loss.correction corrects them), "drop" (the whole group is dropped and replaced);
+    prl.orchestrator.buffer."""
+    max_inflight_rollouts: int = Field(64, gt=0)
+    """Rollouts in flight at most, over all servers; below it, the servers' KV usage decides (kv_usage_target)."""
+    kv_usage_target: float = Field(0.9, ge=0, le=1)
+    """A server whose KV usage (share of its KV capacity) is above this gets half the rollouts, one below it more
+    (prl.orchestrator.budget); 0: always the cap."""
     advantage: Literal["mean", "mean_std"] = "mean"
-    # how a group's members weigh in the loss: "token" (each model token the same: long members weigh
-    # more) or "sequence" (each member the same: advantages scaled by the group's mean length over the
-    # member's; prl.orchestrator.orchestrator.sequence_weighted)
+    """Group-relative advantage: "mean" (a completion's reward minus its group's mean) or "mean_std" (that over the
+    group's standard deviation)."""
     loss_weighting: Literal["token", "sequence"] = "token"
-    # multi-turn credit: "trajectory" (every model token gets the trajectory's advantage) or "turn"
-    # (each turn's tokens: its own outcome against the same turn of the group's other members, for
-    # multi-turn environments: `code` scores each attempt; `tools` compares a turn only with members
-    # that got the same tool results before it; prl.orchestrator.orchestrator.turn_advantages)
+    """How a group's members weigh in the loss: "token" (each model token the same: long members weigh more) or
+    "sequence" (each member the same: advantages scaled by the group's mean length over the member's;
+    prl.orchestrator.orchestrator.sequence_weighted)."""
     credit: Literal["trajectory", "turn"] = "trajectory"
+    """Multi-turn credit: "trajectory" (every model token gets the trajectory's advantage) or "turn" (each turn's
+    tokens: its own outcome against the same turn of the group's other members; `code` scores each attempt, `tools`
+    compares a turn only with members that got the same tool results before it;
+    prl.orchestrator.orchestrator.turn_advantages)."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -201,19 +276,31 @@ class RlCfg(Section):
 
 class SamplingCfg(Section):
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy); the trainer's logprobs use the same temperature (1 when 0)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: only the most likely tokens holding this much probability are sampled (1: all)."""
     max_tokens: int = Field(16, gt=0)
+    """Tokens the model samples at most per turn (one turn: the whole completion)."""
 
 
 class LossCfg(Section):
     """Off-policy correction between trainer and inference logprobs (see README, "Loss")."""
 
     correction: Literal["tis", "clip", "mask", "seq_mask", "none"] = "clip"
+    """How the loss treats the ratio of trainer to inference probability: "tis" (weighted by it, capped at tis_cap),
+    "clip" (as tis, and PPO's clip on it), "mask" (tokens outside [mask_low, mask_high] get no gradient), "seq_mask"
+    (whole samples masked by their geometric-mean ratio), "none"."""
     tis_cap: float = Field(2.0, gt=0)
+    """With correction "tis" or "clip": the importance ratio is capped here."""
     mask_low: float = Field(0.5, gt=0)
+    """With correction "mask" or "seq_mask": the lowest ratio trained."""
     mask_high: float = Field(2.0, gt=0)
-    clip_low: float = Field(0.2, gt=0, lt=1)  # "clip": PPO's clip on the ratio to the sampling policy
+    """With correction "mask" or "seq_mask": the highest ratio trained."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """With correction "clip": a token with a negative advantage whose ratio is below 1 - clip_low gets no gradient
+    (PPO's clip on the ratio to the sampling policy)."""
     clip_high: float = Field(0.2, gt=0)
+    """With correction "clip": a token with a positive advantage whose ratio is above 1 + clip_high gets no gradient."""
 
     @model_validator(mode="after")
     def _band(self):
@@ -227,21 +314,25 @@ class ParallelCfg(Section):
     `dp_shard` x `cp` = world; expert parallelism borrows `ep` of those ranks for the experts
     (experts are split over `ep` ranks, tokens travel to them by all-to-all)."""
 
-    dp_shard: int = Field(-1, ge=-1)  # -1: world / cp
+    dp_shard: int = Field(-1, ge=-1)
+    """Data-parallel ranks the weights are sharded over (FSDP2); -1: world / cp."""
     cp: int = Field(1, ge=1)
-    # with cp > 1, which tokens each rank holds: "zigzag" (chunk c and its mirror 2cp-1-c of 2cp chunks:
-    # causal attention costs every rank the same) or "contiguous" (slice c: the last rank costs ~2cp/(cp+1)x the mean)
+    """Context parallelism: ranks each sample's tokens are split over (GLM-5's DSA attention only)."""
     cp_layout: str = "zigzag"
+    """With cp > 1, which tokens each rank holds: "zigzag" (chunk c and its mirror 2cp-1-c of 2cp chunks: causal
+    attention costs every rank the same) or "contiguous" (slice c: the last rank costs ~2cp/(cp+1)x the mean)."""
     ep: int = Field(1, ge=1)
-    # the experts' all-to-all (prl/trainer/ep_dispatch.py): "fp8" sends what goes toward the experts as
-    # block FP8 (1x128 tiles, fp32 scales alongside), dequantised on arrival; "plain": in trainer.dtype.
-    # The way back to the tokens stays in trainer.dtype either way
+    """Expert parallelism: ranks the routed experts are split over, tokens travelling to them by all-to-all; must
+    divide the world and the experts."""
     ep_dispatch: Literal["plain", "fp8"] = "plain"
-    # a token goes once to each node holding any of its experts, then to each rank there that holds one
+    """The experts' all-to-all (prl/trainer/ep_dispatch.py): "fp8" sends what goes toward the experts as block FP8
+    (1x128 tiles, fp32 scales alongside), dequantised on arrival; "plain": in trainer.dtype. The way back to the
+    tokens stays in trainer.dtype either way."""
     ep_node_dedup: bool = False
-    # ep ranks per node for the dedup (consecutive ranks share a node); 0: trainer.nproc, the ranks of one
-    # trainer host. Set it to simulate nodes on one machine (4 ranks as 2 nodes of 2: ep_ranks_per_node = 2)
+    """A token goes once to each node holding any of its experts, then to each rank there that holds one."""
     ep_ranks_per_node: int = Field(0, ge=0)
+    """Ep ranks per node for the dedup (consecutive ranks share a node); 0: trainer.nproc, the ranks of one trainer
+    host. Set it to simulate nodes on one machine (4 ranks as 2 nodes of 2: ep_ranks_per_node = 2)."""
 
     @model_validator(mode="after")
     def _positive(self):
@@ -299,37 +390,56 @@ class ParallelCfg(Section):
 
 class TrainerCfg(Section):
     lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of the RL steps (AdamW)."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up to the peak learning rate (0: none); the warm start uses it too."""
     schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after the warm-up: "constant", or "cosine" down to lr x min_lr_ratio at rl.max_steps."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """With schedule "cosine": the last learning rate as a fraction of lr."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay (0: none)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm before each optimizer step."""
     nproc: int = Field(1, gt=0)
+    """Trainer ranks (processes, one per GPU) per trainer host; the world is nproc x trainer hosts."""
     micro_batch_tokens: int = Field(4096, gt=0)
-    checkpoint_every: int = Field(10, ge=0)  # 0: only at the end
+    """Tokens in one packed row of a micro-batch (one forward and backward); must hold a whole sample."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Steps between checkpoints (0: only at the end)."""
     keep_weights: int = Field(3, ge=2)
-    # how a new version reaches the servers: "folder" (sealed folder, read in place or downloaded);
-    # "collective" (also streamed from rank 0 straight into the servers' memory, gloo or NCCL, the
-    # folder kept as the fallback; `prl.transport.collective`); "stream": as "collective", every rank
-    # streaming its share of the buckets, each expert's tensors only to the receivers serving it
+    """Published weight versions kept in RUN_DIR/weights and on hosts that download them; older ones are deleted."""
     weight_transfer: Literal["folder", "collective", "stream"] = "folder"
-    weight_transfer_timeout_s: float = Field(120.0, gt=0)  # a stalled broadcast fails after this
-    # "sharded": every rank writes its own shards (torch.distributed.checkpoint), no gather; "full":
-    # rank 0 gathers the whole state; "auto": sharded when the trainer runs on one host
+    """How a new version reaches the servers: "folder" (sealed folder, read in place or downloaded); "collective" (also
+    streamed from rank 0 straight into the servers' memory, gloo or NCCL, the folder kept as the fallback;
+    `prl.transport.collective`); "stream": as "collective", every rank streaming its share of the buckets, each
+    expert's tensors only to the receivers serving it."""
+    weight_transfer_timeout_s: float = Field(120.0, gt=0)
+    """Seconds: a stalled weight broadcast fails after this."""
     checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
+    """How checkpoints are written: "sharded" (every rank its own shards, torch.distributed.checkpoint, no gather),
+    "full" (rank 0 gathers the whole state) or "auto" (sharded when the trainer runs on one host)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; "auto": nccl when CUDA is available, else gloo."""
     threads: int = Field(1, gt=0)
-    router_replay: bool = False  # R3: replay the experts the inference engine chose
-    fp8: bool = False  # block-scaled FP8 for eligible attention/MLP linears and experts
-    # compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision)
+    """CPU threads of each trainer rank (torch.set_num_threads and OMP_NUM_THREADS)."""
+    router_replay: bool = False
+    """R3: replay the experts the inference engine chose."""
+    fp8: bool = False
+    """Block-scaled FP8 for eligible attention/MLP linears and experts."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward
-    logprob_chunk_tokens: int = Field(1024, ge=0)  # logprobs per this many tokens (0: all at once)
-    # a group's members trained over one copy of their prompt (`prl.transport.trees`); unset: on
-    # unless context parallelism splits the rows (its attention does not take the trees' mask)
+    """Compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Logprobs computed per this many tokens, so the whole logits never exist at once (0: all at once)."""
     share_prompts: bool | None = None
+    """A group's members trained over one copy of their prompt (`prl.transport.trees`); unset: on unless context
+    parallelism splits the rows (its attention does not take the trees' mask)."""
     parallel: ParallelCfg = ParallelCfg()
+    """How the trainer's ranks are arranged."""
     loss: LossCfg = LossCfg()
+    """The RL loss's off-policy correction."""
 
     @model_validator(mode="after")
     def _whole_rows(self):
@@ -352,14 +462,24 @@ class KvPoolCfg(Section):
     `memory_gb` of every server's memory; a server loads pooled prompt chunks instead of computing."""
 
     enabled: bool = False
-    host: str | None = None  # cluster: the host (by name) running mooncake_master; default: the first inference host
-    port: int = Field(0, ge=0, le=65533)  # master rpc port; +1 metadata, +2 metrics (0: free ports, 50051 on a cluster)
-    memory_gb: float = Field(1.0, gt=0)  # what each server contributes to the pool
-    chunk_tokens: int = Field(256, gt=0)  # prompt KV is pooled per chunk of this many tokens
-    retry_s: float = Field(30.0, gt=0)  # after a store error a server computes everything this long, then retries
+    """Run the pool: a kv-master process, and memory_gb of every server's memory."""
+    host: str | None = None
+    """Cluster: the host (by name) running mooncake_master; default: the first inference host."""
+    port: int = Field(0, ge=0, le=65533)
+    """The master's rpc port; +1 metadata, +2 metrics (0: free ports, 50051 on a cluster)."""
+    memory_gb: float = Field(1.0, gt=0)
+    """GB of memory each server contributes to the pool."""
+    chunk_tokens: int = Field(256, gt=0)
+    """Prompt KV is pooled per chunk of this many tokens."""
+    retry_s: float = Field(30.0, gt=0)
+    """Seconds: after a store error a server computes everything this long, then retries."""
     protocol: Literal["tcp", "rdma"] = "tcp"
-    disk_path: str | None = None  # the disk tier: an absolute folder every pool member sees
-    disk_gb: float = Field(0, ge=0)  # its size (0: the filesystem's)
+    """Mooncake's transport between pool members: "tcp"; "rdma" is taken by `prl plan` and --dry-run but refused by
+    `prl run` (not built)."""
+    disk_path: str | None = None
+    """The disk tier: an absolute folder every pool member sees; unset: memory only."""
+    disk_gb: float = Field(0, ge=0)
+    """GB of the disk tier (0: the filesystem's size)."""
 
     @field_validator("disk_path")
     @classmethod
@@ -370,40 +490,60 @@ class KvPoolCfg(Section):
 
 
 class InferenceCfg(Section):
-    backend: str = "embedded"  # a name in prl.backends.registry.SPECS
+    backend: str = "embedded"
+    """The inference engine, a name in prl.backends.registry: "embedded" (prl's own) or "vllm"."""
     num_servers: int = Field(1, gt=0)
+    """Inference servers on this machine (a cluster: from [placement] instead)."""
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0: pick free ports at launch
+    """The address the run's processes bind on this machine (a cluster: each host's address)."""
+    port: int = Field(0, ge=0, le=65535)
+    """First server port on this machine, the next servers on the ports after it (0: free ports picked at launch)."""
     max_batch_size: int = Field(64, gt=0)
+    """Sequences a server decodes at once (vLLM's --max-num-seqs: per attention replica)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    fp8: bool = False  # the engine computes with the same block-scaled FP8 weights
+    """Compute dtype of the servers' weights."""
+    fp8: bool = False
+    """The engine computes with the same block-scaled FP8 weights."""
     threads: int = Field(1, gt=0)
+    """CPU threads of each server process (torch.set_num_threads and OMP_NUM_THREADS)."""
     prefix_cache_entries: int = Field(256, ge=0)
-    kv_capacity_tokens: int = Field(0, ge=0)  # embedded engine: KV token slots of the running batch (0: unbounded)
-    # embedded engine: while a batch decodes, a request whose prompt is computed whole waits up to this
-    # many decode steps for others to share its prefill forward (0: each joins at once)
+    """Embedded engine: finished prompts and sequences whose KV is kept for a later prompt sharing their prefix, least
+    recently used evicted (0: no prefix cache)."""
+    kv_capacity_tokens: int = Field(0, ge=0)
+    """Embedded engine: KV token slots of the running batch (0: unbounded)."""
     prefill_wait_steps: int = Field(3, ge=0)
-    # embedded engine: every forward through torch.compile (CPU: about 1.5x the tokens/s on the tiny
-    # Qwen3-MoE; the server compiles for a minute or so before it answers /health)
+    """Embedded engine: while a batch decodes, a request whose prompt is computed whole waits up to this many decode
+    steps for others to share its prefill forward (0: each joins at once)."""
     compile: bool = False
-    startup_timeout_s: int = Field(600, gt=0)  # a server must answer /health within this
-    vllm: dict[str, Any] = {}  # backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512
+    """Embedded engine: every forward through torch.compile (CPU: about 1.5x the tokens/s on the tiny Qwen3-MoE; the
+    server compiles for a minute or so before it answers /health)."""
+    startup_timeout_s: int = Field(600, gt=0)
+    """Seconds a server has to answer /health after it starts."""
+    vllm: dict[str, Any] = {}
+    """backend = "vllm": any other vLLM argument, e.g. max_num_batched_tokens = 512 (arguments prl sets itself are
+    refused)."""
     kv_pool: KvPoolCfg = KvPoolCfg()
-    prefill_servers: int = Field(0, ge=0)  # P/D: the first N servers (placement order) only prefill into the KV pool
-    # The serving layout (`prl plan` compares them; README "Serving layouts"). An engine spans
-    # `hosts_per_engine` hosts, placement.gpus_per_server GPUs on each; it runs `data_parallel_size`
-    # attention replicas (each its own sequences and KV), `data_parallel_local` of them per host, each
-    # tensor parallel over gpus_per_server / data_parallel_local GPUs; `expert_parallel` shards the
-    # routed experts over all the engine's GPUs. Default: one tensor-parallel server per gpus_per_server.
+    """A prompt-KV pool shared by the run's servers (Mooncake)."""
+    prefill_servers: int = Field(0, ge=0)
+    """P/D: the first N servers (placement order) only prefill into the KV pool."""
     hosts_per_engine: int = Field(1, gt=0)
+    """Serving layout (vLLM; `prl plan` compares layouts): hosts one engine spans, placement.gpus_per_server GPUs on
+    each. Default: one tensor-parallel server per gpus_per_server GPUs."""
     data_parallel_size: int = Field(1, gt=0)
-    data_parallel_local: int = Field(0, ge=0)  # 0: data_parallel_size / hosts_per_engine
+    """Attention replicas of one engine, each with its own sequences and KV and tensor parallel over its share of the
+    GPUs."""
+    data_parallel_local: int = Field(0, ge=0)
+    """Attention replicas of an engine on each of its hosts, each tensor parallel over gpus_per_server /
+    data_parallel_local GPUs (0: data_parallel_size / hosts_per_engine)."""
     expert_parallel: bool = False
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8: MLA latent and DSA indexer keys stored in FP8
-    mtp_tokens: int = Field(0, ge=0)  # draft tokens per decode step from the model's MTP layer (speculative)
-    # vLLM's EPLB: this many extra expert slots, so that an engine's GPUs divide the experts (with
-    # expert_parallel, ignored without it, so a layout without EP can be tried with --set); 0: none
+    """Shard the routed experts over all the engine's GPUs."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """fp8: MLA latent and DSA indexer keys stored in FP8."""
+    mtp_tokens: int = Field(0, ge=0)
+    """Draft tokens per decode step from the model's MTP layer (speculative decoding)."""
     redundant_experts: int = Field(0, ge=0)
+    """vLLM's EPLB: this many extra expert slots, so that an engine's GPUs divide the experts (with expert_parallel,
+    ignored without it, so a layout without EP can be tried with --set); 0: none."""
 
     def local_replicas(self) -> int:
         """Attention replicas of one engine on one host."""
@@ -454,13 +594,20 @@ LAYOUT_KEYS = ("hosts_per_engine", "data_parallel_size", "data_parallel_local", 
 class HostCfg(Section):
     """One bare-metal host reached over SSH (key files only; passwords are never used)."""
 
-    address: str  # how the workstation and the other hosts reach it; its processes bind to it
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")  # used by [placement]; default: address
+    address: str
+    """How the workstation and the other hosts reach it; its processes bind to it."""
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$")
+    """The host's name in [placement] (letters, digits, `.`, `_`, `-`); default: its address."""
     user: str = "root"
+    """SSH user."""
     port: int = Field(22, gt=0, le=65535)
+    """SSH port."""
     key_file: str | None = None
-    gpus: int = Field(0, ge=0)  # GPUs the recipe expects `nvidia-smi` to list
-    workdir: str | None = None  # overrides cluster.workdir on this host
+    """SSH private key file (~ expanded); unset: the SSH agent and the default keys, as `ssh` does."""
+    gpus: int = Field(0, ge=0)
+    """GPUs the recipe expects `nvidia-smi` to list (0: a CPU host)."""
+    workdir: str | None = None
+    """Overrides cluster.workdir on this host."""
 
     @property
     def id(self) -> str:
@@ -471,27 +618,43 @@ class ClusterCfg(Section):
     """Hosts for a multi-host run. Without this section a recipe runs on the local machine."""
 
     hosts: list[HostCfg] = Field(min_length=1)
-    workdir: str = "/tmp/prl"  # on every host: runs/NAME (the run's files) and venvs/HASH
-    python: str = "python3"  # the interpreter whose packages (torch, CUDA) the run's venv builds on
-    extras: list[str] = []  # extras of this project to install on the hosts (e.g. ["vllm"])
-    venv: str | None = None  # an environment to use (created if missing); default: one per wheel in workdir/venvs
+    """The hosts, one [[cluster.hosts]] table each."""
+    workdir: str = "/tmp/prl"
+    """On every host: runs/NAME (the run's files) and venvs/HASH."""
+    python: str = "python3"
+    """The interpreter whose packages (torch, CUDA) the run's venv builds on."""
+    extras: list[str] = []
+    """Extras of this project to install on the hosts (e.g. ["vllm"])."""
+    venv: str | None = None
+    """An environment to use (created if missing); default: one per wheel in workdir/venvs."""
     min_python: str = "3.10"
+    """The oldest Python version cluster.python may be (`prl doctor` checks every host)."""
     min_free_gb: float = Field(1.0, ge=0)
-    known_hosts: str | None = None  # default: ~/.ssh/known_hosts
+    """GB that must be free in each host's workdir (`prl doctor` checks every host)."""
+    known_hosts: str | None = None
+    """The known_hosts file the hosts' SSH keys are checked against; default: ~/.ssh/known_hosts."""
     trust_unknown_hosts: bool = False
-    rendezvous_port: int = Field(29500, gt=0, le=65535)  # torchrun, on the first trainer host
-    trainer_port: int = Field(29600, gt=0, le=65535)  # trainer endpoint (rollouts in, weights out) on rank 0
-    inference_port: int = Field(8000, gt=0, le=65535)  # first server port on each inference host
-    sandbox_port: int = Field(8900, gt=0, le=65535)  # the sandbox worker on each sandbox host
-    engine_rpc_port: int = Field(13345, gt=0, le=65535)  # a multi-host engine's data-parallel RPC, on its leader
-    # "nccl": trainer.weight_transfer = "stream" (every trainer rank streams its share; NCCL where every
-    # member holds a GPU, gloo otherwise); "http": the trainer's own setting
+    """Accept a host whose SSH key known_hosts lacks instead of refusing it."""
+    rendezvous_port: int = Field(29500, gt=0, le=65535)
+    """torchrun's rendezvous, on the first trainer host."""
+    trainer_port: int = Field(29600, gt=0, le=65535)
+    """The trainer endpoint (rollouts in, weights out) on rank 0."""
+    inference_port: int = Field(8000, gt=0, le=65535)
+    """The first server port on each inference host."""
+    sandbox_port: int = Field(8900, gt=0, le=65535)
+    """The sandbox worker on each sandbox host."""
+    engine_rpc_port: int = Field(13345, gt=0, le=65535)
+    """A multi-host engine's data-parallel RPC, on its leader."""
     weight_transfer: Literal["http", "nccl"] = "http"
-    heartbeat_timeout_s: int = Field(60, ge=10)  # remote processes stop when the driver is silent this long
-    env: dict[str, str] = {}  # extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)
-    # a folder every trainer host mounts at this path (NFS, Lustre): checkpoints of a trainer spanning
-    # several hosts go to SHARED/RUN_NAME, written sharded by every rank (run_dir/checkpoints links there)
+    """How weights reach the servers: "nccl" sets trainer.weight_transfer = "stream" (every trainer rank streams its
+    share; NCCL where every member holds a GPU, gloo otherwise); "http": the trainer's own setting."""
+    heartbeat_timeout_s: int = Field(60, ge=10)
+    """Seconds: remote processes stop when the driver is silent this long."""
+    env: dict[str, str] = {}
+    """Extra environment for every process on the hosts (e.g. NCCL_SOCKET_IFNAME)."""
     shared_checkpoints: str | None = None
+    """A folder every trainer host mounts at this path (NFS, Lustre): checkpoints of a trainer spanning several hosts
+    go to SHARED/RUN_NAME, written sharded by every rank (run_dir/checkpoints links there)."""
 
     def workdir_of(self, h: HostCfg) -> str:
         return h.workdir or self.workdir
@@ -504,10 +667,15 @@ class PlacementCfg(Section):
     """Which hosts (by name) run what. Default: trainer on the first host, inference on the others."""
 
     trainer: list[str] = Field(min_length=1)
+    """Hosts running the trainer, trainer.nproc ranks each (the first: rank 0 and the rendezvous)."""
     inference: list[str] = Field(min_length=1)
-    gpus_per_server: int = Field(1, gt=0)  # on GPU hosts: servers per host = gpus // gpus_per_server
-    orchestrator: str | None = None  # a host name or "workstation"; default: the first trainer host
-    sandbox: list[str] | None = None  # env.kind = "code": hosts of the sandbox workers (default: the inference hosts)
+    """Hosts running the inference servers."""
+    gpus_per_server: int = Field(1, gt=0)
+    """On GPU hosts: servers per host = gpus // gpus_per_server."""
+    orchestrator: str | None = None
+    """A host name or "workstation"; default: the first trainer host."""
+    sandbox: list[str] | None = None
+    """env.kind = "code": hosts of the sandbox workers (default: the inference hosts)."""
 
     def servers_on(self, h: "HostCfg") -> int:
         """Inference servers on host `h`: one per `gpus_per_server` GPUs, one on a CPU host."""
@@ -518,43 +686,79 @@ class PlanCfg(Section):
     """The assumptions of `prl plan` (defaults: H200 GPUs, 400 Gb/s per GPU between hosts)."""
 
     gpu_memory_gb: float = Field(141.0, gt=0)
-    memory_headroom: float = Field(0.9, gt=0, le=1)  # usable fraction (allocator, CUDA context, NCCL buffers)
-    gpu_tflops: float = Field(989.0, gt=0)  # dense bf16 peak per GPU
-    fp8_tflops: float = Field(1979.0, gt=0)  # dense FP8 peak per GPU (FP8 GEMMs: trainer.fp8, inference.fp8)
-    mfu: float = Field(0.35, gt=0, le=1)  # fraction of peak the trainer, prefill and decode compute reach
+    """Memory of one GPU, in GB."""
+    memory_headroom: float = Field(0.9, gt=0, le=1)
+    """Usable fraction of it (allocator, CUDA context, NCCL buffers)."""
+    gpu_tflops: float = Field(989.0, gt=0)
+    """Dense bf16 peak per GPU, in TFLOP/s."""
+    fp8_tflops: float = Field(1979.0, gt=0)
+    """Dense FP8 peak per GPU, in TFLOP/s (FP8 GEMMs: trainer.fp8, inference.fp8)."""
+    mfu: float = Field(0.35, gt=0, le=1)
+    """Fraction of peak the trainer, prefill and decode compute reach."""
     hbm_tb_s: float = Field(4.8, gt=0)
-    decode_efficiency: float = Field(0.5, gt=0, le=1)  # fraction of HBM bandwidth decode reaches
-    nvlink_gb_s: float = Field(450.0, gt=0)  # per GPU, one direction, inside a host
-    network_gb_s: float = Field(50.0, gt=0)  # per GPU, between hosts
-    collective_latency_us: float = Field(25.0, ge=0)  # fixed cost of one all-to-all or all-reduce while decoding
-    prompt_tokens: int = Field(0, ge=0)  # mean prompt length (0: the task's longest prompt)
-    completion_fraction: float = Field(0.5, gt=0, le=1)  # mean model tokens / the budget (sampling.max_tokens)
-    p99_tokens: int = Field(0, ge=0)  # p99 trajectory length (0: the longest sample the recipe allows)
-    turns: float = Field(0, ge=0)  # mean turns per trajectory (0: 1 single-turn, else env.max_turns)
-    env_tokens_per_turn: int = Field(0, ge=0)  # after each model turn but the last (0: env.max_env_chars / 4)
-    env_seconds_per_turn: float = Field(2.0, ge=0)  # a tool call or sandbox run, per turn but the last
-    mtp_acceptance: float = Field(0.7, ge=0, le=1)  # chance a draft token is accepted (inference.mtp_tokens)
-    expert_imbalance: float = Field(1.2, ge=1)  # the busiest EP rank's routed tokens over the mean
-    cuda_graphs_gb: float = Field(2.0, ge=0)  # vLLM's captured decode graphs, per GPU
-    indexer_block: int = Field(4096, gt=0)  # DSA indexer scores computed per this many queries
-    fp8_dispatch: bool = False  # count FP8 expert dispatch in the trainer (planned)
-    node_dedup: bool = False  # count node-level deduplication of the trainer's dispatch (planned)
-    overlap_comm: bool = False  # count the trainer's communication as hidden behind compute (planned)
+    """Memory (HBM) bandwidth of one GPU, in TB/s."""
+    decode_efficiency: float = Field(0.5, gt=0, le=1)
+    """Fraction of HBM bandwidth decode reaches."""
+    nvlink_gb_s: float = Field(450.0, gt=0)
+    """GB/s per GPU, one direction, inside a host."""
+    network_gb_s: float = Field(50.0, gt=0)
+    """GB/s per GPU between hosts."""
+    collective_latency_us: float = Field(25.0, ge=0)
+    """Microseconds: fixed cost of one all-to-all or all-reduce while decoding."""
+    prompt_tokens: int = Field(0, ge=0)
+    """Mean prompt length in tokens (0: the task's longest prompt)."""
+    completion_fraction: float = Field(0.5, gt=0, le=1)
+    """Mean model tokens over the budget (sampling.max_tokens)."""
+    p99_tokens: int = Field(0, ge=0)
+    """p99 trajectory length in tokens (0: the longest sample the recipe allows)."""
+    turns: float = Field(0, ge=0)
+    """Mean turns per trajectory (0: 1 single-turn, else env.max_turns)."""
+    env_tokens_per_turn: int = Field(0, ge=0)
+    """Environment tokens after each model turn but the last (0: env.max_env_chars / 4)."""
+    env_seconds_per_turn: float = Field(2.0, ge=0)
+    """Seconds of a tool call or sandbox run, per turn but the last."""
+    mtp_acceptance: float = Field(0.7, ge=0, le=1)
+    """Chance a draft token is accepted (inference.mtp_tokens)."""
+    expert_imbalance: float = Field(1.2, ge=1)
+    """The busiest EP rank's routed tokens over the mean."""
+    cuda_graphs_gb: float = Field(2.0, ge=0)
+    """GB per GPU of vLLM's captured decode graphs."""
+    indexer_block: int = Field(4096, gt=0)
+    """DSA indexer scores computed per this many queries."""
+    fp8_dispatch: bool = False
+    """Count FP8 expert dispatch in the trainer (trainer.parallel.ep_dispatch = "fp8"; built, its speed needs GPUs)."""
+    node_dedup: bool = False
+    """Count node-level deduplication of the trainer's dispatch (trainer.parallel.ep_node_dedup; built, its speed needs
+    GPUs)."""
+    overlap_comm: bool = False
+    """Count the trainer's communication as hidden behind compute (planned)."""
 
 
 class Recipe(Section):
     cluster: ClusterCfg | None = None
+    """Hosts for a multi-host run over SSH; unset: this machine."""
     placement: PlacementCfg | None = None
+    """Which hosts run what (needs [cluster]); unset: the trainer on the first host, inference on the others."""
     run: RunCfg = RunCfg()
+    """The run: its name and folder, seed, fault handling and logging."""
     model: ModelCfg = ModelCfg()
+    """The model: a tiny random-init one, or a pretrained local folder."""
     task: TaskCfg = TaskCfg()
+    """The prompts and their reward."""
     env: EnvCfg = EnvCfg()
+    """The environment a rollout runs in."""
     sft: SftCfg = SftCfg()
+    """The supervised warm start before RL."""
     rl: RlCfg = RlCfg()
+    """The RL loop: steps, batch and group sizes, asynchrony, staleness and advantages."""
     sampling: SamplingCfg = SamplingCfg()
+    """How the servers sample."""
     trainer: TrainerCfg = TrainerCfg()
+    """The trainer: optimizer, ranks, precision, checkpoints, weight publishing, layout and loss."""
     inference: InferenceCfg = InferenceCfg()
+    """The inference servers: backend, count, batching, precision and serving layout."""
     plan: PlanCfg = PlanCfg()
+    """The hardware and workload assumptions of `prl plan`."""
 
     @model_validator(mode="after")
     def _replay_needs_moe(self):
