@@ -8,24 +8,47 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+HELP = {"help_option_names": ["-h", "--help"]}
 # rich_markup_mode=None: help texts name TOML tables ([cluster]) that rich markup would swallow
 app = typer.Typer(help="prl: asynchronous RL for LLMs, mixture-of-experts first.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, rich_markup_mode=None)
-ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True, rich_markup_mode=None)
+                  pretty_exceptions_enable=False, rich_markup_mode=None, context_settings=HELP)
+ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True, rich_markup_mode=None, context_settings=HELP)
 app.add_typer(ckpt_app, name="ckpt")
 sandbox_app = typer.Typer(help="Run code in the sandbox model-written code runs in.", no_args_is_help=True,
-                          rich_markup_mode=None)
+                          rich_markup_mode=None, context_settings=HELP)
 app.add_typer(sandbox_app, name="sandbox")
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+
+
+def fail(command: str, message: str, code: int = 2) -> typer.Exit:
+    """One line (or a few, for a recipe's errors) naming what is wrong; the exit to raise."""
+    err.print(f"prl {command}: {message}", markup=False, highlight=False)
+    return typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from prl import __version__
+
+        console.print(f"prl {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="print prl's version and exit")):
+    """prl: asynchronous RL for LLMs, mixture-of-experts first."""
 
 
 @app.command()
 def run(
     recipe: Optional[Path] = typer.Argument(None, help="the TOML recipe"),
     set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set trainer.lr=1e-5"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved recipe and process plan, then exit"),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print every key of the resolved recipe and the process "
+                                                          "plan, then exit"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint, with "
+                                                                 "the recipe it was started with (plus --set)"),
     force: bool = typer.Option(False, "--force", help="delete an existing run directory of the same name"),
     no_tui: bool = typer.Option(False, "--no-tui", help="plain step lines instead of the live dashboard"),
 ):
@@ -33,20 +56,71 @@ def run(
     from prl.recipe import RecipeError, load_recipe
 
     loaded = None
+    if resume is not None and recipe is not None:
+        raise fail("run", f"give RECIPE or --resume RUN_DIR, not both: a resumed run keeps the recipe it was started "
+                          f"with ({resume}/recipe.json); change keys with --set")
     if resume is None:
         if recipe is None:
-            err.print("prl run: give a recipe (prl run recipes/reverse-tiny.toml) or --resume RUN_DIR")
-            raise typer.Exit(2) from None
+            raise fail("run", "give a recipe (prl run recipes/reverse-tiny.toml) or --resume RUN_DIR")
         try:
             loaded = load_recipe(recipe, set_)
         except RecipeError as e:
-            err.print(f"prl run: invalid recipe, nothing was started\n{e}", markup=False, highlight=False)
-            raise typer.Exit(2) from None
+            raise fail("run", f"invalid recipe, nothing was started\n{e}") from None
     from prl.launch import driver
 
     if dry_run:
-        raise typer.Exit(driver.dry_run(loaded, console))
+        if resume is not None:
+            try:
+                loaded = driver.load_resume(resume, set_)
+            except (driver.RunStopped, RecipeError) as e:
+                raise fail("run", str(e)) from None
+        raise typer.Exit(driver.dry_run(loaded, console, resume))
     raise typer.Exit(driver.run(loaded, resume=resume, overrides=set_, force=force, tui=not no_tui, console=console))
+
+
+@app.command()
+def stop(
+    run_dir: Path = typer.Argument(..., help="the run directory of a running run, e.g. runs/reverse-tiny"),
+    timeout: float = typer.Option(300.0, "--timeout", help="seconds to wait for every process to stop"),
+):
+    """Stop a running run cleanly from another terminal (what Ctrl-C does in its own): every process
+    stops, the run is recorded as stopped, and `prl run --resume RUN_DIR` continues it."""
+    from prl.launch.runs import RunsError
+    from prl.launch.runs import stop as stop_run
+
+    try:
+        stop_run(run_dir, timeout, say=lambda line: console.print(line, markup=False, highlight=False))
+    except RunsError as e:
+        raise fail("stop", str(e)) from None
+    console.print(f"prl stop: {run_dir} stopped", markup=False, highlight=False)
+
+
+@app.command()
+def runs(directory: Path = typer.Argument(Path("runs"), help="where runs are (run.output_dir; default runs/)")):
+    """List the runs under DIRECTORY: name, state, RL steps, last reward, start time."""
+    from prl.launch.runs import RunsError, format_runs, runs_table
+
+    try:
+        rows = runs_table(directory)
+    except RunsError as e:
+        raise fail("runs", str(e)) from None
+    if not rows:
+        console.print(f"prl runs: no runs under {directory}", markup=False, highlight=False)
+        return
+    console.print(format_runs(rows), markup=False, highlight=False)
+
+
+@app.command()
+def keys(section: Optional[str] = typer.Argument(None, help="one table, e.g. trainer or trainer.loss")):
+    """Every recipe key: its type, default (or required), allowed values and what it does (Markdown;
+    docs/recipe-reference.md is this output)."""
+    from prl.recipe.reference import keys_text
+
+    try:
+        text = keys_text(section)
+    except (KeyError, ValueError) as e:
+        raise fail("keys", str(e.args[0] if e.args else e)) from None
+    print(text, end="")
 
 
 @app.command()
@@ -71,18 +145,23 @@ def plan(
 
 
 @app.command()
-def doctor(recipe: Path = typer.Argument(..., help="a recipe with a [cluster] section")):
-    """Check every host of the recipe's [cluster] in parallel; non-zero exit names each failure."""
+def doctor(recipe: Path = typer.Argument(..., help="the TOML recipe")):
+    """Check that the recipe can run: with [cluster], every host in parallel; without, this machine (the
+    same checks as `prl run --dry-run`: vLLM, the sandbox, Mooncake, the model folder, the task).
+    A non-zero exit names each failure."""
     from prl.recipe import RecipeError, load_recipe
 
     try:
         loaded = load_recipe(recipe)
     except RecipeError as e:
-        err.print(f"prl doctor: invalid recipe\n{e}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise fail("doctor", f"invalid recipe\n{e}") from None
     if loaded.cluster is None:
-        console.print("prl doctor: no [cluster] in the recipe: it runs on this machine, nothing to check")
-        raise typer.Exit(0)
+        from prl.launch.doctor import check_local
+
+        failures = check_local(loaded, console)
+        for line in failures:
+            err.print(f"prl doctor: {line}", markup=False, highlight=False)
+        raise typer.Exit(1 if failures else 0)
     from prl.launch.doctor import check_cluster, report, role_needs
     from prl.launch.placement import links_needed, ports_needed
     from prl.recipe.resolve import resolve
@@ -101,8 +180,20 @@ def status(
     run_dirs: list[Path] = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny; several: curves overlaid"),
     watch: bool = typer.Option(False, "--watch", help="refresh until interrupted"),
     curves: bool = typer.Option(False, "--curves", help="add the whole-run curves (reward, loss, KL, lag, throughput)"),
+    as_json: bool = typer.Option(False, "--json", help="print the state of each run as one JSON object a line"),
 ):
     """Show a run's dashboard snapshot from its directory (while it runs or after); compare runs."""
+    if as_json:
+        import json
+
+        from prl.launch.runs import RunsError, status_json
+
+        try:
+            lines = [json.dumps(status_json(d)) for d in run_dirs]
+        except RunsError as e:
+            raise fail("status", str(e)) from None
+        print("\n".join(lines))
+        return
     from prl.tui.status import show
 
     raise typer.Exit(show(run_dirs, watch, console, curves))
@@ -155,6 +246,8 @@ def sandbox_run(
     from prl.sandbox import SandboxUnavailable
     from prl.sandbox import run as sandbox_exec
 
+    if not file.is_file():
+        raise fail("sandbox run", f"{file}: no such file (give the program to run, e.g. prog.py)")
     try:
         result = sandbox_exec(file, timeout_s=timeout, memory_mb=memory, isolation=isolation)
     except (SandboxUnavailable, ValueError, OSError) as e:

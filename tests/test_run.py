@@ -123,6 +123,51 @@ def test_status_after_the_run(finished_run):
         assert word in p.stdout
 
 
+def test_status_json_and_runs_list_the_run(finished_run):
+    """`prl status --json` gives the dashboard's state as data; `prl runs` lists the run with its state,
+    steps and last reward."""
+    run_dir, _ = finished_run
+    p = subprocess.run(prl_cmd("status", "--json", run_dir), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    state = json.loads(p.stdout)
+    rewards = [e["reward"] for e in events(run_dir, "orch_step")]
+    assert (state["name"], state["state"], state["rl_steps"], state["max_steps"]) == ("reverse-tiny", "finished", 4, 4)
+    assert state["last_reward"] == rewards[-1] and state["summary"]["rl_steps"] == 4 and state["pid"] is None
+    assert state["servers"]["inference-0"]["version"] >= 2 and state["processes"]["trainer"]["state"] == "done"
+    p = subprocess.run(prl_cmd("runs", run_dir.parent), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    [row] = [line.split() for line in p.stdout.splitlines() if line.startswith("reverse-tiny")]
+    assert row[:4] == ["reverse-tiny", "finished", "4/4", f"{rewards[-1]:.3f}"], p.stdout
+
+
+def test_prl_stop_stops_a_run_from_another_terminal(tmp_path):
+    """`prl stop RUN_DIR` is Ctrl-C from elsewhere: every process stops, the run is recorded as
+    interrupted (`prl runs`: stopped), a second stop is refused, and `prl run --resume RUN_DIR
+    --dry-run` prints the resumed plan without touching the run directory."""
+    import hashlib
+
+    proc = start_background(tmp_path)
+    run_dir = tmp_path / "reverse-tiny"
+    wait_for_rl_step(run_dir, proc)
+    p = subprocess.run(prl_cmd("stop", run_dir), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0 and "stopped" in p.stdout, p.stdout + p.stderr
+    assert proc.wait(60) == 130, "the driver had exited when prl stop returned"
+    assert "interrupted" in proc.stdout.read()
+    assert_nothing_left(run_dir)
+    assert "stopped" in subprocess.run(prl_cmd("runs", tmp_path), capture_output=True, text=True, timeout=60).stdout
+    again = subprocess.run(prl_cmd("stop", run_dir), capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "not running" in again.stderr, again
+
+    def snapshot() -> dict[str, str]:
+        return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(run_dir.rglob("*")) if f.is_file()}
+
+    before = snapshot()
+    dry = subprocess.run(prl_cmd("run", "--resume", run_dir, "--dry-run", "--set", "rl.max_steps=600"),
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and "max_steps = 600" in dry.stdout and "trainer" in dry.stdout, dry.stdout + dry.stderr
+    assert snapshot() == before, "a dry run writes nothing"
+
+
 def wandb_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
 

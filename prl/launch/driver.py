@@ -56,13 +56,15 @@ def run_dir_for(recipe: Recipe) -> Path:
     return Path(recipe.run.output_dir) / recipe.run.name
 
 
-def dry_run(recipe: Recipe, console: Console) -> int:
+def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> int:
+    """Every key of the resolved recipe, the process plan and the plan's summary; nothing starts.
+    `run_dir`: a resumed run's directory (default: the recipe's)."""
     try:
         preflight(recipe)
     except RecipeError as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
-    run_dir = run_dir_for(recipe)
+    run_dir = run_dir or run_dir_for(recipe)
     if recipe.cluster is None:
         specs = make_plan(resolve(recipe, run_dir, run_dir / "secret"), run_dir)
     else:
@@ -216,8 +218,11 @@ def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     """The run's recipe plus `--set` overrides (e.g. more steps), validated; writes nothing."""
     source = run_dir / "recipe.json"
     if not source.is_file():
-        raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json)")
-    data = json.loads(source.read_text())
+        raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json); `prl runs` lists the runs")
+    try:
+        data = json.loads(source.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunStopped(f"{source}: unreadable ({type(e).__name__}: {e}); the run cannot be resumed") from None
     for item in overrides:
         apply_override(data, item, source)
     return validate(data, str(source))

@@ -28,6 +28,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file (a recipe is TOML, UTF-8)") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
         apply_override(data, item, path)
     return validate(data, str(path))

@@ -1,0 +1,109 @@
+"""The `prl` command as a user types it: `--version`, `-h`, and every command given bad input (missing
+files, wrong keys, wrong types, a directory that is not a run) answers with a short message naming
+what is wrong and a non-zero exit, never a traceback; nothing starts."""
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, prl_cmd
+
+RECIPE = ROOT / "recipes" / "reverse-tiny.toml"
+
+
+def prl(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(prl_cmd(*args), capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_version_and_short_help():
+    from prl import __version__
+
+    p = prl("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"prl {__version__}", p
+    for args in (("-h",), ("run", "-h"), ("ckpt", "export", "-h"), ("stop", "-h"), ("keys", "-h")):
+        p = prl(*args)
+        assert p.returncode == 0 and "Usage:" in p.stdout, (args, p.stdout, p.stderr)
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """Files and directories a user can get wrong."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "notoml.toml").write_text("[trainer\nlr = 1")
+    (d / "unknown_key.toml").write_text("[trainer]\nlrr = 1e-3\n")
+    (d / "wrong_type.toml").write_text("[trainer]\nlr = 'fast'\n")
+    (d / "binary.toml").write_bytes(b"\xff\xfe\x00garbage")
+    (d / "notarun").mkdir()
+    (d / "corrupt").mkdir()
+    (d / "corrupt" / "recipe.json").write_text("{not json")
+    (d / "corrupt" / "metrics.jsonl").write_text("")
+    done = d / "done"
+    done.mkdir()
+    (done / "recipe.json").write_text("{}")
+    (done / "metrics.jsonl").write_text(
+        json.dumps({"kind": "run", "src": "driver", "state": "running", "pid": 1, "name": "done", "started": 1.0}) + "\n"
+        + json.dumps({"kind": "run", "src": "driver", "state": "done", "ended": 2.0}) + "\n")
+    return d
+
+
+CASES = {
+    "run: no recipe": (["run"], "give a recipe"),
+    "run: missing file": (["run", "{d}/missing.toml"], "not found"),
+    "run: a directory": (["run", "{d}/notarun"], "notarun"),
+    "run: not TOML": (["run", "{d}/notoml.toml"], "notoml.toml"),
+    "run: not text": (["run", "{d}/binary.toml"], "binary.toml"),
+    "run: unknown key": (["run", "{d}/unknown_key.toml"], "lrr"),
+    "run: wrong type": (["run", "{d}/wrong_type.toml"], "trainer.lr"),
+    "run: --set wrong type": (["run", str(RECIPE), "--set", "trainer.lr=fast", "--dry-run"], "trainer.lr"),
+    "run: --set no value": (["run", str(RECIPE), "--set", "trainer.lr", "--dry-run"], "--set"),
+    "run: --set unknown section": (["run", str(RECIPE), "--set", "trainr.lr=1", "--dry-run"], "trainr"),
+    "run: recipe and --resume": (["run", str(RECIPE), "--resume", "{d}/notarun"], "not both"),
+    "run: --resume not a run": (["run", "--resume", "{d}/notarun"], "not a prl run directory"),
+    "run: --resume not a run, dry": (["run", "--resume", "{d}/notarun", "--dry-run"], "not a prl run directory"),
+    "run: --resume missing": (["run", "--resume", "{d}/missing", "--dry-run"], "missing"),
+    "run: --resume corrupt": (["run", "--resume", "{d}/corrupt", "--dry-run"], "recipe.json"),
+    "run: unknown option": (["run", str(RECIPE), "--bogus"], "--bogus"),
+    "plan: missing file": (["plan", "{d}/missing.toml"], "not found"),
+    "plan: unknown key": (["plan", "{d}/unknown_key.toml"], "lrr"),
+    "doctor: missing file": (["doctor", "{d}/missing.toml"], "not found"),
+    "doctor: wrong type": (["doctor", "{d}/wrong_type.toml"], "trainer.lr"),
+    "status: not a run": (["status", "{d}/notarun"], "notarun"),
+    "status --json: not a run": (["status", "--json", "{d}/notarun"], "not a prl run directory"),
+    "status --json: missing": (["status", "--json", "{d}/missing"], "no such directory"),
+    "runs: missing": (["runs", "{d}/missing"], "no such directory"),
+    "stop: not a run": (["stop", "{d}/notarun"], "not a prl run directory"),
+    "stop: finished run": (["stop", "{d}/done"], "not running"),
+    "report: not a run": (["report", "{d}/notarun", "--out", "{d}/r.html"], "notarun"),
+    "ckpt export: not a run": (["ckpt", "export", "{d}/notarun", "--out", "{d}/x"], "notarun"),
+    "ckpt export: bad step": (["ckpt", "export", "{d}/done", "--out", "{d}/x", "--step", "abc"], "checkpoint"),
+    "keys: unknown section": (["keys", "trainr"], "trainr"),
+    "sandbox run: missing file": (["sandbox", "run", "{d}/missing.py"], "missing.py"),
+    "unknown command": (["frobnicate"], "frobnicate"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_a_message_not_a_traceback(case, bad):
+    args, words = CASES[case]
+    p = prl(*(a.format(d=bad) for a in args))
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "Traceback" not in out, out
+    assert words in out, out
+    assert len(out.strip().splitlines()) <= 12, out
+
+
+def test_stop_refuses_a_pid_that_is_no_longer_the_driver(tmp_path):
+    """A run whose driver died without a word (SIGKILL) leaves `running` and a pid in its log; that pid
+    may now be another program's: `prl stop` names it and kills nothing."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(
+            {"kind": "run", "src": "driver", "state": "running", "pid": other.pid, "name": "x", "started": 1.0}) + "\n")
+        p = prl("stop", tmp_path)
+        assert p.returncode == 2 and "is gone or is another program" in p.stderr, p
+        assert other.poll() is None, "prl stop must not signal a pid that is not the run's driver"
+    finally:
+        other.kill()
+        other.wait()
