@@ -107,7 +107,7 @@ class TaskCfg(Section):
 
     name: str = "reverse"
     """A built-in task (reverse, reverse_long_tail, sort, add), "custom" (task.dataset and task.reward), or
-    "reasoning_gym:<name>"."""
+    `reasoning_gym:<name>`."""
     dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
     """A dataset function as "module:function" ((index, seed, min_len, max_len) -> {"prompt", "answer", ...}); replaces
     the named task's dataset; needed by name = "custom"."""
@@ -201,8 +201,8 @@ class EnvCfg(Section):
     max_env_chars: int = Field(512, gt=0)
     """A tool result or program output is cut at this many characters, with a marker."""
     format: Literal["auto", "tiny", "chat"] = "auto"
-    """How turns look in tokens: "chat" (the tokenizer's chat template, <tool_call>{json}</tool_call>), "tiny" (prl's
-    character-level format); "auto": chat when the tokenizer has a chat template."""
+    """How turns look in tokens: "chat" (the tokenizer's chat template, tool calls as `<tool_call>{json}</tool_call>`),
+    "tiny" (prl's character-level format); "auto": chat when the tokenizer has a chat template."""
     language: Literal["minilang", "python"] = "minilang"
     """kind = "code": what the model writes ("minilang": prl's tiny print language; "python": a ```python block)."""
     attempt_penalty: float = Field(0.0, ge=0, le=0.25)
