@@ -204,7 +204,8 @@ class EnvCfg(Section):
     """How turns look in tokens: "chat" (the tokenizer's chat template, tool calls as `<tool_call>{json}</tool_call>`),
     "tiny" (prl's character-level format); "auto": chat when the tokenizer has a chat template."""
     language: Literal["minilang", "python"] = "minilang"
-    """kind = "code": what the model writes ("minilang": prl's tiny print language; "python": a ```python block)."""
+    """kind = "code": what the model writes ("minilang": prl's tiny print language; "python": a Python code block in
+    Markdown)."""
     attempt_penalty: float = Field(0.0, ge=0, le=0.25)
     """kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at once beats
     passing after feedback (which still beats failing: at most half the output's similarity)."""
@@ -245,8 +246,8 @@ class RlCfg(Section):
     max_inflight_rollouts: int = Field(64, gt=0)
     """Rollouts in flight at most, over all servers; below it, the servers' KV usage decides (kv_usage_target)."""
     kv_usage_target: float = Field(0.9, ge=0, le=1)
-    """A server whose KV usage (share of its KV capacity) is above this gets half the rollouts, one below it more
-    (prl.orchestrator.budget); 0: always the cap."""
+    """A server whose KV usage (share of its KV capacity) is above this has its rollout limit halved, one below it
+    raised by a group (prl.orchestrator.budget); 0: always the cap."""
     advantage: Literal["mean", "mean_std"] = "mean"
     """Group-relative advantage: "mean" (a completion's reward minus its group's mean) or "mean_std" (that over the
     group's standard deviation)."""
@@ -284,7 +285,7 @@ class SamplingCfg(Section):
 
 
 class LossCfg(Section):
-    """Off-policy correction between trainer and inference logprobs (see README, "Loss")."""
+    """Off-policy correction between trainer and inference logprobs (see docs/architecture.md, "Loss")."""
 
     correction: Literal["tis", "clip", "mask", "seq_mask", "none"] = "clip"
     """How the loss treats the ratio of trainer to inference probability: "tis" (weighted by it, capped at tis_cap),
@@ -636,15 +637,15 @@ class ClusterCfg(Section):
     trust_unknown_hosts: bool = False
     """Accept a host whose SSH key known_hosts lacks instead of refusing it."""
     rendezvous_port: int = Field(29500, gt=0, le=65535)
-    """torchrun's rendezvous, on the first trainer host."""
+    """Port of torchrun's rendezvous, on the first trainer host."""
     trainer_port: int = Field(29600, gt=0, le=65535)
-    """The trainer endpoint (rollouts in, weights out) on rank 0."""
+    """Port of the trainer endpoint (rollouts in, weights out), on rank 0."""
     inference_port: int = Field(8000, gt=0, le=65535)
-    """The first server port on each inference host."""
+    """The first server port on each inference host, the next servers on the ports after it."""
     sandbox_port: int = Field(8900, gt=0, le=65535)
-    """The sandbox worker on each sandbox host."""
+    """Port of the sandbox worker on each sandbox host."""
     engine_rpc_port: int = Field(13345, gt=0, le=65535)
-    """A multi-host engine's data-parallel RPC, on its leader."""
+    """Port of a multi-host engine's data-parallel RPC, on its leader."""
     weight_transfer: Literal["http", "nccl"] = "http"
     """How weights reach the servers: "nccl" sets trainer.weight_transfer = "stream" (every trainer rank streams its
     share; NCCL where every member holds a GPU, gloo otherwise); "http": the trainer's own setting."""
