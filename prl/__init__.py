@@ -1,3 +1,3 @@
 """prl: asynchronous reinforcement learning for large language models, mixture-of-experts first."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
