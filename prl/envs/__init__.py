@@ -1,37 +1,98 @@
 """Environments: where a rollout's turns, tools and sandboxes live. The orchestrator hands one example
 to an environment (`base.Environment`) with a handle to the inference pool and gets back scored
-trajectories; it never sees turns. `make_env` builds the recipe's `[env]`: `single_turn` (today's
-tasks, `single_turn.SingleTurnEnv`), `tools` (`tool_env.ToolEnv`) or `code` (`code_env.CodeEnv`)."""
+trajectories; it never sees turns. `env.kind` names the class: `single_turn` (today's tasks,
+`single_turn.SingleTurnEnv`), `tools` (`tool_env.ToolEnv`), `code` (`code_env.CodeEnv`) or a user's
+`module:Class`, imported from the run's working directory or PYTHONPATH. Built-ins and users'
+classes go through the same seam (`env_class`, then the class's declarations and `from_context`)."""
 
-from prl.envs.base import Environment, Sampler, Trajectory
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+from prl.envs.base import EnvContext, Environment, EnvWorkload, Sampler, Trajectory
+from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.single_turn import SingleTurnEnv
 
-__all__ = ["Environment", "Sampler", "SingleTurnEnv", "Trajectory", "make_env"]
+__all__ = ["BUILTIN", "EnvContext", "EnvWorkload", "Environment", "Episode", "MultiTurnEnv", "Sampler", "SingleTurnEnv",
+           "Trajectory", "env_class", "env_workload", "make_env"]
+
+BUILTIN = {
+    "single_turn": "prl.envs.single_turn:SingleTurnEnv",
+    "tools": "prl.envs.tool_env:ToolEnv",
+    "code": "prl.envs.code_env:CodeEnv",
+}
+SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def env_class(kind: str) -> type[Environment]:
+    """The class `env.kind` names, checked against the seam; a ValueError (without the key: the
+    recipe's validator adds `env.kind`) saying what to do when it cannot be used."""
+    spec = BUILTIN.get(kind, kind)
+    if not SPEC.fullmatch(spec):
+        raise ValueError(f"{kind!r} is neither a built-in environment ({', '.join(BUILTIN)}) nor 'module:Class'")
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name or module_name.startswith(f"{e.name}."):  # the module (or its package) is missing
+            raise ValueError(f"{kind!r}: no module named {module_name!r} (run prl from the folder that holds "
+                             f"{module_name.replace('.', '/')}.py, or add that folder to PYTHONPATH)") from None
+        raise ValueError(f"{kind!r}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises is reported in one line
+        raise ValueError(f"{kind!r}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ValueError(f"{kind!r}: module {module_name} has no {name!r}")
+    if not inspect.isclass(cls):
+        raise ValueError(f"{kind!r} is a {type(cls).__name__}, not a class: env.kind names an environment class")
+    if not issubclass(cls, Environment):
+        raise ValueError(f"{kind!r}: class {name} is not a subclass of prl.envs.Environment (write "
+                         f"`class {name}(Environment)`, or subclass prl.envs.MultiTurnEnv for turns)")
+    missing = seam_gaps(cls)
+    if missing:
+        raise ValueError(f"{kind!r} does not implement the environment seam: {'; '.join(missing)} "
+                         f"(see prl.envs.base.Environment)")
+    return cls
+
+
+def seam_gaps(cls: type[Environment]) -> list[str]:
+    """What `cls` lacks of the seam, in words (empty: it can be used)."""
+    gaps = []
+    for attr in ("multi_turn", "needs_sandbox"):
+        if not isinstance(getattr(cls, attr, None), bool):
+            gaps.append(f"declare {attr} = True or False as a class attribute")
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if abstract:
+        gaps.append(f"define {', '.join(abstract)}")
+    return gaps
+
+
+def env_workload(env, sampling) -> EnvWorkload:
+    """`env_class(env.kind).workload(env, sampling)`, checked: what `prl plan` and the recipe's length
+    checks assume of a trajectory."""
+    w = env_class(env.kind).workload(env, sampling)
+    if not isinstance(w, EnvWorkload) or w.turns < 1 or w.env_tokens_per_turn < 0 or w.max_tokens < 1:
+        raise ValueError(f"env.kind = {env.kind!r}: workload() must return an EnvWorkload with turns >= 1, "
+                         f"env_tokens_per_turn >= 0 and max_tokens >= 1, got {w!r}")
+    return w
 
 
 def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_replay: bool,
              sandbox=None) -> Environment:
-    """`env`: the recipe's EnvCfg, `task`: its TaskCfg (examples and, for single turns and tools, the
-    reward); `seed`: the data seed (a resumed run continues the same order); `sandbox`: where code
-    runs (`env.kind = "code"`: the run's sandbox workers, `prl.sandbox.client.SandboxClient`; None:
-    a pool in this process, made on first use)."""
+    """`env`: the recipe's EnvCfg, `task`: its TaskCfg (examples and the reward); `seed`: the data seed
+    (a resumed run continues the same order); `sandbox`: where code runs for a class that declares
+    `needs_sandbox` (the run's sandbox workers, `prl.sandbox.client.SandboxClient`; None: a pool in this
+    process, made on first use)."""
     from prl.tasks import make_task
 
-    task = make_task(task, seed)
-    if env.kind == "single_turn":
-        return SingleTurnEnv(task, tokenizer, sampling, group_size, router_replay)
-    from prl.envs.formats import make_format
+    cls = env_class(env.kind)
+    if cls.needs_sandbox and sandbox is None:
+        from prl.envs.code_env import LazySandbox
 
-    common = dict(task=task, tokenizer=tokenizer, fmt=make_format(env.format, tokenizer), sampling=sampling,
-                  group_size=group_size, router_replay=router_replay, max_turns=env.max_turns,
-                  max_total_tokens=env.max_total_tokens)
-    if env.kind == "tools":
-        from prl.envs.tool_env import ToolEnv
-        from prl.envs.tools import ToolBox, load_tool
-
-        box = ToolBox([load_tool(t) for t in env.tools], env.tool_timeout_s, env.max_env_chars)
-        return ToolEnv(box, **common)
-    from prl.envs.code_env import CodeEnv, LazySandbox
-
-    return CodeEnv(sandbox or LazySandbox(env.sandbox), env.language, env.max_env_chars, env.attempt_penalty,
-                   env.fail_credit, **common)
+        sandbox = LazySandbox(env.sandbox)
+    ctx = EnvContext(cfg=env, task=make_task(task, seed), tokenizer=tokenizer, sampling=sampling,
+                     group_size=group_size, router_replay=router_replay,
+                     sandbox=sandbox if cls.needs_sandbox else None)
+    return cls.from_context(ctx)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import re
 
+from prl.envs.base import EnvContext
 from prl.envs.minilang_runner import MinilangRunner
 from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.tools import cap
@@ -68,12 +69,20 @@ def mistake(answer: str, rng: random.Random) -> str:
 
 
 class CodeEnv(MultiTurnEnv):
+    needs_sandbox = True
+
     def __init__(self, sandbox, language: str, max_env_chars: int, attempt_penalty: float = 0.0,
                  fail_credit: float = 0.5, **kw):
         super().__init__(**kw)
         self.sandbox, self.language, self.max_env_chars = sandbox, language, max_env_chars
         self.attempt_penalty, self.fail_credit = attempt_penalty, fail_credit
         self.minilang = MinilangRunner(sandbox) if language == "minilang" else None
+
+    @classmethod
+    def from_context(cls, ctx: EnvContext) -> "CodeEnv":
+        env = ctx.cfg
+        return cls(ctx.sandbox, env.language, env.max_env_chars, env.attempt_penalty, env.fail_credit,
+                   **cls.context_args(ctx))
 
     async def respond(self, ep: Episode, text: str, example: dict) -> list[int] | None:
         result, cached = await self.execute(text, example)

@@ -17,7 +17,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from prl.envs.base import Environment, Sampler, Trajectory
+from prl.envs.base import EnvContext, Environment, Sampler, Trajectory
 from prl.inference.protocol import GenerateRequest, decode_routing
 
 
@@ -59,13 +59,31 @@ class Episode:
 
 
 class MultiTurnEnv(Environment):
-    """Subclasses say how the environment answers a turn (`respond`) and how an episode scores."""
+    """Subclasses say how the environment answers a turn (`respond`) and how an episode scores
+    (`score`); `example` comes from the task. Built by `from_context`: the task, tokenizer, turn
+    format (`env.format`), sampling, group size, R3 and the limits `env.max_turns`, `env.max_total_tokens`
+    (a subclass that needs more overrides `from_context` and calls `cls.context_args(ctx)`)."""
+
+    multi_turn = True
 
     def __init__(self, task, tokenizer, fmt, sampling, group_size: int, router_replay: bool, max_turns: int,
                  max_total_tokens: int):
         self.task, self.tokenizer, self.fmt, self.sampling = task, tokenizer, fmt, sampling
         self.group_size, self.router_replay = group_size, router_replay
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+
+    @classmethod
+    def from_context(cls, ctx: EnvContext) -> "MultiTurnEnv":
+        return cls(**cls.context_args(ctx))
+
+    @staticmethod
+    def context_args(ctx: EnvContext) -> dict:
+        """`MultiTurnEnv.__init__`'s arguments from the context."""
+        from prl.envs.formats import make_format
+
+        return dict(task=ctx.task, tokenizer=ctx.tokenizer, fmt=make_format(ctx.cfg.format, ctx.tokenizer),
+                    sampling=ctx.sampling, group_size=ctx.group_size, router_replay=ctx.router_replay,
+                    max_turns=ctx.cfg.max_turns, max_total_tokens=ctx.cfg.max_total_tokens)
 
     def example(self, index: int) -> dict:
         return self.task.example(index)

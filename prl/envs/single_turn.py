@@ -8,14 +8,20 @@ streaming each member as it finishes is the way to that, not built.)"""
 
 from __future__ import annotations
 
-from prl.envs.base import Environment, Sampler, Trajectory
+from prl.envs.base import EnvContext, Environment, Sampler, Trajectory
 from prl.inference.protocol import GenerateRequest, decode_routing
 
 
 class SingleTurnEnv(Environment):
+    multi_turn = False
+
     def __init__(self, task, tokenizer, sampling, group_size: int, router_replay: bool):
         self.task, self.tokenizer, self.sampling = task, tokenizer, sampling
         self.group_size, self.router_replay = group_size, router_replay
+
+    @classmethod
+    def from_context(cls, ctx: EnvContext) -> "SingleTurnEnv":
+        return cls(ctx.task, ctx.tokenizer, ctx.sampling, ctx.group_size, ctx.router_replay)
 
     def example(self, index: int) -> dict:
         return self.task.example(index)

@@ -3,6 +3,7 @@ as environment tokens; the model's last turn without a call is its answer, score
 
 from __future__ import annotations
 
+from prl.envs.base import EnvContext
 from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.tools import ToolBox
 
@@ -11,6 +12,14 @@ class ToolEnv(MultiTurnEnv):
     def __init__(self, toolbox: ToolBox, **kw):
         super().__init__(**kw)
         self.toolbox = toolbox
+
+    @classmethod
+    def from_context(cls, ctx: EnvContext) -> "ToolEnv":
+        from prl.envs.tools import load_tool
+
+        env = ctx.cfg
+        return cls(ToolBox([load_tool(t) for t in env.tools], env.tool_timeout_s, env.max_env_chars),
+                   **cls.context_args(ctx))
 
     reply_kind = "tool"
 

@@ -145,10 +145,10 @@ def role_needs(recipe) -> dict[str, list[str]]:
     """What each host's roles need beyond Python: the pretrained folder (trainer and inference hosts
     read `model.path` in place), the backend's packages on inference hosts (its spec's `host_packages`:
     vLLM for `backend = "vllm"`) and Mooncake (the KV
-    pool's hosts) and a working sandbox (`env.kind = "code"`: the sandbox workers' hosts)."""
+    pool's hosts) and a working sandbox (an environment that needs it: the sandbox workers' hosts)."""
     p = recipe.placement_or_default()
     needs: dict[str, list[str]] = {}
-    if recipe.env.kind == "code":
+    if recipe.env.env_class().needs_sandbox:
         for h in p.sandbox or p.inference:
             needs.setdefault(h, []).append(f"sandbox:{recipe.env.sandbox.isolation}")
     if recipe.model.path:

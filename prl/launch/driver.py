@@ -186,7 +186,7 @@ def check_env(recipe: Recipe) -> None:
             load_tool(spec)
     except ValueError as e:
         raise RecipeError(f"invalid environment, nothing was started: {e}") from None
-    if recipe.env.kind == "code" and recipe.cluster is None:
+    if recipe.env.env_class().needs_sandbox and recipe.cluster is None:
         from prl.sandbox import SandboxUnavailable, check
 
         try:

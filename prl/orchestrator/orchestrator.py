@@ -180,7 +180,7 @@ class Orchestrator:
         return client
 
     def sandbox_client(self):
-        """The run's sandbox workers (env.kind = "code"), None without them."""
+        """The run's sandbox workers (an environment that needs the sandbox), None without them."""
         if not self.cfg.sandboxes:
             return None
         from prl.sandbox.client import SandboxClient
@@ -229,7 +229,7 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.log.emit("orchestrator", state="waiting for the trainer")
-        if self.cfg.env.kind == "code" and self.cfg.env.sandbox.isolation == "none":  # shown by the dashboard
+        if self.env.needs_sandbox and self.cfg.env.sandbox.isolation == "none":  # shown by the dashboard
             self.log.emit("error", name=self.cfg.name, line="env.sandbox.isolation = 'none': model-written code "
                           "runs without namespaces (its own uid and rlimits only)")
         self.start_step, position, ahead = await self.trainer.resume_point()

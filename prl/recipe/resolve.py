@@ -12,8 +12,9 @@ machine and a cluster alike. A machine without `[cluster]` is laid out as a clus
   each); node 0 runs the trainer endpoint and the rendezvous;
 - the orchestrator beside trainer node 0 (or `placement.orchestrator`); the KV pool's master
   (`inference.kv_pool`) beside the first server (or `inference.kv_pool.host`);
-- sandbox workers (`env.kind = "code"`): `env.sandbox.workers` on this machine (loopback), or one per
-  `placement.sandbox` host (default: the inference hosts) on `cluster.sandbox_port`;
+- sandbox workers (an environment class that declares `needs_sandbox`, e.g. `env.kind = "code"`):
+  `env.sandbox.workers` on this machine (loopback), or one per `placement.sandbox` host (default: the
+  inference hosts) on `cluster.sandbox_port`;
 - ports: on one machine every port is chosen free and distinct within the resolve (`PortPicker`;
   a role that finds its port taken at bind time takes another, see `prl.transport.ports`); on a
   cluster they are configured (`cluster.*_port`, `inference.kv_pool.port`, default 50051).
@@ -244,8 +245,8 @@ def kv_master_configs(recipe: Recipe, lay: Layout, common, servers: list[ServerC
 
 
 def sandbox_configs(recipe: Recipe, lay: Layout, common) -> list[SandboxConfig]:
-    """With `env.kind = "code"`, the sandbox workers model-written code runs in."""
-    if recipe.env.kind != "code":
+    """For an environment that needs the sandbox (`env.kind = "code"`), the workers model-written code runs in."""
+    if not recipe.env.env_class().needs_sandbox:
         return []
     return [SandboxConfig(name=f"sandbox-{i}", host=pl.address, port=lay.sandbox_port(), index=i,
                           sandbox=recipe.env.sandbox, **common(pl))

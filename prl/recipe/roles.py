@@ -110,7 +110,7 @@ class OrchestratorConfig(RoleConfig):
     servers: list[str] = []  # inference base URLs
     prefill_servers: list[int] = []  # P/D: indices of the servers that only prefill into the KV pool
     trainer_url: str = ""
-    sandboxes: list[str] = []  # env.kind = "code": the sandbox workers' base URLs
+    sandboxes: list[str] = []  # an environment that needs the sandbox: the sandbox workers' base URLs
     data_parallel: int = 1  # trainer ranks that take their own micro-batches (packed for them)
     micro_batch_tokens: int = 4096
     share_prompts: bool = False  # pack a group's members over one copy of their prompt (trainer.share_prompts)

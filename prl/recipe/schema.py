@@ -182,13 +182,21 @@ class SandboxCfg(Section):
     """Sandbox worker processes on one machine (a cluster: one per sandbox host, placement.sandbox)."""
 
 
+def envs():
+    """`prl.envs`, loaded by name when a recipe is validated, as the backend registry loads its specs: importing
+    the schema imports no environment code and no user module (`env.kind = "module:Class"`)."""
+    import importlib
+
+    return importlib.import_module("prl.envs")
+
+
 class EnvCfg(Section):
     """The environment a rollout runs in (`prl.envs`): one turn (today's tasks), turns with tools, or
     turns whose code runs in the sandbox. Per turn the model samples up to `sampling.max_tokens`."""
 
-    kind: Literal["single_turn", "tools", "code"] = "single_turn"
-    """The rollout: "single_turn" (one completion per prompt), "tools" (turns that call env.tools) or "code" (turns
-    whose programs run in the sandbox)."""
+    kind: str = "single_turn"
+    """The environment: "single_turn" (one completion per prompt), "tools" (turns that call env.tools), "code" (turns
+    whose programs run in the sandbox), or your own environment class as "module:Class"."""
     max_turns: int = Field(4, gt=0)
     """Multi-turn environments: model turns a trajectory takes at most."""
     max_total_tokens: int = Field(512, gt=0)
@@ -214,6 +222,21 @@ class EnvCfg(Section):
     fail only)."""
     sandbox: SandboxCfg = SandboxCfg()
     """kind = "code": where the programs run (limits, workers)."""
+
+    @field_validator("kind")
+    @classmethod
+    def _environment_class(cls, v: str) -> str:
+        envs().env_class(v)  # a ValueError saying what to do: not importable, not an Environment, lacks the seam
+        return v
+
+    def env_class(self):
+        """The class `kind` names (`prl.envs.env_class`): the rest of prl asks it what it needs (turns, the
+        sandbox, its workload), never the name."""
+        return envs().env_class(self.kind)
+
+    def workload(self, sampling: "SamplingCfg"):
+        """What a trajectory holds (`prl.envs.EnvWorkload`: turns, environment tokens, the longest)."""
+        return envs().env_workload(self, sampling)
 
     @model_validator(mode="after")
     def _tools(self):
@@ -900,7 +923,7 @@ class Recipe(Section):
     def longest_sample(self) -> int:
         """Prompt (task text, about 2 tokens per character plus framing) and completion (one turn, or
         every turn's model and environment tokens), in tokens."""
-        after = self.sampling.max_tokens if self.env.kind == "single_turn" else self.env.max_total_tokens
+        after = self.env.workload(self.sampling).max_tokens  # single turn: sampling.max_tokens
         return self.task.max_len * 2 + 8 + after
 
     @model_validator(mode="after")
@@ -916,8 +939,8 @@ class Recipe(Section):
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold one whole sample "
                 f"({longest} tokens)"
             )
-        if self.rl.credit == "turn" and self.env.kind not in ("code", "tools"):
-            raise ValueError(f"rl.credit = 'turn' needs a multi-turn environment (env.kind = 'code' or 'tools'); "
+        if self.rl.credit == "turn" and not self.env.env_class().multi_turn:
+            raise ValueError(f"rl.credit = 'turn' needs a multi-turn environment (e.g. env.kind = 'code' or 'tools'); "
                              f"env.kind = {self.env.kind!r} has one turn: use 'trajectory'")
         if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "

@@ -72,20 +72,20 @@ def lognormal_sigma(mean: float, p99: float) -> float:
 
 
 def workload(recipe: Recipe) -> Workload:
-    """From the recipe's bounds and the `[plan]` keys (each printed with the plan). Multi-turn
-    defaults: env.max_turns turns, a result of env.max_env_chars (4 characters a token) after each
-    turn but the last, at most half of env.max_total_tokens; the model's tokens a share
-    (plan.completion_fraction) of the rest."""
-    pl, env = recipe.plan, recipe.env
-    single = env.kind == "single_turn"
-    prompt = float(pl.prompt_tokens or recipe.longest_sample() - (recipe.sampling.max_tokens if single else env.max_total_tokens))
-    turns = pl.turns or (1.0 if single else float(env.max_turns))
-    per_turn = pl.env_tokens_per_turn or (0 if single else env.max_env_chars // 4)
+    """From the recipe's bounds, what the environment class declares (`Environment.workload`) and the
+    `[plan]` keys (each printed with the plan). Multi-turn defaults: env.max_turns turns, a result of
+    env.max_env_chars (4 characters a token) after each turn but the last, at most half of
+    env.max_total_tokens; the model's tokens a share (plan.completion_fraction) of the rest."""
+    pl, env = recipe.plan, recipe.env.workload(recipe.sampling)
+    prompt = float(pl.prompt_tokens or recipe.longest_sample() - env.max_tokens)
+    turns = pl.turns or float(env.turns)
+    per_turn = pl.env_tokens_per_turn or env.env_tokens_per_turn
     env_tokens = per_turn * (turns - 1)
-    if not single and not pl.env_tokens_per_turn:  # the default: a capped result a turn, at most half the budget
-        env_tokens = min(env_tokens, env.max_total_tokens / 2)
-    budget = recipe.sampling.max_tokens if single else max(env.max_total_tokens - env_tokens, 1)
-    p99 = float(pl.p99_tokens or prompt + (recipe.sampling.max_tokens if single else env.max_total_tokens))
+    if not pl.env_tokens_per_turn:  # the default: the environment's tokens take at most half the budget
+        env_tokens = min(env_tokens, env.max_tokens / 2)
+    # one turn: the model's budget is the whole of it (plan keys for turns have no room to take)
+    budget = max(env.max_tokens - env_tokens, 1) if recipe.env.env_class().multi_turn else env.max_tokens
+    p99 = float(pl.p99_tokens or prompt + env.max_tokens)
     return Workload(prompt, pl.completion_fraction * budget, env_tokens, turns, pl.env_seconds_per_turn * (turns - 1),
                     p99, recipe.rl.batch_size, recipe.rl.group_size)
 
