@@ -125,7 +125,7 @@ def test_cli_help_names_tables_and_the_workstation_side_stays_torch_free():
     import sys
 
     p = subprocess.run(prl_cmd("--help"), capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
-    assert p.returncode == 0 and "Usage: prl " in p.stdout and "recipe's [cluster]" in p.stdout, p.stdout
+    assert p.returncode == 0 and "Usage: prl " in p.stdout and "with [cluster], every host" in p.stdout, p.stdout
     code = "import sys, prl.launch.driver, prl.launch.cluster, prl.launch.doctor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", "the driver must not import torch (it costs seconds before prl run prints)"

@@ -58,8 +58,8 @@ def test_pretrained_folder_trains_from_step_0_on_vllm(tmp_path):
     assert_nothing_left(run_dir)
 
 
-def start_background(tmp_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(run_args(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=500"),
+def start_background(tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(run_args(tmp_path, "--set", "sft.steps=5", "--set", "rl.max_steps=500", *args),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -77,11 +77,12 @@ def assert_tree_gone(tree: list[psutil.Process]) -> None:
 
 
 def test_killed_vllm_server_is_restarted_and_rejoins_then_ctrl_c_stops_it(tmp_path):
-    """SIGKILL of the vLLM server: the driver restarts it, the orchestrator waits (one server), loads
-    the served weights version into the new server and the run goes on; the old tree is gone. Then
-    Ctrl-C: the run stops, and the new server's tree (vLLM's engine children) goes with it. (One run for
-    both: each vLLM start costs about half a minute of the CI's two cores.)"""
-    proc = start_background(tmp_path)
+    """SIGKILL of the vLLM server on the collective weight path: the driver restarts it, the
+    orchestrator waits (one server), loads the served weights version into the new server and the
+    run goes on over the same path (the new server joins the trainer's group anew); the old tree is
+    gone. Then Ctrl-C: the run stops, and the new server's tree (vLLM's engine children) goes with it.
+    (One run for both: each vLLM start costs about half a minute of the CI's two cores.)"""
+    proc = start_background(tmp_path, "--set", 'trainer.weight_transfer="collective"')
     run_dir = tmp_path / "reverse-tiny-vllm"
     wait_for_rl_step(run_dir, proc)
     tree = server_tree(run_dir)
@@ -95,8 +96,12 @@ def test_killed_vllm_server_is_restarted_and_rejoins_then_ctrl_c_stops_it(tmp_pa
     while len(events(run_dir, "orch_step")) < done + 2:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.5)
-    served = [e for e in events(run_dir, "server") if e["name"] == "inference-0"][-1]["version"]
-    assert served >= up["version"] >= 1, "the new server serves the trainer's weights, not its startup ones"
+    served = [e for e in events(run_dir, "server") if e["name"] == "inference-0"][-1]
+    assert served["version"] >= up["version"] >= 1, "the new server serves the trainer's weights, not its startup ones"
+    while [e for e in events(run_dir, "server") if e["name"] == "inference-0"][-1]["collective_staged"] < 1:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]  # a version after the restart came by the group
+        time.sleep(0.5)
+    assert len(events(run_dir, "restart")) == 1 and not events(run_dir, "unresponsive")
     tree = server_tree(run_dir)  # the restarted server's
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
@@ -106,12 +111,18 @@ def test_killed_vllm_server_is_restarted_and_rejoins_then_ctrl_c_stops_it(tmp_pa
 
 
 def test_vllm_recipe_learns(tmp_path):
-    """recipes/reverse-tiny-vllm.toml as shipped (tiny Qwen3-MoE on a vLLM server) for its first 60 of 120
-    RL steps (CI time; the whole run is `bench/learning.py`'s): about +0.15 by then, +0.08 asked."""
-    p = subprocess.run(run_args(tmp_path, "--set", "rl.max_steps=60"), capture_output=True, text=True, timeout=1800)
+    """recipes/reverse-tiny-vllm.toml (tiny Qwen3-MoE on a vLLM server) for its first 60 of 120 RL steps
+    (CI time; the whole run is `bench/learning.py`'s), its weights streamed into the server as the
+    flagship's are (`trainer.weight_transfer = "stream"`): about +0.15 by then, +0.08 asked, and no
+    restart nor hang report (a version race is never a fault; `bench/weight_paths.py` runs every
+    path on both backends)."""
+    p = subprocess.run(run_args(tmp_path, "--set", "rl.max_steps=60", "--set", 'trainer.weight_transfer="stream"'),
+                       capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     run_dir = tmp_path / "reverse-tiny-vllm"
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"\nreverse-tiny-vllm: {summary}")
     assert summary["rl_steps"] == 60 and summary["last5_reward"] - summary["first5_reward"] >= 0.08, summary
+    assert not events(run_dir, "restart") and not events(run_dir, "unresponsive")
+    assert [e["version"] for e in events(run_dir, "weights_sent")][-1] >= 59
     assert_nothing_left(run_dir)

@@ -30,7 +30,8 @@ from prl.launch.supervisor import Supervisor
 from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
 from prl.metrics import EventLog
 from prl.model.weights import published_versions, sealed, version_dir
-from prl.recipe.load import RecipeError, apply_override, dump_toml, validate
+from prl.recipe.load import RecipeError, apply_override, validate
+from prl.recipe.reference import recipe_toml
 from prl.recipe.resolve import resolve, write_configs, write_secret
 from prl.transport.ports import PORTS
 from prl.recipe.schema import Recipe
@@ -71,8 +72,8 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
         from prl.launch.cluster import dry_run_plan
 
         specs = dry_run_plan(recipe, run_dir)
-    console.print("# resolved recipe", style="bold")
-    console.print(dump_toml(recipe.model_dump(exclude_none=True)), markup=False, highlight=False)
+    console.print("# resolved recipe: every key (unset ones commented)", style="bold")
+    console.print(recipe_toml(recipe), markup=False, highlight=False)
     console.print()
     console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
     console.print(plan_summary(recipe), markup=False, highlight=False)

@@ -74,25 +74,3 @@ def parse_value(raw: str) -> Any:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
-
-
-def dump_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A small TOML writer for printing a resolved recipe (`--dry-run`)."""
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    out = [f"[{prefix}]"] if prefix and scalars else []
-    out += [f"# {k} = (unset)" if v is None else f"{k} = {toml_value(v)}" for k, v in scalars.items()]
-    for k, v in tables.items():
-        sub = dump_toml(v, f"{prefix}.{k}" if prefix else k)
-        out += ["", sub] if out else [sub]
-    return "\n".join(out)
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return repr(v)
