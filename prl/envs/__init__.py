@@ -35,13 +35,8 @@ def env_class(kind: str) -> type[Environment]:
     module_name, _, name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name or module_name.startswith(f"{e.name}."):  # the module (or its package) is missing
-            raise ValueError(f"{kind!r}: no module named {module_name!r} (run prl from the folder that holds "
-                             f"{module_name.replace('.', '/')}.py, or add that folder to PYTHONPATH)") from None
-        raise ValueError(f"{kind!r}: importing {module_name} failed: {type(e).__name__}: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises is reported in one line
-        raise ValueError(f"{kind!r}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(import_failure(kind, module_name, e)) from None
     cls = getattr(module, name, None)
     if cls is None:
         raise ValueError(f"{kind!r}: module {module_name} has no {name!r}")
@@ -55,6 +50,13 @@ def env_class(kind: str) -> type[Environment]:
         raise ValueError(f"{kind!r} does not implement the environment seam: {'; '.join(missing)} "
                          f"(see prl.envs.base.Environment)")
     return cls
+
+
+def import_failure(kind: str, module_name: str, e: Exception) -> str:
+    if isinstance(e, ModuleNotFoundError) and (e.name == module_name or module_name.startswith(f"{e.name}.")):
+        return (f"{kind!r}: no module named {module_name!r} (run prl from the folder that holds "
+                f"{module_name.replace('.', '/')}.py, or add that folder to PYTHONPATH)")
+    return f"{kind!r}: importing {module_name} failed: {type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def seam_gaps(cls: type[Environment]) -> list[str]:

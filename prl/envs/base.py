@@ -94,7 +94,8 @@ class Environment(abc.ABC):
     - `from_context(ctx: EnvContext)` (classmethod): how prl builds one; the default calls
       `cls(ctx)`; `MultiTurnEnv` builds its loop from the context, so its subclasses need no
       constructor;
-    - `example`, `rollout` (required) and `demonstration` (for the warm start, `sft.steps > 0`).
+    - `example`, `rollout` (required) and `demonstration` (the warm start's examples: a recipe with
+      `sft.steps > 0` is refused for a class without it, `has_demonstrations`).
     """
 
     multi_turn: ClassVar[bool]
@@ -110,6 +111,11 @@ class Environment(abc.ABC):
     @classmethod
     def from_context(cls, ctx: EnvContext) -> "Environment":
         return cls(ctx)
+
+    @classmethod
+    def has_demonstrations(cls) -> bool:
+        """Whether the class writes `demonstration` (the warm start, `sft.steps > 0`, needs it)."""
+        return cls.demonstration is not Environment.demonstration
 
     @abc.abstractmethod
     def example(self, index: int) -> dict: ...

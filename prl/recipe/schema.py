@@ -942,6 +942,10 @@ class Recipe(Section):
         if self.rl.credit == "turn" and not self.env.env_class().multi_turn:
             raise ValueError(f"rl.credit = 'turn' needs a multi-turn environment (e.g. env.kind = 'code' or 'tools'); "
                              f"env.kind = {self.env.kind!r} has one turn: use 'trajectory'")
+        if self.sft.steps_for(self.model) and not self.env.env_class().has_demonstrations():
+            raise ValueError(f"sft.steps: the warm start learns from demonstrations and env.kind = "
+                             f"{self.env.kind!r} has none: set sft.steps = 0 (a tiny model's default is 40) or "
+                             f"write demonstration(index)")
         if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
                              "carry their own advantage, compared within the same turn): use one of them")
