@@ -211,8 +211,7 @@ def report(
     try:
         path = write_report(run_dirs, out)
     except ReportError as e:
-        err.print(f"prl report: {e}", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        raise fail("report", str(e)) from None
     console.print(f"wrote {path} and PNGs of its curves in {path.parent / (path.stem + '_png')}", markup=False)
 
 
@@ -229,8 +228,7 @@ def ckpt_export(
     try:
         path = export(run_dir, step, out, fp8=fp8)
     except ExportError as e:
-        err.print(f"prl ckpt export: {e}", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        raise fail("ckpt export", str(e)) from None
     console.print(f"wrote {path}", markup=False)
 
 

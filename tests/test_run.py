@@ -217,7 +217,7 @@ def test_export_round_trips_logits(finished_run, tmp_path):
         assert torch.equal(hf(ids).logits, trainer_model(ids).logits)
     bad = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--step", "99", "--out", tmp_path / "x"),
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "no checkpoint for step" in bad.stderr
+    assert bad.returncode == 2 and "no checkpoint for step" in bad.stderr
 
 
 def test_resume_continues_steps_and_data(finished_run):

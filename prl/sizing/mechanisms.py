@@ -43,13 +43,13 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                        "(prl.trainer.context_parallel, torch): no score tensor over all keys; equal to the dense "
                        "computation and memory-tested on CPU; its speed at the plan's MFU is unmeasured (fused "
                        "FlashMLA / DeepGEMM kernels are the faster path)"),
-    "zigzag": (BUILT, "zigzag context parallelism (trainer.parallel.cp_layout = 'zigzag', issue 23 item 6)"),
+    "zigzag": (BUILT, "zigzag context parallelism (trainer.parallel.cp_layout = 'zigzag')"),
     "contiguous": (BUILT, "contiguous context-parallel slices"),
     "fp8_dispatch": (GPU, "FP8 expert dispatch in the trainer (trainer.parallel.ep_dispatch = 'fp8': 1x128-tile "
                           "block FP8 toward the experts, the way back in bf16); tested on gloo, its speed needs GPUs"),
     "node_dedup": (GPU, "node-level deduplication of the trainer's expert dispatch (trainer.parallel.ep_node_dedup: "
                         "once to each node, then to its ranks); tested on gloo, its speed needs GPUs"),
-    "overlap": (PLANNED, "trainer compute/communication overlap (issue 23 item 5)"),
+    "overlap": (PLANNED, "trainer compute/communication overlap"),
     "checkpointing": (BUILT, "activation checkpointing per decoder layer"),
     "async": (BUILT, "asynchronous rollouts bounded by rl.max_async_level and rl.max_off_policy_steps"),
 }
