@@ -160,24 +160,27 @@ def test_staging_runs_off_the_caller_and_reports_through_status_files(tmp_path):
     assert ranks[0].result(2) == {"w": 2}
     assert read_status(tmp_path, 2)["state"] == "staging", "rank 1 has not staged v2 yet"
     ranks[1].start(2)
-    ranks[1].thread.join()
-    assert read_status(tmp_path, 2) == {"state": "ready", "error": None}
+    ranks[1].slots[2].thread.join()
+    assert read_status(tmp_path, 2) == {"state": "ready", "error": None, "newest": None}
     assert read_status(tmp_path, 4)["state"] == "staging", "another version is not ready"
     ranks[0].start(3)
-    ranks[0].thread.join()
-    assert read_status(tmp_path, 3) == {"state": "failed", "error": "ValueError: v3: non-finite values in lm_head.weight"}
+    ranks[0].slots[3].thread.join()
+    assert read_status(tmp_path, 3) == {"state": "failed", "error": "ValueError: v3: non-finite values in lm_head.weight",
+                                        "newest": None}
     with pytest.raises(ValueError, match="non-finite"):
         ranks[0].result(3)
 
 
-def test_a_stager_keeps_the_newest_version_and_names_it_to_an_older_ask(tmp_path):
-    """The version race (the trainer streamed v6 before the orchestrator asked for v5): asked to stage
-    v5, a worker keeps v6 and the status answers "newer" naming it; asked to load v5, it refuses
-    with `SUPERSEDED` naming v6 (nothing is read or loaded for v5). A failed newer version does
-    not hide the older: v5 is then read."""
-    from prl.backends.vllm.staging import Stager, Superseded, read_status, superseded_by
+def test_a_stager_keeps_the_asked_version_and_the_newest(tmp_path):
+    """The version race (the trainer streams v6 while the orchestrator asks for v5): a worker keeps
+    v5 (pinned by the stage) and v6, so the receive never drops the version about to be loaded; the
+    status names v6 as "newest" only once every rank staged it whole, and never a version that failed
+    or is still on its way. A restarted worker's status starts empty."""
+    import threading
 
-    reads = []
+    from prl.backends.vllm.staging import Stager, read_status
+
+    gates, reads = [threading.Event(), threading.Event()], []
 
     def read(version):
         reads.append(version)
@@ -185,22 +188,40 @@ def test_a_stager_keeps_the_newest_version_and_names_it_to_an_older_ask(tmp_path
             raise ValueError("v8: broken")
         return {"w": version}
 
+    def wire(rank):
+        return lambda version: gates[rank].wait() and read(version)
+
     ranks = [Stager(read, tmp_path, rank=r, world=2) for r in range(2)]
     for r in ranks:
-        r.start(6)
-        r.thread.join()
         r.start(5)
-    assert reads == [6, 6] and read_status(tmp_path, 5) == {"state": "newer", "error": None, "version": 6}
-    with pytest.raises(Superseded) as e:
-        ranks[0].result(5)
-    assert superseded_by(str(e.value)) == 6 and e.value.newer == 6
-    assert superseded_by("[prl: streamed only] v6") is None
-    assert ranks[0].result(6) == {"w": 6}
+        r.slots[5].thread.join()
+        r.start(6, read=wire(r.rank))  # the stream's receive, still on the wire
+        r.start(5, pin=True)  # the orchestrator's stage: held already
+    assert reads == [5, 5] and read_status(tmp_path, 5) == {"state": "ready", "error": None, "newest": None}
+    gates[0].set()
+    ranks[0].slots[6].thread.join()
+    assert read_status(tmp_path, 5)["newest"] is None, "v6 is staged on one rank only"
+    gates[1].set()
+    ranks[1].slots[6].thread.join()
+    assert read_status(tmp_path, 5)["newest"] == 6
     for r in ranks:
+        r.start(7)
+        r.start(9)  # two more: the pinned one and the two newest stay
+    assert sorted(ranks[0].slots) == [5, 7, 9], ranks[0].slots
+    assert ranks[0].result(5) == {"w": 5} and sorted(ranks[0].slots) == [7, 9]
+    for r in ranks:
+        r.slots[9].thread.join()
+        r.result(9)
+        r.start(7, pin=True)
+        r.slots[7].thread.join()
         r.start(8)
-        r.thread.join()
-    assert read_status(tmp_path, 7)["state"] == "staging", "a failed newer version is no reason to skip v7"
-    assert ranks[1].result(7) == {"w": 7}
+        r.slots[8].thread.join()
+    assert read_status(tmp_path, 7) == {"state": "ready", "error": None, "newest": None}, "a failed v8 is no newer"
+    alone = Stager(read, tmp_path, rank=0, world=1)  # restarted with one worker: both old files go
+    assert not list(tmp_path.glob("rank*.json")) and read_status(tmp_path, 7)["state"] == "staging"
+    alone.start(7, pin=True)
+    alone.slots[7].thread.join()
+    assert read_status(tmp_path, 7)["state"] == "ready"
 
 
 # ---- fault paths of the vLLM client against a stand-in server (tests/fake_vllm.py) ----

@@ -242,7 +242,7 @@ def test_vllm_servers_share_prompt_blocks_through_the_pool_salted_by_version(tmp
             b = make(s)
             try:
                 if salt_version is not None:
-                    b.salt_version = salt_version
+                    b.salt = f"v{salt_version}"
                 before = (await b.metrics()).pool_hit_tokens
                 out = await b.generate(req(n=1, max_tokens=4, temperature=0.0, prompt_ids=prompt))
                 return out.completions[0], (await b.metrics()).pool_hit_tokens - before

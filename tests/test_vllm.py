@@ -404,9 +404,9 @@ def test_two_trainer_ranks_stream_a_version_into_the_workers(server):
 def test_a_server_holding_a_newer_version_serves_it_when_asked_for_an_older_one(server):
     """The version race of the collective and streamed paths: the trainer streams v12 before the
     orchestrator asked for v11; asked for v11, the server serves v12 (labelled v12, v12's logprobs)
-    and counts v11 as skipped. Then v14 arrives between v13's stage and its load: the workers answer
-    the load with the reason (superseded, nothing touched), the client resumes the server and loads
-    v14 instead; nothing is taken for stuck."""
+    and counts v11 as skipped. Then v14 arrives between v13's stage and its load: the workers keep
+    v13 (pinned by the stage) beside v14, the load serves v13, and v14 loads next; never stuck."""
+    import copy
     import shutil
 
     from prl.model.build import build_model
@@ -419,23 +419,26 @@ def test_a_server_holding_a_newer_version_serves_it_when_asked_for_an_older_one(
     for v in (11, 12):
         shutil.rmtree(version_dir(server.run_dir / "weights", v))  # only the staged copies can serve
 
-    async def generated(b):
+    async def generated(b, reference):
         out = (await b.generate(req(n=1, max_tokens=8))).completions[0]
-        torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(model, PROMPT, out.token_ids),
+        torch.testing.assert_close(torch.tensor(out.logprobs), reference_logprobs(reference, PROMPT, out.token_ids),
                                    atol=2e-4, rtol=0)
         return set(out.versions)
 
     async def go(b):
         await b.load_weights(11)
-        assert (b.version, b.weights_skipped, await generated(b)) == (12, 1, {12})
+        assert (b.version, b.weights_skipped, await generated(b, model)) == (12, 1, {12})
         await b.load_weights(12)  # served already: nothing to load
         send(sink, 13, perturbed_state(model, seed=13))
         assert await b.stage(13) == 13
-        send(sink, 14, perturbed_state(model, seed=14))  # between v13's stage and its load
+        later = copy.deepcopy(model)
+        send(sink, 14, perturbed_state(later, seed=14))  # between v13's stage and its load
         await b.load_weights(13)
+        assert (b.version, b.weights_skipped, await generated(b, model)) == (13, 1, {13})
+        shutil.rmtree(version_dir(server.run_dir / "weights", 14))
+        await b.load_weights(14)
         m = await b.metrics()
-        assert (b.version, m.version, m.weights_skipped, m.paused) == (14, 14, 2, False)
-        assert await generated(b) == {14}
+        assert (m.version, m.weights_skipped, m.paused, await generated(b, later)) == (14, 1, False, {14})
 
     call(server, go)
 

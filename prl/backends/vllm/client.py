@@ -13,14 +13,14 @@
   that fails: the orchestrator takes the server out, the driver restarts it, it rejoins with the
   served version, and the run goes on. A server that answers with a reason (a missed or skipped
   version, a refused one) is never taken for stuck.
-- Versions race: asked for vN while the workers hold a newer version (the trainer streamed it
-  first), the client stages and loads the newest they hold instead, labelled with its own number;
-  vN is skipped (`weights_skipped`). Asked for a version older than the one served: nothing to do,
-  skipped too.
-- Prefix KV: requests carry `cache_salt = "prl-v{N}"`; N becomes the new version once the server is
-  paused for it, so every request queued from then on is prefilled under vN and never hits blocks
-  computed under an older version (a request sent before keeps running under the new weights, like
-  any in-flight request).
+- Versions race: asked for vN while every worker staged a newer version whole (the trainer streamed
+  it first), the client loads the newest instead, labelled with its own number; vN is skipped
+  (`weights_skipped`). Asked for a version older than the one served: nothing to do, skipped too.
+- Prefix KV: requests carry `cache_salt = "prl-v{N}"`, N the version served. Requests queued while the
+  server is paused for a load carry a salt of their own (prefilled after the resume, under the new
+  version or, if the load failed, the old one: either way no other request reuses their KV), and
+  "prl-v{N+1}" once the load succeeded; no request ever hits blocks computed under another version
+  (a request sent before keeps running under the new weights, like any in-flight request).
 - A dead engine: a request that fails answers 5xx; any 5xx or transport error is raised as
   `BackendError` naming the server, so the run stops at once (vLLM's API server exits soon after).
 """
@@ -31,18 +31,18 @@ import asyncio
 import base64
 import io
 import time
+import uuid
 
 import httpx
 
 from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.backends.vllm.rejected import REJECTED
-from prl.backends.vllm.staging import Superseded, superseded_by
 from prl.model.weights import STREAMED_ONLY
 from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
-MAX_NEWER = 8  # newer versions in a row one load may move on to before the server is taken out
+MAX_NEWER = 8  # newer versions in a row one stage may move on to before the server is taken out
 
 
 class VersionMissed(BackendError):
@@ -68,7 +68,7 @@ class VllmBackend(InferenceBackend):
         its first version, its drafter loads the model folder's draft layer (`prl.model.mtp`)."""
         super().__init__(base_url, secret, max_connections)
         self.eos, self.draft_weights, self.drafted = eos_token_id, draft_weights, False
-        self.salt_version = STARTUP_VERSION
+        self.salt = version_label(STARTUP_VERSION)  # the cache_salt of requests sent now (see the module docstring)
         self.staged_version: int | None = None  # staged in an open weight-update session
         self._rate: list[tuple[float, float]] = []
         self.weight_loads = 0  # versions this client swapped in (vLLM counts none)
@@ -81,7 +81,8 @@ class VllmBackend(InferenceBackend):
         await self.warm_up()
         self.check(await self.post("/init_weight_transfer_engine", {"init_info": {}}), "/init_weight_transfer_engine")
         r = self.check(await self.get("/weight_info"), "/weight_info")
-        self.version = self.salt_version = parse_version(str(r.json().get("weight_version") or ""))
+        self.version = parse_version(str(r.json().get("weight_version") or ""))
+        self.salt = version_label(self.version)
         await self.metrics()  # the busy clock's first sample: its share spans time from here
 
     async def warm_up(self) -> None:
@@ -112,7 +113,7 @@ class VllmBackend(InferenceBackend):
         if req.return_routing:
             params["routed_experts_prompt_start"] = req.routing_start
         return {"token_ids": req.prompt_ids, "sampling_params": params,
-                "cache_salt": f"prl-{version_label(self.salt_version)}"}
+                "cache_salt": f"prl-{self.salt}"}
 
     def parse_response(self, body: dict, req: GenerateRequest) -> GenerateResponse:
         completions, prompt_routing = [], None
@@ -145,38 +146,34 @@ class VllmBackend(InferenceBackend):
 
     async def load_weights(self, version: int) -> float:
         """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
-        stood still (from the pause to the resume). A server that holds a newer version than `version`
-        (the trainer streamed it first) serves that one instead: `version` is skipped and counted."""
+        stood still (from the pause to the resume). A server whose workers all staged a newer version
+        than `version` (the trainer streamed it first) loads that one instead, and one that serves a
+        newer version already loads nothing: `version` is skipped and counted."""
         if version <= self.version:  # served already, or a newer one is (loaded in place of an older ask)
             self.weights_skipped += version < self.version
             return 0.0
-        target = version
-        for _ in range(MAX_NEWER):
-            target = await self.stage(target)
-            try:
-                paused = await self.swap(target)
-            except Superseded as e:  # a newer version came between staging and the load: that one
-                target = e.newer
-                continue
-            self.weights_skipped += target != version
-            return paused
-        raise BackendError(f"{self.base_url}: newer weights kept arriving while loading v{version} "
-                           f"({MAX_NEWER} in a row); taken out, it rejoins on the served version")
+        target = await self.stage(version)
+        paused = await self.swap(target)
+        self.weights_skipped += target != version
+        return paused
 
     async def stage(self, version: int) -> int:
         """Open a weight-update session and have every worker fetch, verify and check `version`, or
-        the newer one they hold; returns the version staged once all are ready (the session stays
-        open for `swap`)."""
+        take the newest version every worker staged whole after it; returns the version staged (the
+        session stays open for `swap`)."""
         if self.staged_version is not None and self.staged_version >= version:
             return self.staged_version
         await self.open_session()
         try:
-            while True:
-                await self.update(version, "stage")
-                newer = await self.wait_staged(version)
-                if newer is None:
+            for _ in range(MAX_NEWER):
+                await self.update(version, "stage")  # pins it in every worker: kept until loaded
+                newest = await self.wait_staged(version)
+                if newest is None:
                     break
-                version = newer  # the workers hold it (streamed): stage and load that one
+                version = newest  # staged whole on every worker (streamed first): pin and load that one
+            else:
+                raise BackendError(f"{self.base_url}: newer weights kept arriving while staging ({MAX_NEWER} in a "
+                                   f"row); taken out, it rejoins on the served version")
         except BaseException:
             await self.end_session()
             raise
@@ -199,10 +196,12 @@ class VllmBackend(InferenceBackend):
         a `/resume` that fails, raises `ServerStuck`: the server stays paused until it is restarted."""
         self.staged_version = None
         t0 = time.perf_counter()
-        loading, salt = False, self.salt_version
+        loading, salt = False, self.salt
         try:
             self.check(await self.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "/pause")
-            self.salt_version = max(self.salt_version, version)  # queued from now on: prefilled under vN
+            # queued from now on: prefilled after the resume, under vN if the load succeeds, else under the
+            # old version; a salt of their own, so that no other request reuses their KV in either case
+            self.salt = f"{version_label(version)}-load-{uuid.uuid4().hex[:12]}"
             loading = True
             await self.update(version, "load")
             await self.weight_call("/finish_weight_update", {"weight_version": version_label(version)})
@@ -210,8 +209,8 @@ class VllmBackend(InferenceBackend):
                 await self.load_draft(version)
         except ServerStuck:
             raise
-        except (Superseded, VersionMissed):  # answered before touching the model: the old version serves on
-            self.salt_version = salt
+        except VersionMissed:  # answered before touching the model: the old version serves on
+            self.salt = salt
             await self.end_session()
             await self.resume()
             raise
@@ -231,7 +230,7 @@ class VllmBackend(InferenceBackend):
                 await self.resume(quiet=True)
             raise
         await self.resume()
-        self.version = version
+        self.version, self.salt = version, version_label(version)
         self.weight_loads += 1
         return time.perf_counter() - t0
 
@@ -244,15 +243,15 @@ class VllmBackend(InferenceBackend):
         self.drafted = True
 
     async def wait_staged(self, version: int, timeout: float = 600.0) -> int | None:
-        """Poll prl's status route (not vLLM's engine loop) until every worker staged `version` (None),
-        or a worker holds a newer one (that version)."""
+        """Poll prl's status route (not vLLM's engine loop) until every worker staged `version` or a
+        newer one: None, or that newer version (the newest every worker staged whole)."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.check(await self.get(f"/prl/staged?version={version}"), "/prl/staged").json()
+            if status.get("newest") is not None:
+                return int(status["newest"])
             if status["state"] == "ready":
                 return None
-            if status["state"] == "newer":
-                return int(status["version"])
             if status["state"] == "failed":
                 if STREAMED_ONLY in (status["error"] or ""):  # missed the stream: taken out, rejoins on a later version
                     raise VersionMissed(f"{self.base_url}: weights v{version}: {status['error']}")
@@ -265,9 +264,6 @@ class VllmBackend(InferenceBackend):
         r = await self.post("/update_weights", {"update_info": {"version": version, "action": action}})
         if r.status_code < 400:
             return
-        newer = superseded_by(r.text)
-        if newer is not None:  # holds a newer version (streamed first): the caller loads that one
-            raise Superseded(version, newer)
         if STREAMED_ONLY in r.text:  # the version went by the stream only and this server missed it: taken out
             raise VersionMissed(f"{self.base_url}: weights v{version}: {r.text[:400]}")
         if action == "stage" or REJECTED in r.text:  # refused before any tensor was touched: the old version serves on

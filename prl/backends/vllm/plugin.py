@@ -16,9 +16,8 @@ Rules:
 - `{"action": "draft"}` inside vLLM's draft session (`/start_draft_weight_update`: the engine's target
   is the MTP drafter) loads the model folder's MTP layer, FP8 where the serving layout says; the
   client runs it once per server, after the first version, when the server started on dummy weights;
-- asked for an older version than one it holds (the trainer streamed a newer one first), a worker
-  keeps the newer and answers a load with `SUPERSEDED` (`prl.backends.vllm.staging`): the client
-  loads the newer one instead;
+- a worker keeps the version the orchestrator asked to stage and the newest it received
+  (`prl.backends.vllm.staging`); the client loads the newest one every worker staged whole;
 - anything wrong is raised before a tensor is touched, marked `REJECTED`: vLLM answers the update
   with an error and the old version keeps serving; an error after the reload began is not marked
   (the client then keeps the server paused: a half-loaded model is never served).
@@ -40,7 +39,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from prl.backends.vllm.rejected import REJECTED
-from prl.backends.vllm.staging import Superseded
 from prl.model.weights import StreamedOnly, nonfinite_names
 
 BACKEND = "prl"
@@ -126,14 +124,14 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         try:
             if info.action not in ("stage", "load", "draft"):
                 raise ValueError(f"update_info.action = {info.action!r}: expected 'stage', 'load' or 'draft'")
-            if info.action != "draft" and info.version == self.loaded and self.stager.version in (None, info.version):
+            if info.action != "draft" and info.version == self.loaded and not self.stager.holds(info.version):
                 self.stager.already(info.version)  # served already (e.g. asked again by a restarted orchestrator)
                 return
             if info.action == "stage":
-                self.stager.start(info.version)
+                self.stager.start(info.version, pin=True)
                 return
             state = self.draft() if info.action == "draft" else self.stager.result(info.version)
-        except (StreamedOnly, Superseded) as e:  # not a bad version: missed the stream, or holds a newer one
+        except StreamedOnly as e:  # not a bad version: this worker missed the stream (the client takes it out)
             raise ValueError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
             raise ValueError(f"{REJECTED}: {type(e).__name__}: {e}") from None
