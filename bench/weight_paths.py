@@ -4,7 +4,7 @@ engine (recipes/reverse-tiny.toml) and on vLLM (recipes/reverse-tiny-vllm.toml),
 backend and streaming path, a run whose server is SIGKILLed once RL has begun (it must be restarted
 and rejoin on the current version over the same path).
 
-    .venv/bin/python bench/weight_paths.py [--steps 40] [--only embedded|vllm] [--no-kill]
+    .venv/bin/python bench/weight_paths.py [--steps 40] [--only embedded|vllm] [--no-kill | --kill-only]
 
 Per run: exit code, RL steps, restarts (only the killed runs may have one: the kill's), `unresponsive`
 reports (none anywhere), versions a server skipped because it held a newer one (`weights_skipped`),
@@ -34,8 +34,8 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def start(backend: str, path: str, async_level: int, steps: int, out: Path) -> tuple[subprocess.Popen, Path]:
-    name = f"{backend}-{path}-a{async_level}"
+def start(backend: str, path: str, async_level: int, steps: int, out: Path, kill: bool) -> tuple[subprocess.Popen, Path]:
+    name = f"{backend}-{path}-a{async_level}" + ("-killed" if kill else "")
     cmd = [str(ROOT / "bin" / "prl"), "run", str(RECIPES[backend]), "--no-tui", "--set", f"run.output_dir={out}",
            "--set", f"run.name={name}", "--set", f'trainer.weight_transfer="{path}"',
            "--set", f"rl.max_async_level={async_level}", "--set", f"rl.max_steps={steps}"]
@@ -50,7 +50,10 @@ def kill_server_once_rl_began(proc: subprocess.Popen, run_dir: Path) -> None:
         evs = events(run_dir)
         if sum(1 for e in evs if e["kind"] == "orch_step") >= 2:
             server = [e for e in evs if e["kind"] == "process" and e.get("name") == "inference-0" and e.get("pid")][-1]
-            os.killpg(server["pid"], signal.SIGKILL)
+            try:
+                os.killpg(server["pid"], signal.SIGKILL)
+            except ProcessLookupError:  # it exited meanwhile: the run reports that itself
+                pass
             return
         time.sleep(0.5)
 
@@ -87,7 +90,7 @@ def verdict(fig: dict, steps: int, killed: bool) -> str | None:
 
 def one(backend: str, path: str, async_level: int, steps: int, out: Path, kill: bool) -> dict:
     t0 = time.time()
-    proc, run_dir = start(backend, path, async_level, steps, out)
+    proc, run_dir = start(backend, path, async_level, steps, out, kill)
     if kill:
         kill_server_once_rl_began(proc, run_dir)
     log, _ = proc.communicate()
@@ -101,10 +104,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", choices=sorted(RECIPES))
-    ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--no-kill", action="store_true", help="leave out the runs whose server is killed")
+    ap.add_argument("--kill-only", action="store_true", help="only the runs whose server is killed")
     args = ap.parse_args()
     backends = [args.only] if args.only else list(RECIPES)
-    runs = [(b, p, a, False) for b in backends for p in PATHS for a in (1, 3)]
+    runs = [] if args.kill_only else [(b, p, a, False) for b in backends for p in PATHS for a in (1, 3)]
     if not args.no_kill:
         runs += [(b, p, 1, True) for b in backends for p in ("collective", "stream")]
     results, failed = {}, []
