@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +41,10 @@ def _version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="print prl's version and exit")):
     """prl: asynchronous RL for LLMs, mixture-of-experts first."""
+    # a recipe's own modules (task.dataset, env.kind = "my_module:MyEnv") import from where prl runs, from
+    # the `prl` console script as with `python -m prl` (which puts the working directory on the path)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 @app.command()
@@ -156,7 +162,7 @@ def doctor(recipe: Path = typer.Argument(..., help="the TOML recipe")):
     except RecipeError as e:
         raise fail("doctor", f"invalid recipe\n{e}") from None
     if loaded.cluster is None:
-        from prl.launch.doctor import check_local
+        from prl.launch.local_doctor import check_local
 
         failures = check_local(loaded, console)
         for line in failures:
