@@ -2,7 +2,7 @@
 engine (recipes/reverse-tiny.toml) and on vLLM (recipes/reverse-tiny-vllm.toml), with
 `trainer.weight_transfer` folder, collective and stream and `rl.max_async_level` 1 and 3; then, per
 backend and streaming path, a run whose server is SIGKILLed once RL has begun (it must be restarted
-and rejoin on the current version over the same path).
+and rejoin on the served version, then follow the trainer's versions over the same path).
 
     .venv/bin/python bench/weight_paths.py [--steps 40] [--only embedded|vllm] [--no-kill | --kill-only]
 
@@ -71,7 +71,9 @@ def figures(proc: subprocess.Popen, run_dir: Path, wall_s: float, killed: bool) 
         "last5": round(sum(rewards[-5:]) / 5, 3) if len(rewards) >= 5 else None, "wall_s": round(wall_s, 1),
     }
     if killed:
+        served = [e["version"] for e in evs if e["kind"] == "server" and e.get("name") == "inference-0"]
         out["rejoined_version"] = rejoined[-1].get("version") if rejoined else None
+        out["final_version"] = served[-1] if served else None
     return out
 
 
@@ -83,8 +85,8 @@ def verdict(fig: dict, steps: int, killed: bool) -> str | None:
         return f"{fig['unresponsive']} unresponsive reports"
     if fig["restarts"] != (1 if killed else 0):
         return f"{fig['restarts']} restarts: {fig['restart_causes']}"
-    if killed and not fig.get("rejoined_version"):
-        return "the killed server did not rejoin on a trained version"
+    if killed and (fig.get("rejoined_version") is None or (fig.get("final_version") or 0) < steps - 2):
+        return f"the killed server did not rejoin and follow the trainer (final version {fig.get('final_version')})"
     return None
 
 
