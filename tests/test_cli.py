@@ -107,3 +107,16 @@ def test_stop_refuses_a_pid_that_is_no_longer_the_driver(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_task_whose_own_code_fails_is_one_line_not_a_traceback(tmp_path):
+    """The user's dataset or reward raising (a missing field, a wrong signature, a division by an empty
+    completion's length) is their bug: `prl run --dry-run` names the task and the exception in one
+    line, exit 2, nothing started."""
+    (tmp_path / "broken.py").write_text(
+        "def data(index, seed, **kw):\n    return {'prompt': 'ab', 'target': 'ba'}\n\n"
+        "def score(completion, example):\n    return 1.0 / len(completion) + example['answer']\n")
+    (tmp_path / "recipe.toml").write_text("[task]\nname = 'custom'\ndataset = 'broken:data'\nreward = 'broken:score'\n")
+    p = prl("run", "recipe.toml", "--dry-run", cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out and "ZeroDivisionError" in out and "custom" in out, out

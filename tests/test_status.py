@@ -68,7 +68,7 @@ def test_two_runs_overlaid_on_one_scale(tmp_path):
 
 def test_bad_run_dir_is_named(tmp_path):
     p = subprocess.run(prl_cmd("status", tmp_path / "nothing", "--curves"), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and "has no metrics.jsonl" in p.stdout
+    assert p.returncode == 2 and "has no metrics.jsonl" in p.stdout
 
 
 def test_key_reader_on_a_terminal():

@@ -171,9 +171,13 @@ def check_task(recipe: Recipe) -> None:
 
     try:
         task = make_task(recipe.task, recipe.run.seed)
-        task.reward("", task.example(0))
     except ValueError as e:
         raise RecipeError(f"invalid task, nothing was started: {e}") from None
+    try:  # the user's own functions: whatever they raise is their bug, named in one line
+        task.reward("", task.example(0))
+    except Exception as e:  # noqa: BLE001
+        raise RecipeError(f"invalid task, nothing was started: task {recipe.task.name!r} failed on its first example "
+                          f"(its dataset, then its reward of an empty completion): {type(e).__name__}: {e}") from None
     check_env(recipe)
 
 

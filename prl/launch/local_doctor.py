@@ -33,8 +33,9 @@ def check_local(recipe, console: Console) -> list[str]:
         return "Mooncake runs here" if recipe.inference.kv_pool.enabled else "not used"
 
     def task():
-        driver.check_task(recipe)
-        return f"{recipe.task.name}, env {recipe.env.kind}"
+        driver.check_task(recipe)  # the environment too, and the sandbox where it runs programs
+        sandbox = f", sandbox ({recipe.env.sandbox.isolation}) runs programs" if recipe.env.env_class().needs_sandbox else ""
+        return f"{recipe.task.name}, env {recipe.env.kind}{sandbox}"
 
     def wandb():
         check_wandb(recipe)
@@ -50,7 +51,7 @@ def check_local(recipe, console: Console) -> list[str]:
     table.add_column("check")
     table.add_column("result")
     failures = []
-    for name, fn in (("model", model), ("backend", backend), ("kv pool", kv_pool), ("task", task), ("wandb", wandb),
+    for name, fn in (("model", model), ("backend", backend), ("kv pool", kv_pool), ("task and env", task), ("wandb", wandb),
                      ("built", built)):
         try:
             table.add_row(name, f"[green]ok[/] {fn()}")

@@ -175,8 +175,18 @@ def published_versions(root: Path) -> list[int]:
 
 
 def prune_versions(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` versions. Each leaves its name first (an atomic rename), so a
+    process stopped mid-way never leaves a sealed folder with files missing; leftovers of an earlier
+    interrupted prune go too."""
     for v in published_versions(root)[:-keep]:
-        shutil.rmtree(version_dir(root, v), ignore_errors=True)
+        doomed = root / f".pruned-v{v}-{os.getpid()}"
+        try:
+            os.rename(version_dir(root, v), doomed)
+        except OSError:
+            continue  # gone already (another process pruned it)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for leftover in root.glob(".pruned-v*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def latest_checkpoint(root: Path) -> tuple[Path, dict] | None:

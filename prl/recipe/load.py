@@ -34,7 +34,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
         apply_override(data, item, path)
-    return validate(data, str(path))
+    return validate(data, f"{path} with --set" if overrides else str(path))
 
 
 def validate(data: dict[str, Any], source: str) -> Recipe:

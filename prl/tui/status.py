@@ -25,8 +25,9 @@ def show(run_dirs: list[Path], watch: bool, console: Console, curves: bool = Fal
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         if not (d / "metrics.jsonl").is_file():
-            console.print(f"prl status: {d} has no metrics.jsonl (not a prl run, or not started yet)", markup=False)
-            return 1
+            console.print(f"prl status: {d} has no metrics.jsonl (not a prl run, or not started yet; `prl runs` "
+                          f"lists the runs)", markup=False)
+            return 2
     if len(run_dirs) > 1:
         return overlay(run_dirs, console)
     run_dir = run_dirs[0]
