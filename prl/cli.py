@@ -50,7 +50,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 @app.command()
 def run(
     recipe: Optional[Path] = typer.Argument(None, help="the TOML recipe"),
-    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set trainer.lr=1e-5"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="override a key, e.g. --set trainer.lr=1e-5"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print every key of the resolved recipe and the process "
                                                           "plan, then exit"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR from its last checkpoint, with "
@@ -132,7 +132,7 @@ def keys(section: Optional[str] = typer.Argument(None, help="one table, e.g. tra
 @app.command()
 def plan(
     recipe: Path = typer.Argument(..., help="the TOML recipe"),
-    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set plan.mfu=0.4"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="override a key, e.g. --set plan.mfu=0.4"),
 ):
     """Per-GPU memory of the trainer and inference servers and a step-time estimate, before launch;
     exits 1 naming what does not fit. Assumptions are the recipe's [plan] keys."""

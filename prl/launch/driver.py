@@ -65,6 +65,11 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
     except RecipeError as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
+    if run_dir is not None:
+        steps = sealed(run_dir / "checkpoints", "step_")
+        console.print(f"# resuming {run_dir} " + (f"from its checkpoint at step {steps[-1]}: what it produced after "
+                      f"that step is dropped" if steps else "from step 0 (it has no checkpoint yet)"),
+                      style="bold", markup=False, highlight=False)
     run_dir = run_dir or run_dir_for(recipe)
     if recipe.cluster is None:
         specs = make_plan(resolve(recipe, run_dir, run_dir / "secret"), run_dir)
