@@ -235,7 +235,7 @@ def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
         raise RunStopped(f"{source}: unreadable ({type(e).__name__}: {e}); the run cannot be resumed") from None
     for item in overrides:
         apply_override(data, item, source)
-    return validate(data, str(source))
+    return validate(data, str(source), set_keys=[item.partition("=")[0].strip() for item in overrides])
 
 
 def prepare_resume(run_dir: Path, recipe: Recipe) -> None:

@@ -34,24 +34,26 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
         apply_override(data, item, path)
-    return validate(data, f"{path} with --set" if overrides else str(path))
+    return validate(data, str(path), set_keys=[item.partition("=")[0].strip() for item in overrides or []])
 
 
-def validate(data: dict[str, Any], source: str) -> Recipe:
+def validate(data: dict[str, Any], source: str, set_keys: list[str] = ()) -> Recipe:
+    """`set_keys`: the dotted keys `--set` gave; an error in one of them is named as theirs."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(format_errors(e, source)) from None
+        raise RecipeError(format_errors(e, source, set_keys)) from None
 
 
-def format_errors(err: ValidationError, source: str) -> str:
+def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -> str:
     lines = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"]) or "(top level)"
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
-        lines.append(f"{source}: {key}: {msg}")
+        given = next((k for k in set_keys if key == k or key.startswith(k + ".")), None)
+        lines.append(f"--set {given}: {msg}" if given else f"{source}: {key}: {msg}")
     return "\n".join(lines)
 
 
