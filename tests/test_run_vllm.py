@@ -98,8 +98,9 @@ def test_killed_vllm_server_is_restarted_and_rejoins_then_ctrl_c_stops_it(tmp_pa
         time.sleep(0.5)
     served = [e for e in events(run_dir, "server") if e["name"] == "inference-0"][-1]
     assert served["version"] >= up["version"] >= 1, "the new server serves the trainer's weights, not its startup ones"
-    while [e for e in events(run_dir, "server") if e["name"] == "inference-0"][-1]["collective_staged"] < 1:
-        assert proc.poll() is None, proc.stdout.read()[-4000:]  # a version after the restart came by the group
+    # a version after the rejoin went to the new server over the trainer's group (it joined it anew)
+    while not [e for e in events(run_dir, "weights_sent") if e["t"] > up["t"] and e["servers"] == 1 and not e["error"]]:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.5)
     assert len(events(run_dir, "restart")) == 1 and not events(run_dir, "unresponsive")
     tree = server_tree(run_dir)  # the restarted server's
