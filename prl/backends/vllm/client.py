@@ -42,13 +42,13 @@ from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
+WARM_UP_PROMPT = list(range(3, 19))
 MAX_NEWER = 8  # newer versions in a row one stage may move on to before the server is taken out
 
 
 class VersionMissed(BackendError):
     """The version went by the stream only and this server missed it (answered, not loaded): the server
     is taken out, not restarted, and rejoins on a later version, which the trainer writes whole."""
-WARM_UP_PROMPT = list(range(3, 19))
 
 
 def version_label(version: int) -> str:
@@ -142,7 +142,8 @@ class VllmBackend(InferenceBackend):
         super().reset()
         self.staged_version = None  # a restarted server holds no staged session
         self.drafted = False  # nor its drafter's weights
-        self.weight_loads, self.weights_skipped, self.busy = 0, 0, BusyClock()  # counted per server process, as the embedded engine does
+        # counted per server process, as the embedded engine does
+        self.weight_loads, self.weights_skipped, self.busy = 0, 0, BusyClock()
 
     async def load_weights(self, version: int) -> float:
         """Stage (on a worker thread, decoding goes on), then swap in; returns the seconds decoding
