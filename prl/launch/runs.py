@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from prl.tui.state import RunState, pid_alive, summarize
+from prl.tui.status import snapshot
 
 STATES = {"running": "running", "done": "finished", "failed": "failed", "interrupted": "stopped",
           "driver gone": "failed"}
@@ -42,9 +43,7 @@ def load(run_dir: Path) -> RunState:
         raise RunsError(f"{run_dir}: no such directory (give a run directory, e.g. runs/reverse-tiny)")
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunsError(f"{run_dir}: not a prl run directory (no metrics.jsonl; `prl runs` lists the runs)")
-    state = RunState().update_from(run_dir / "metrics.jsonl")
-    state.mark_dead_processes()
-    return state
+    return snapshot(run_dir)
 
 
 def facts(run_dir: Path, state: RunState | None = None) -> RunFacts:
@@ -65,9 +64,8 @@ def find_runs(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         raise RunsError(f"{root}: no such directory (prl runs lists the runs under run.output_dir, default runs/)")
-    found = [d for d in (root, *root.iterdir(), *(c for d in root.iterdir() if d.is_dir() for c in d.iterdir()))
-             if d.is_dir() and (d / "metrics.jsonl").is_file()]
-    return sorted(set(found), key=lambda d: (d / "metrics.jsonl").stat().st_mtime)
+    found = [d for d in (root, *root.glob("*"), *root.glob("*/*")) if (d / "metrics.jsonl").is_file()]
+    return sorted(found, key=lambda d: (d / "metrics.jsonl").stat().st_mtime)
 
 
 def runs_table(root: Path) -> list[RunFacts]:

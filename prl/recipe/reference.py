@@ -217,7 +217,7 @@ def recipe_toml(recipe: Recipe) -> str:
             for i, item in enumerate(value if inner.array else [] if value is None else [value]):
                 write(item, inner, info.is_required() and i == 0)
 
-    write(recipe, tables()[0])
+    write(recipe, Table("", Recipe, ""))
     return "\n\n".join("\n".join(b) for b in blocks) + "\n"
 
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+KEEP = 2  # the newest versions a worker keeps staged, besides the one asked for (each a copy of its weights)
+
+
 def status_dir(cfg) -> Path:
     return cfg.run_path / "weights" / ".staging" / cfg.name
-
-
-KEEP = 2  # the newest versions a worker keeps staged, besides the one asked for (each a copy of its weights)
 
 
 def write_status(folder: Path, rank: int, status: dict) -> None:
@@ -72,7 +72,7 @@ def read_status(folder: Path, version: int) -> dict:
 class Slot:
     """One version being staged (`thread` alive) or staged (`state`), or failed (`error`)."""
 
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     state: dict | None = None
     error: BaseException | None = None
 
@@ -107,8 +107,9 @@ class Stager:
                 self.pinned = version
             slot = self.slots.get(version)
             if slot is None or slot.error is not None:
-                slot = self.slots[version] = Slot(threading.Thread(target=self._run, args=(version, read or self.read),
-                                                                   name=f"prl-stage-v{version}", daemon=True))
+                slot = self.slots[version] = Slot()
+                slot.thread = threading.Thread(target=self._run, args=(slot, version, read or self.read),
+                                               name=f"prl-stage-v{version}", daemon=True)
                 slot.thread.start()
             self._evict()
             self._write()
@@ -125,8 +126,7 @@ class Stager:
             self._evict()
             self._write()
 
-    def _run(self, version: int, read: Callable[[int], dict]) -> None:
-        slot = self.slots[version]
+    def _run(self, slot: Slot, version: int, read: Callable[[int], dict]) -> None:
         try:
             slot.state = read(version)
         except BaseException as e:  # noqa: BLE001 - reported through the status file and by result()
