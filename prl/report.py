@@ -2,7 +2,8 @@
 
 Everything is inline (SVG plots drawn here, CSS, no script, no network): the file opens anywhere
 and can be mailed. Contents: the curves of `prl.tui.curves.CURVES` (runs overlaid on shared axes),
-the trainer's step-time breakdown, the multi-turn environment's figures per step (`ENV_PLOTS`),
+each eval set's pass@1, largest pass@k and reward by step and by wall time (a section only where a run
+has evals), the trainer's step-time breakdown, the multi-turn environment's figures per step (`ENV_PLOTS`),
 per-server inference throughput, restarts and errors, and each run's resolved recipe. Every plotted series also carries its exact values (`data-values`), so what
 the page shows can be checked against metrics.jsonl (tests render it in headless Chromium).
 """
@@ -14,8 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from prl.report_data import COLORS, ReportError, RunData, bounds, curve_series  # noqa: F401 - ReportError re-exported
+from prl.report_data import (COLORS, ReportError, RunData, bounds, curve_series,  # noqa: F401 - ReportError re-exported
+                              eval_series)
 from prl.tui.curves import CURVES, finite
+from prl.tui.evals import eval_line
 
 W, H, PAD = 560, 220, 44
 
@@ -63,6 +66,23 @@ def curve_plots(runs: list[RunData]) -> str:
     return "".join(out)
 
 
+def eval_section(runs: list[RunData]) -> str:
+    """Per run and eval set: its last eval in a line, then its figures by step and by seconds since
+    the run's start. Nothing (not even the heading) when no run has evals."""
+    rows, plots = "", []
+    for r in runs:
+        for name, s in r.evals.summary().items():
+            rows += f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(name)}</td><td>{html.escape(eval_line(s))}</td></tr>"
+            history = r.evals.history(name)
+            plots.append(svg_plot(f"eval {name}, {r.name}", eval_series(history), curve=f"eval/{name}"))
+            plots.append(svg_plot(f"eval {name}, {r.name} (x: seconds)", eval_series(history, r.start),
+                                  curve=f"eval/{name}/time"))
+    if not plots:
+        return ""
+    return (f"<h2>Evaluation</h2><table><tr><th>run</th><th>set</th><th>last eval</th></tr>{rows}</table>"
+            f'<div class="plots">{"".join(plots)}</div>')
+
+
 def step_time_plots(runs: list[RunData]) -> str:
     """Per run: the trainer's wait / forward-backward / publish seconds per step, and weight relay."""
     parts = []
@@ -99,10 +119,9 @@ def server_plots(runs: list[RunData]) -> str:
     parts = []
     for r in runs:
         servers: dict[str, list[tuple[float, float]]] = {}
-        t0 = min((e["t"] for e in r.events if "t" in e), default=0)
         for e in r.of("server"):
             if finite(e.get("tokens_per_s")):
-                servers.setdefault(e["name"], []).append((round(e["t"] - t0, 1), e["tokens_per_s"]))
+                servers.setdefault(e["name"], []).append((round(e["t"] - r.start, 1), e["tokens_per_s"]))
         series = [(n, COLORS[i % len(COLORS)], pts) for i, (n, pts) in enumerate(sorted(servers.items()))]
         parts.append(svg_plot(f"inference load per server, {r.name} (x: seconds)", series, "tok/s", "servers"))
     return "".join(parts)
@@ -150,7 +169,7 @@ def build_report(runs: list[RunData]) -> str:
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>{summary_table(runs)}"
-            f"<h2>Curves</h2><div class=\"plots\">{curve_plots(runs)}</div>"
+            f"<h2>Curves</h2><div class=\"plots\">{curve_plots(runs)}</div>{eval_section(runs)}"
             f"<h2>Step time</h2><div class=\"plots\">{step_time_plots(runs)}</div>"
             f"<h2>Environment</h2><div class=\"plots\">{env_plots(runs)}</div>"
             f"<h2>Inference servers</h2><div class=\"plots\">{server_plots(runs)}</div>"

@@ -1,13 +1,15 @@
-"""What `prl report` draws, read from run directories: a run's events and curves (`RunData`), one
-curve's series over several runs (`curve_series`) and the axes they share (`bounds`). The HTML page
-(`prl.report`) and the PNGs (`prl.report_png`) both draw from here."""
+"""What `prl report` draws, read from run directories: a run's events, curves and evals (`RunData`),
+one curve's series over several runs (`curve_series`), one eval set's series (`eval_series`) and the
+axes they share (`bounds`). The HTML page (`prl.report`) and the PNGs (`prl.report_png`) both draw
+from here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prl.metrics import read_events
-from prl.tui.curves import CurveSet
+from prl.tui.curves import CurveSet, finite
+from prl.tui.evals import EvalLog, headline
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -17,7 +19,7 @@ class ReportError(Exception):
 
 
 class RunData:
-    """A run directory read once: its events, curves and recipe."""
+    """A run directory read once: its events, curves, evals and recipe; `start`: its first event's time."""
 
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
@@ -25,9 +27,11 @@ class RunData:
         if not metrics.is_file():
             raise ReportError(f"{run_dir} has no metrics.jsonl (not a prl run, or not started yet)")
         self.events, _ = read_events(metrics)
-        self.curves = CurveSet()
+        self.curves, self.evals = CurveSet(), EvalLog()
         for e in self.events:
             self.curves.add(e)
+            self.evals.add(e)
+        self.start = min((e["t"] for e in self.events if finite(e.get("t"))), default=0)
         runs = [e for e in self.events if e.get("kind") == "run"]
         self.name = next((e["name"] for e in runs if e.get("name")), self.dir.name)
         self.state = runs[-1].get("state", "?") if runs else "?"
@@ -61,3 +65,15 @@ def curve_series(runs: list[RunData], c) -> tuple[str, list, list]:
                                                     for x, sd in sorted(spread.items()) if x in values]))
     label = c.label + (" (shaded: group spread, ±1 std)" if bands else "")
     return label, [s for s in series if s[2]], bands
+
+
+def eval_series(history: list[dict], start: float | None = None) -> list:
+    """One eval set's pass@1, largest pass@k and reward as (label, color, points): by step, or with
+    `start` by seconds since it (an eval without a time is left out there)."""
+    figures = {k: None for r in history for k in r["figures"]}
+    series = []
+    for j, key in enumerate(headline(figures)):
+        pts = [(r["step"] if start is None else round(r["t"] - start, 1), r["figures"][key]) for r in history
+               if key in r["figures"] and (start is None or r["t"] is not None)]
+        series.append((key, COLORS[j % len(COLORS)], pts))
+    return [s for s in series if s[2]]

@@ -2,16 +2,19 @@
 
 Each curve of `prl.tui.curves.CURVES` with data becomes `<dir>/<curve key>.png`: title, axes with the
 value and step ranges, one line per run in the report's colours, the group spread shaded, a legend.
+Each eval set of each run becomes `<dir>/eval_<set>.png` (`eval_<set>_<run>.png` for several runs):
+its pass@1, largest pass@k and reward by step.
 The geometry is `plot_box` + `to_pixel`, which the tests use to find each point where it was drawn.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from prl.report_data import bounds, curve_series
+from prl.report_data import bounds, curve_series, eval_series
 from prl.tui.curves import CURVES
 
 SIZE = (1000, 420)
@@ -71,5 +74,16 @@ def write_curve_pngs(runs, out_dir: Path) -> list[Path]:
         if series:
             path = out_dir / f"{c.key}.png"
             draw_plot(label + (f" ({c.unit})" if c.unit else ""), series, bands, path)
+            written.append(path)
+    return written + write_eval_pngs(runs, out_dir)
+
+
+def write_eval_pngs(runs, out_dir: Path) -> list[Path]:
+    written = []
+    for r in runs:
+        for name in r.evals.sets:
+            stem = f"eval_{name}" + (f"_{r.name}" if len(runs) > 1 else "")
+            path = out_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', stem)}.png"
+            draw_plot(f"eval {name}, {r.name}", eval_series(r.evals.history(name)), [], path)
             written.append(path)
     return written

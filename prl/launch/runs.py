@@ -84,13 +84,14 @@ def format_runs(rows: list[RunFacts]) -> str:
 
 
 def status_json(run_dir: Path) -> dict:
-    """`prl status --json`: what the dashboard shows, as data."""
+    """`prl status --json`: what the dashboard shows, as data; `eval`: per eval set, its last eval and
+    the change since its first (`prl.tui.evals.set_summary`)."""
     state = load(run_dir)
     f = facts(run_dir, state)
     out = {**asdict(f), "run": state.run, "summary": summarize(state) if f.rl_steps else None,
            "trainer": state.trainer, "sft": state.sft, "orchestrator": state.orch, "servers": state.servers,
            "server_states": state.server_states, "processes": state.processes, "restarts": state.restarts,
-           "errors": state.errors}
+           "errors": state.errors, "eval": state.eval_summary()}
     return jsonable(out)
 
 

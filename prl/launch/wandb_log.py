@@ -6,6 +6,7 @@ dashboard does and logs one row per RL step: the orchestrator's `orch_step` fiel
 `inference/*`, and the restart count as `faults/restarts`, all against the step metric `rl_step`.
 A row is logged once the trainer has trained its step (the orchestrator runs ahead; its rows wait),
 so W&B's rows are in step order and whole. SFT warm-start steps go to `sft/*` against `sft/step`.
+Each eval is logged as it arrives, as `eval/<set>/<figure>` against `eval/step` (the step it was scheduled at).
 The recipe is the run's config. The W&B run id is kept in `wandb.json` so `prl run --resume`
 continues the same W&B run.
 
@@ -25,6 +26,7 @@ from urllib.parse import urlparse
 from prl.metrics import read_events
 from prl.recipe.load import RecipeError
 from prl.recipe.schema import Recipe
+from prl.tui.evals import eval_record
 
 NAMESPACES = {"orch_step": "orchestrator", "trainer_step": "trainer"}
 SKIP = {"t", "step", "total"}  # bookkeeping, not metrics
@@ -89,6 +91,10 @@ class WandbSink:
         for prefix in ("orchestrator", "trainer", "inference", "faults"):
             self.run.define_metric(f"{prefix}/*", step_metric="rl_step")
         self.run.define_metric("sft/*", step_metric="sft/step")
+        # Evals get their own step metric and are logged on arrival: an eval of step N finishes after
+        # the trainer's row N was logged (it runs beside training), so it cannot join that row, and
+        # logging it with `rl_step` would send rl_step backwards. W&B's own `_step` only counts rows.
+        self.run.define_metric("eval/*", step_metric="eval/step")
         self.metrics = run_dir / "metrics.jsonl"
         self.offset = self.metrics.stat().st_size if self.metrics.exists() else 0  # resumed: logged before
         self.rows: dict[int, dict] = {}
@@ -97,6 +103,7 @@ class WandbSink:
         self.training = 0  # the step being trained: servers' reports land in its row
         self.servers: dict[str, float] = {}
         self.restarts = 0
+        self.evals: set[tuple[str, int]] = set()  # (set, step) logged: an eval replayed is not logged twice
 
     def poll(self) -> None:
         """Log what arrived. A W&B failure never stops training: it is reported once, then W&B is off."""
@@ -132,6 +139,15 @@ class WandbSink:
         elif kind == "restart":
             self.restarts += 1
             self.rows.setdefault(self.training, {})["faults/restarts"] = self.restarts
+        elif kind == "eval":
+            self.log_eval(e)
+
+    def log_eval(self, e: dict) -> None:
+        r = eval_record(e)
+        if r is None or (r["set"], r["step"]) in self.evals:
+            return
+        self.evals.add((r["set"], r["step"]))
+        self.run.log({"eval/step": r["step"], **{f"eval/{r['set']}/{k}": v for k, v in r["figures"].items()}})
 
     def flush(self, upto: int | None = None) -> None:
         for step in sorted(s for s in self.rows if upto is None or s <= upto):

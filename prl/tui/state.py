@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prl.metrics import read_events
 from prl.tui.curves import CurveSet
+from prl.tui.evals import EvalLog
 
 
 LOCAL_HOSTS = ("local", "workstation")  # pids of processes on other hosts mean nothing here
@@ -29,6 +30,7 @@ class RunState:
     unresponsive: list[dict] = field(default_factory=list)  # hang reports, for the driver
     seen: dict[str, int] = field(default_factory=dict)  # events per source: the driver's proof of life
     curves: CurveSet = field(default_factory=CurveSet)  # the whole run, one value per step
+    evals: EvalLog = field(default_factory=EvalLog)  # every eval, per set in step order
     offset: int = 0
 
     def apply(self, e: dict) -> None:
@@ -57,6 +59,8 @@ class RunState:
             self.restarts[e["name"]] = e
         elif kind == "unresponsive":
             self.unresponsive.append(e)
+        elif kind == "eval":
+            self.evals.add(e)
 
     def update_from(self, path: Path) -> "RunState":
         events, self.offset = read_events(path, self.offset)
@@ -66,6 +70,10 @@ class RunState:
 
     def reward_curve(self) -> list[float]:
         return [self.rewards[k] for k in sorted(self.rewards)]
+
+    def eval_summary(self) -> dict[str, dict]:
+        """Per eval set: its last eval and the change since its first (`prl.tui.evals.set_summary`)."""
+        return self.evals.summary()
 
     def mark_dead_processes(self) -> None:
         """For `prl status`: a local process the log calls running whose pid is gone is shown as
@@ -109,4 +117,5 @@ def summarize(state: RunState, window: int = 5) -> dict:
         "last5_reward": mean(last),
         "improvement": mean(last) - mean(first),
         "stale_dropped_total": state.orch.get("stale_dropped_total", 0),
+        "eval": state.eval_summary(),
     }

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.tui.curves import curves_table
+from prl.tui.evals import eval_line
 from prl.tui.state import RunState
 from prl.tui.view import render
 
@@ -21,7 +22,7 @@ def snapshot(run_dir: Path, state: RunState | None = None) -> RunState:
 
 def show(run_dirs: list[Path], watch: bool, console: Console, curves: bool = False) -> int:
     """One run: its dashboard (with `curves`, plus the whole-run curves). Several: their curves
-    overlaid on shared scales, after one line per run."""
+    overlaid on shared scales, after one line per run (and one per eval set it has)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         if not (d / "metrics.jsonl").is_file():
@@ -50,6 +51,8 @@ def overlay(run_dirs: list[Path], console: Console) -> int:
     for name, s in zip(names, states):
         steps = len(s.curves.values["reward"])
         console.print(f"{name}: {s.run.get('state', '?')}, {steps} RL steps", markup=False, highlight=False)
+        for set_name, e in s.eval_summary().items():
+            console.print(f"  eval {set_name}: {eval_line(e)}", markup=False, highlight=False)
     console.print(curves_table(list(zip(names, (s.curves for s in states))), console.width))
     return 0
 

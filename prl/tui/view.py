@@ -1,4 +1,4 @@
-"""Render a `RunState` with rich: processes, progress, staleness, servers, reward, throughput, errors."""
+"""Render a `RunState` with rich: processes, progress, staleness, evals, servers, reward, throughput, errors."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prl.tui.curves import curves_table
+from prl.tui.evals import eval_line
 from prl.tui.state import RunState
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -101,6 +102,19 @@ def env_rows(o: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def evals_table(s: RunState) -> list[Table]:
+    """Per eval set, its last eval and the change since its first; nothing when the run has no evals."""
+    summary = s.eval_summary()
+    if not summary:
+        return []
+    t = Table(title="evaluation", expand=True, title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for name, e in summary.items():
+        t.add_row(Text(name), Text(eval_line(e)))  # Text: a set's name is data, never markup
+    return [t]
+
+
 def servers_table(s: RunState) -> Table:
     t = Table(title="inference", expand=True, title_justify="left")
     for col in ("server", "version", "tokens/s", "running", "waiting", "busy", "state"):
@@ -113,7 +127,8 @@ def servers_table(s: RunState) -> Table:
 
 def render(s: RunState, curves: bool = False, width: int = 100, hint: str = "") -> Panel:
     """The dashboard; with `curves` the whole-run curves panel too (key `c` in the live view)."""
-    parts = [processes_table(s), *restarts_lines(s), progress(s), metrics_table(s), servers_table(s)]
+    parts = [processes_table(s), *restarts_lines(s), progress(s), metrics_table(s), *evals_table(s),
+             servers_table(s)]
     if curves:
         parts.append(curves_table([(s.run.get("name", "run"), s.curves)], width - 4))  # inside the panel
     for name, line in s.errors.items():
