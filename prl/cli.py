@@ -221,6 +221,40 @@ def report(
     console.print(f"wrote {path} and PNGs of its curves in {path.parent / (path.stem + '_png')}", markup=False)
 
 
+@app.command("eval")
+def eval_(
+    run_dir: Optional[Path] = typer.Argument(None, help="a run directory: score one of its checkpoints"),
+    step: str = typer.Option("latest", "--step", help="with RUN_DIR: a checkpoint step, or 'latest'"),
+    model: Optional[Path] = typer.Option(None, "--model", help="instead of a run: a Hugging Face model folder"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="with --model: the recipe whose eval sets and "
+                                                                 "inference to use"),
+    only: list[str] = typer.Option([], "--only", metavar="SET", help="score this eval set only (repeat for more)"),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="override a key, e.g. --set "
+                                                                         "eval.heldout.examples=256"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object with every figure"),
+):
+    """Score the recipe's eval sets ([eval.<name>]) on a run's checkpoint or on a model folder: the
+    recipe's inference servers start on those weights, the sets run as they do inside a run, and a
+    table (or --json) of pass@k, best@k, maj@k, reward and lengths is printed."""
+    from prl.launch.evaluate import EvalError, run_eval
+
+    try:
+        result = run_eval(run_dir, model, recipe, step, only, set_)
+    except EvalError as e:
+        raise fail("eval", str(e)) from None
+    if as_json:
+        import json
+
+        print(json.dumps(result))
+        return
+    from prl.tui.evals import eval_record, eval_table
+
+    records = [eval_record({"set": name, "step": result["step"] if result["step"] is not None else 0, **figures})
+               for name, figures in result["sets"].items()]
+    where = f"step {result['step']} of {run_dir}" if run_dir is not None else str(model)
+    console.print(eval_table([r for r in records if r], title=f"prl eval: {where}"))
+
+
 @ckpt_app.command("export")
 def ckpt_export(
     run_dir: Path = typer.Argument(..., help="a run directory"),

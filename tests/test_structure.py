@@ -18,7 +18,7 @@ FLOORS = {
     "prl.recipe": 1,
     "prl.model": 2, "prl.tasks": 2, "prl.transport": 2, "prl.sizing": 2, "prl.sandbox": 2,
     "prl.inference": 3, "prl.trainer": 3, "prl.backends": 3, "prl.envs": 3,
-    "prl.orchestrator": 4, "prl.tui": 4,
+    "prl.orchestrator": 4, "prl.evaluation": 4, "prl.tui": 4,
     "prl.launch": 5,
     "prl.report": 6, "prl.report_data": 6, "prl.report_png": 6,
     "prl.cli": 7, "prl.__main__": 7, "prl": 7,

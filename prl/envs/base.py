@@ -51,6 +51,9 @@ class Trajectory:
     # with turn_rewards: what the environment had answered before each model turn (hashable), so a
     # turn is compared only with the members that reached it in the same state; None: by turn index
     turn_states: list | None = None
+    # what the sample answered, for eval sets' majority votes (maj@k; identical answers are one vote):
+    # single turn, the completion's text stripped; None: the environment gives nothing to vote on
+    answer: str | None = None
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class SingleTurnEnv(Environment):
         for c in resp.completions:
             text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             out.append(Trajectory(prompt_ids, c.token_ids, c.logprobs, c.versions, self.task.reward(text, example),
-                                  routing=sample_routing(resp, c)))
+                                  routing=sample_routing(resp, c), answer=text.strip()))
         return out
 
 

@@ -9,7 +9,9 @@ environment's. Rules:
   (`GroupBuffer`); every step reports the lengths generated and trained (the policy's length bias);
 - rollouts in flight follow the servers' KV usage (`InflightBudget`), at most max_inflight_rollouts;
 - a new policy is relayed to every server as soon as the trainer seals it;
-- batches go to the trainer endpoint (rank 0), which also says where a resumed run starts.
+- batches go to the trainer endpoint (rank 0), which also says where a resumed run starts;
+- eval sets (`[eval.<name>]`) run beside the rollouts at a bounded share of the budget, each
+  starting under the version it scores (`prl.orchestrator.evals`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from collections.abc import Callable
 
 from prl.envs import make_env
 from prl.envs.stats import summarize
+from prl.evaluation.sets import build_sets
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer
+from prl.orchestrator.evals import InRunEvals
 from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
@@ -172,6 +176,10 @@ class Orchestrator:
         self.cursor = DataCursor()  # prompts consumed (trained or dropped), shipped with every batch
         self.tasks: list[asyncio.Task] = []
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
+        sets = build_sets(cfg.eval, cfg.task, cfg.env, cfg.sampling, cfg.run.seed, self.tokenizer, sandbox=self.sandbox,
+                          train_env=self.env, training_reach=cfg.training_reach)
+        self.evals = InRunEvals(self, sets, r.rl.max_steps)
+        self.held_out = self.evals.held_out_from()  # training's example indices stay below it
 
     def backend(self, index: int, url: str) -> InferenceBackend:
         spec, conns = registry.get(self.cfg.backend), self.rl.max_inflight_rollouts + 8
@@ -215,8 +223,12 @@ class Orchestrator:
             for step in range(self.start_step, self.rl.max_steps):
                 t0 = time.perf_counter()
                 groups, ages, dropped = await self.next_groups(step)
+                await self.evals_started(step)
                 await self.ship(step, groups, {**ages, "stale_dropped": dropped}, time.perf_counter() - t0)
+            await self.evals.finish()
             await self.pool.report_final()
+            if any(ev.at_end for ev in self.cfg.eval.values()):  # the trainer serves until the last eval is logged
+                await self.trainer.finished()
         finally:
             await self.stop()
 
@@ -241,7 +253,7 @@ class Orchestrator:
         # groups for step s may start under version s - max_async_level (a restarted orchestrator
         # may continue ahead of the trainer, which replays the batches it already has)
         await self.relay_weights(wait_for=max(0, self.start_step - self.rl.max_async_level))
-        background = (self.produce(), self.watch_weights(), self.log_rollouts(),
+        background = (self.produce(), self.watch_weights(), self.log_rollouts(), self.evals.watch(),
                       *(self.pool.watch(s) for s in self.pool.servers))
         self.tasks += [asyncio.create_task(self.guard(t)) for t in background]
 
@@ -264,6 +276,19 @@ class Orchestrator:
         await asyncio.gather(*(s.backend.close() for s in self.pool.servers), self.trainer.close())
         if self.sandbox is not None:
             await self.sandbox.close()
+
+    def eval_sampler(self, index: int) -> GroupSampler:
+        """The pool for one eval example: like a group's, counted in flight, never pending."""
+        sampler = GroupSampler(self.pool, index, self.rollouts)
+        sampler.started = True
+        return sampler
+
+    async def evals_started(self, step: int) -> None:
+        """The batch of `step` ships once every eval of the versions up to `step` has started under them."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.evals.started_through(step) or self.error)
+            if self.error:
+                raise self.error
 
     # ---- batches ----
     async def next_groups(self, step: int) -> tuple[list[Group], dict, int]:
@@ -326,6 +351,9 @@ class Orchestrator:
             async with self.changed:
                 await self.changed.wait_for(self._budget_open)
                 index = self.cursor.next_free(self.next_prompt)  # after a restart: skip what was trained
+                if self.held_out is not None and index >= self.held_out:
+                    raise RuntimeError(f"training reached example index {index}, where an eval set's held-out "
+                                       f"examples start: set its eval.<name>.first_index higher")
                 self.next_prompt = index + 1
                 self.committed += 1
                 self.inflight_groups += 1
@@ -372,6 +400,8 @@ class Orchestrator:
                 break
             if wait_for is None:
                 return
+        async with self.changed:  # an eval set with pin_version keeps the version it scores on the servers
+            await self.changed.wait_for(lambda: not self.evals.pinned)
         t0 = time.perf_counter()
         paused = await self.pool.load_all(v)
         async with self.changed:

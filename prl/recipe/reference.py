@@ -3,7 +3,8 @@
 
 A key's description is its attribute docstring in `prl.recipe.schema` (the one source); a table's is its class
 docstring, else the description of the key that holds it. Tables are walked from `Recipe`: a field typed as a
-Section is a table, `X | None` of one an optional table (absent unless set), `list[X]` an array of tables."""
+Section is a table, `X | None` of one an optional table (absent unless set), `list[X]` an array of tables,
+`dict[str, X]` named tables (`[name.<name>]`, any number)."""
 
 from __future__ import annotations
 
@@ -49,23 +50,35 @@ class Table:
     description: str
     optional: bool = False  # `X | None`: absent unless set
     array: bool = False  # `list[X]`: one [[name]] per entry
+    named: bool = False  # `dict[str, X]`: one [name.<name>] per entry
 
     @property
     def header(self) -> str:
-        return f"[[{self.name}]]" if self.array else f"[{self.name}]"
+        return f"[[{self.name}]]" if self.array else f"[{self.name}.<name>]" if self.named else f"[{self.name}]"
+
+    @property
+    def path(self) -> str:
+        """Its keys' dotted prefix: `eval.<name>` for the named tables of `eval`."""
+        return f"{self.name}.<name>" if self.named else self.name
+
+    def entry(self, key: str) -> "Table":
+        """The table of one entry of a named table (`key` as written in TOML)."""
+        return Table(f"{self.name}.{key}", self.model, self.description)
 
 
-def section_of(annotation: Any) -> tuple[type[Section], bool, bool] | None:
-    """(model, optional, array) when a field holds a table, else None."""
+def section_of(annotation: Any) -> tuple[type[Section], bool, bool, bool] | None:
+    """(model, optional, array, named) when a field holds a table, else None."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if isinstance(annotation, type) and issubclass(annotation, Section):
-        return annotation, False, False
+        return annotation, False, False, False
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         if len(rest) == 1 and len(args) == 2 and section_of(rest[0]):
-            return section_of(rest[0])[0], True, False
+            return section_of(rest[0])[0], True, False, False
     if origin is list and section_of(args[0]):
-        return section_of(args[0])[0], False, True
+        return section_of(args[0])[0], False, True, False
+    if origin is dict and section_of(args[1]):
+        return section_of(args[1])[0], False, False, True
     return None
 
 
@@ -77,9 +90,10 @@ def fields(model: type[Section]) -> list[tuple[str, FieldInfo, tuple | None]]:
 
 
 def tables(model: type[Section] = Recipe, name: str = "", description: str = "", optional: bool = False,
-           array: bool = False) -> list[Table]:
-    """`model`'s table and every table under it, depth first."""
-    out = [Table(name, model, description, optional, array)]
+           array: bool = False, named: bool = False) -> list[Table]:
+    """`model`'s table and every table under it, depth first (a named table's as `[name.<name>]`)."""
+    out = [Table(name, model, description, optional, array, named)]
+    name = f"{name}.<name>" if named else name
     for key, info, sub in fields(model):
         if sub:
             out += tables(sub[0], dotted(name, key), clean(sub[0].__doc__ or info.description), *sub[1:])
@@ -103,24 +117,37 @@ def keys_text(section: str | None = None) -> str:
         top = [(t, Recipe.model_fields[t.name]) for t in every if t.name and "." not in t.name]
         overview = ["## Tables", ""] + [f"- [`{t.header}`](#{anchor(t)}): {clean(f.description)}" for t, f in top]
         return "\n".join([INTRO, *overview, "", *(line for t in every[1:] for line in table_text(t))])
-    name = section.strip().strip("[]")
-    chosen = [t for t in every[1:] if t.name == name or t.name.startswith(name + ".")]
+    name = generic(section.strip().strip("[]"), every)
+    chosen = [t for t in every[1:] if name in (t.name, t.path) or t.name.startswith(name + ".")]
     if chosen:
         return "\n".join(line for t in chosen for line in table_text(t))
     parent, _, key = name.rpartition(".")
-    holder = next((t for t in every if t.name == parent and key in t.model.model_fields), None)
+    holder = next((t for t in every if t.path == parent and key in t.model.model_fields), None)
     if holder is None:
         known = ", ".join(t.name for t in every[1:])
         raise UnknownTable(f"{section!r} is not a recipe table or key; the tables: {known}")
-    return entry(holder, key, holder.model.model_fields[key]) + "\n"
+    return entry(holder.entry("<name>") if holder.named else holder, key, holder.model.model_fields[key]) + "\n"
+
+
+def generic(name: str, every: list[Table]) -> str:
+    """A dotted name with an entry of a named table (`eval.heldout.samples`) as the reference writes it
+    (`eval.<name>.samples`)."""
+    for t in every:
+        if t.named and name.startswith(t.name + ".") and not name.startswith(t.name + ".<name>"):
+            rest = name[len(t.name) + 1:].split(".", 1)
+            return ".".join([t.name, "<name>", *rest[1:]])
+    return name
 
 
 def table_text(t: Table) -> list[str]:
-    notes = {(True, False): " Optional: absent unless the recipe sets it.",
-             (False, True): f" An array of tables: one `{t.header}` per entry."}.get((t.optional, t.array), "")
+    notes = {(True, False, False): " Optional: absent unless the recipe sets it.",
+             (False, True, False): f" An array of tables: one `{t.header}` per entry.",
+             (False, False, True): f" Named tables: one `[{t.name}.<name>]` per entry, any number."}.get(
+                 (t.optional, t.array, t.named), "")
     lines = [f"## {t.header}", "", t.description + notes, ""]
+    keys = t.entry("<name>") if t.named else t
     for key, info, _ in fields(t.model):
-        lines += [entry(t, key, info), ""]
+        lines += [entry(keys, key, info), ""]
     return lines
 
 
@@ -129,7 +156,8 @@ def entry(t: Table, key: str, info: FieldInfo) -> str:
     sub = section_of(info.annotation)
     if sub:
         inner = Table(dotted(t.name, key), *sub[:1], "", *sub[1:])
-        kind = "array of tables" if inner.array else "optional table" if inner.optional else "table"
+        kind = ("array of tables" if inner.array else "named tables" if inner.named else "optional table"
+                if inner.optional else "table")
         facts = [f"{kind}, see [`{inner.header}`](#{anchor(inner)})"] + (["required"] if info.is_required() else [])
     else:
         facts = [f"`{type_name(info.annotation)}`", default_text(info), *limits(info)]
@@ -214,6 +242,10 @@ def recipe_toml(recipe: Recipe) -> str:
             value = getattr(model, key)
             if value is None:
                 blocks.append([f"# {inner.header}  (unset)"])
+            if inner.named:
+                for entry_name, item in value.items():
+                    write(item, inner.entry(toml_key(entry_name)))
+                continue
             for i, item in enumerate(value if inner.array else [] if value is None else [value]):
                 write(item, inner, info.is_required() and i == 0)
 

@@ -180,7 +180,8 @@ def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
         model=recipe.model, task=recipe.task, env=recipe.env, sft=recipe.sft, rl=recipe.rl, sampling=recipe.sampling,
         trainer=recipe.trainer, publish_format=backend.publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
-        rendezvous=rendezvous, threads=recipe.trainer.threads, **common(pl),
+        rendezvous=rendezvous, threads=recipe.trainer.threads, eval_points=recipe.eval_points(),
+        await_orchestrator=any(ev.at_end for ev in recipe.eval.values()), **common(pl),
     ) for i, pl in enumerate(lay.trainers)]
 
 
@@ -223,7 +224,7 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
     par = recipe.trainer.parallel
     return OrchestratorConfig(
         name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task, env=recipe.env,
-        backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
+        eval=recipe.eval, training_reach=recipe.training_reach(), backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
         router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
         data_parallel=par.dims(recipe.trainer_world()).dp_size,

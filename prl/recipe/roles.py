@@ -5,8 +5,8 @@ section fails: the attribute does not exist.
 | role | sections | derived for it |
 | --- | --- | --- |
 | inference | run, inference | router_replay, keep_weights, weight_transfer, pretrained, trainer_url, kv_master |
-| orchestrator | run, rl, sampling, task, env | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, share_prompts, ... |
-| trainer | run, model, task, env, sft, rl, sampling, trainer | publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
+| orchestrator | run, rl, sampling, task, env, eval | backend, servers, prefill_servers, data_parallel, micro_batch_tokens, share_prompts, ... |
+| trainer | run, model, task, env, sft, rl, sampling, trainer | eval_points, await_orchestrator, publish_format, publish_fp8, shared_checkpoints, torchrun layout, servers (collective weights) |
 | engine_worker | as inference | its engine's leader, its first data-parallel rank |
 | kv_master | run, kv_pool | its address |
 | sandbox | run, sandbox (env.sandbox) | its address |
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from prl.recipe.schema import (
     EnvCfg,
+    EvalCfg,
     InferenceCfg,
     KvPoolCfg,
     ModelCfg,
@@ -104,6 +105,8 @@ class OrchestratorConfig(RoleConfig):
     sampling: SamplingCfg
     task: TaskCfg
     env: EnvCfg
+    eval: dict[str, EvalCfg] = {}  # the held-out sets it scores during the run
+    training_reach: int = 0  # example indices training can take (`Recipe.training_reach`)
     backend: str = "embedded"
     startup_timeout_s: int = 600
     router_replay: bool = False  # ask the servers for routed experts
@@ -133,6 +136,8 @@ class TrainerConfig(RoleConfig):
     nnodes: int = 1  # trainer hosts (torchrun nodes); this one is node `index`
     rendezvous: str = ""  # "address:port" of node 0 (empty: one host, --standalone)
     servers: list[str] = []  # trainer.weight_transfer = "collective": the inference servers' base URLs
+    eval_points: list[int] = []  # steps whose weights an eval set scores: checkpointed, so `prl eval` can score them again
+    await_orchestrator: bool = False  # an eval set scores the final weights: keep the endpoint up until it is logged
 
 
 class KvMasterConfig(RoleConfig):

@@ -6,6 +6,7 @@ rewrite the config (derived values live in `prl.recipe.resolve`).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -305,6 +306,75 @@ class SamplingCfg(Section):
     """Nucleus sampling: only the most likely tokens holding this much probability are sampled (1: all)."""
     max_tokens: int = Field(16, gt=0)
     """Tokens the model samples at most per turn (one turn: the whole completion)."""
+
+
+HELD_OUT_START = 1_000_000_000  # an eval set of the training task starts here unless eval.<name>.first_index says
+
+
+class EvalCfg(Section):
+    """A held-out evaluation set (`[eval.<name>]`, any number): run on the inference servers during the run (at step
+    0, every `every` steps and at the end, never trained on) and by `prl eval` on a checkpoint or a model folder. See
+    docs/evaluation.md."""
+
+    task: TaskCfg | None = None
+    """The set's task (its examples and reward); unset: the recipe's task, at indices training never reaches
+    (`first_index`)."""
+    env: EnvCfg | None = None
+    """The environment the set runs in; unset: the recipe's `[env]`."""
+    examples: int = Field(32, gt=0)
+    """Examples in the set: indices first_index .. first_index + examples - 1 of the task."""
+    first_index: int | None = Field(None, ge=0)
+    """The set's first example index; unset: 1000000000 for the recipe's own task (training reaches rl.max_steps x
+    rl.batch_size / rl.group_size indices, refused if it could reach this one), 0 for a task of the set's own."""
+    samples: int = Field(1, gt=0, le=256)
+    """Completions sampled per example (n of pass@k)."""
+    pass_k: list[int] = [1]
+    """The k of pass@k, best@k and maj@k, each at most `samples`."""
+    threshold: float = Field(1.0, ge=0, le=1)
+    """A sample is correct (pass@k, maj@k) when its reward is at least this."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature (0: greedy, with samples = 1)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling for the set."""
+    max_tokens: int | None = Field(None, gt=0)
+    """Tokens sampled at most per turn; unset: sampling.max_tokens."""
+    seed: int = Field(0, ge=0)
+    """Sampling seed: turn t of the set's example k asks for seed + 256 x (64 k + t) (completion j adds j), so a
+    sampled set gives the same samples again on the same backend."""
+    every: int = Field(10, ge=0)
+    """Evaluate the weights after every this many steps (0: only at the start and the end)."""
+    at_start: bool = True
+    """Evaluate the starting weights (version 0: after the warm start, before RL), the baseline."""
+    at_end: bool = True
+    """Evaluate the final weights after the last step (the run ends once it is logged)."""
+    max_share: float = Field(0.25, gt=0, le=1)
+    """The share of the in-flight rollout budget the set's requests may hold, so training keeps the rest."""
+    pin_version: bool = False
+    """Hold new weights back from the servers while the set runs: every token is sampled by the version it scores
+    (`later_share` 0, and `prl eval` gives the same figures), but rollouts wait for newer weights meanwhile, and
+    training with them once the set outlasts rl.max_async_level steps. Off: weights load mid-set and `later_share`
+    says how much of the set a newer version sampled."""
+
+    @field_validator("pass_k")
+    @classmethod
+    def _ks(cls, v: list[int]) -> list[int]:
+        if not v or any(k < 1 for k in v) or len(set(v)) != len(v):
+            raise ValueError(f"pass_k = {v}: give distinct k >= 1, e.g. [1, 4]")
+        return sorted(v)
+
+    def points(self, max_steps: int) -> list[int]:
+        """The steps whose weights (version = step) the set evaluates, ascending."""
+        out = {0} if self.at_start else set()
+        if self.every:
+            out |= set(range(self.every, max_steps, self.every))
+        if self.at_end:
+            out.add(max_steps)
+        return sorted(out)
+
+    def start(self, recipe_task: "TaskCfg") -> int:
+        if self.first_index is not None:
+            return self.first_index
+        return HELD_OUT_START if self.task is None or self.task == recipe_task else 0
 
 
 class LossCfg(Section):
@@ -783,6 +853,8 @@ class Recipe(Section):
     """The inference servers: backend, count, batching, precision and serving layout."""
     plan: PlanCfg = PlanCfg()
     """The hardware and workload assumptions of `prl plan`."""
+    eval: dict[str, EvalCfg] = {}
+    """Held-out evaluation sets by name (`[eval.<name>]`): scored during the run and by `prl eval`."""
 
     @model_validator(mode="after")
     def _replay_needs_moe(self):
@@ -950,6 +1022,50 @@ class Recipe(Section):
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
                              "carry their own advantage, compared within the same turn): use one of them")
         return self
+
+    @model_validator(mode="after")
+    def _evals(self):
+        for name, ev in self.eval.items():
+            check_eval(self, name, ev)
+        return self
+
+    def eval_points(self) -> list[int]:
+        """The steps whose weights some eval set scores, ascending."""
+        return sorted({p for ev in self.eval.values() for p in ev.points(self.rl.max_steps)})
+
+    def training_reach(self) -> int:
+        """Example indices the training data can reach: every step's groups and the overprovisioned ones (a
+        stale group dropped takes one more, refused at run time should it reach an eval set)."""
+        groups = self.rl.batch_size // self.rl.group_size
+        return self.rl.max_steps * groups + math.ceil(self.rl.overprovision * groups)
+
+
+def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
+    """One eval set against the recipe, each refusal naming the key."""
+    key = f"eval.{name}"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"[{key}]: a set's name takes letters, digits, '_' and '-'")
+    if ev.pass_k[-1] > ev.samples:
+        raise ValueError(f"{key}.pass_k: k = {ev.pass_k[-1]} is larger than {key}.samples ({ev.samples}); "
+                         f"sample at least k completions per example")
+    if ev.temperature == 0 and ev.samples > 1:
+        raise ValueError(f"{key}.samples = {ev.samples} at {key}.temperature = 0: greedy samples are all the same; "
+                         f"set a temperature > 0 or samples = 1")
+    own_task = ev.task is not None and ev.task != recipe.task
+    start, reach = ev.start(recipe.task), recipe.training_reach()
+    if not own_task and start < reach:
+        raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
+                         f"rl.batch_size / rl.group_size, with rl.overprovision): leave it unset, or set it >= {reach}")
+    env = ev.env or recipe.env
+    if env.env_class().needs_sandbox and not recipe.env.env_class().needs_sandbox:
+        raise ValueError(f"{key}.env: env.kind = {env.kind!r} runs model-written code, and the run starts sandbox "
+                         f"workers only for a training environment that does; evaluate it in a run that trains on it")
+    turn = ev.max_tokens or recipe.sampling.max_tokens
+    longest = (ev.task or recipe.task).max_len * 2 + 8 + env.workload(recipe.sampling.model_copy(
+        update={"max_tokens": turn})).max_tokens
+    if recipe.model.path is None and longest > recipe.model.max_position_embeddings:
+        raise ValueError(f"{key}.max_tokens: the set's longest sample ({longest} tokens) is longer than "
+                         f"model.max_position_embeddings ({recipe.model.max_position_embeddings}); lower it")
 
 
 def check_placement(cluster: ClusterCfg, p: PlacementCfg, trainer_nproc: int) -> None:

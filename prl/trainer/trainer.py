@@ -161,12 +161,21 @@ class Trainer:
             self.publish(start)
         for step in range(start, self.rl.max_steps):
             self.rl_step(step)
-            if step + 1 == self.rl.max_steps or (self.tcfg.checkpoint_every and (step + 1) % self.tcfg.checkpoint_every == 0):
+            if self.checkpoints_at(step + 1):
                 self.checkpoint(step + 1)
         dist.barrier()
         dist.destroy_process_group()
         if self.endpoint:
+            if self.cfg.await_orchestrator:  # the final weights' evals are still running: serve until logged
+                self.log_main("trainer", state="waiting for the final evals")
+                self.endpoint.wait_finished()
             self.endpoint.stop()
+
+    def checkpoints_at(self, version: int) -> bool:
+        """The last step, every trainer.checkpoint_every, and each step an eval set scores (so `prl eval` can
+        score the same weights again)."""
+        every = self.tcfg.checkpoint_every
+        return version == self.rl.max_steps or bool(every and version % every == 0) or version in self.cfg.eval_points
 
     def warm_start(self) -> None:
         sft = self.cfg.sft

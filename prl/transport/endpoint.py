@@ -10,6 +10,8 @@
 - `GET /weights/latest?after=N&wait=S`: the newest sealed weight version, waiting up to S seconds
   for one newer than N (long poll, so new weights are relayed without a polling delay).
 - `GET /weights/v{N}/{file}`: a file of a sealed version; only names listed in its manifest.
+- `PUT /finished`: the orchestrator has shipped every batch and logged every eval; a trainer that
+  waits for it (an eval set scores the final weights) exits after it (`wait_finished`).
 
 Why an endpoint on rank 0 and not a store: the trainer already owns the batch inbox and the sealed
 weight folders, so no extra service has to be placed, started and kept alive on 28 hosts, and
@@ -57,6 +59,7 @@ class TrainerEndpoint:
         self.positions: dict[int, int] = {}  # step -> data position of a batch in the inbox
         self._sealed = threading.Condition()  # notified by the trainer as it seals a version
         self._seals = 0
+        self.finished = threading.Event()
         endpoint = self
 
         class Handler(_Handler):
@@ -106,6 +109,10 @@ class TrainerEndpoint:
             step += 1
         return {"step": step, "data_position": position[0], "data_ahead": position[1]}
 
+    def wait_finished(self) -> None:
+        """Block until the orchestrator says it is done (`PUT /finished`); the endpoint serves meanwhile."""
+        self.finished.wait()
+
     def sealed(self) -> None:
         """The trainer sealed a weights version: wake the long polls (they read the folder again)."""
         with self._sealed:
@@ -126,7 +133,7 @@ class TrainerEndpoint:
             if newest > after or left <= 0:
                 return newest
             with self._sealed:
-                self._sealed.wait_for(lambda: self._seals != seen, timeout=min(left, RESCAN_S))
+                self._sealed.wait_for(lambda seen=seen: self._seals != seen, timeout=min(left, RESCAN_S))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -163,6 +170,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self):
         if not self._authorized():
             return
+        if self.path == "/finished":
+            self.ep.finished.set()
+            return self._reply(200, {"finished": True})
         m = re.match(r"^/rollouts/(\d+)$", self.path)
         if not m:
             return self._reply(404, {"detail": f"no such path {self.path}"})

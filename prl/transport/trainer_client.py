@@ -74,6 +74,10 @@ class TrainerClient:
         data = batch_bytes(batch)
         await self._request("PUT", f"/rollouts/{batch.step}", content=data)
 
+    async def finished(self) -> None:
+        """Every batch shipped and every eval logged: a trainer waiting for it may exit."""
+        await self._request("PUT", "/finished")
+
     async def resume_point(self) -> tuple[int, int, list[int]]:
         """(first step, data position, indices past it consumed already) the trainer starts from; waits
         while the trainer loads."""

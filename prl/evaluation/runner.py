@@ -1,0 +1,76 @@
+"""One eval set through a sampler: every example's `samples` completions, scored, as figures.
+
+The figures (an `eval` event's fields, `prl eval --json`'s too): `reward` (mean over samples),
+`pass@k`, `best@k` and, where the environment gives answers to vote on, `maj@k` per k of the set
+(`prl.evaluation.estimators`), `completion_len` (model tokens per sample), the environment's own
+(turns, tool calls, sandbox runs: `prl.envs.stats`), and `later_share`: the share of model tokens
+sampled under a weights version newer than the one the set started under (servers take new
+weights mid-generation; the figures belong to `version`, the share says how far they are mixed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from prl.envs import Sampler, Trajectory
+from prl.envs.stats import summarize
+from prl.evaluation.estimators import best_at_k, maj_at_k, pass_at_k
+from prl.evaluation.sets import EvalSet
+from prl.inference.protocol import GenerateRequest, GenerateResponse
+
+TURN_SEEDS = 64  # turns of one example with seeds of their own
+
+
+class SeededSampler:
+    """Gives each request of one example a seed of its own (turn t of example i: base + 256 x (64 i + t);
+    completion j of a request uses seed + j), so a sampled set gives the same samples on the same backend."""
+
+    def __init__(self, inner: Sampler, base: int):
+        self.inner, self.base, self.turn = inner, base, 0
+
+    async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse:
+        if req.seed is None and req.temperature > 0:
+            req = req.model_copy(update={"seed": self.base + 256 * (self.turn % TURN_SEEDS)})
+        self.turn += 1
+        return await self.inner.generate(req, conversation)
+
+
+async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], slots: int, version: int | None) -> dict:
+    """The set's figures at weights `version` (None: the oldest version its tokens carry, the one the
+    servers started with); at most `slots` examples in flight; `sampler_for(index)`: the pool bound
+    to one example."""
+    gate = asyncio.Semaphore(max(1, slots))
+
+    async def one(k: int, index: int) -> list[Trajectory]:
+        async with gate:
+            sampler = SeededSampler(sampler_for(index), s.cfg.seed + 256 * TURN_SEEDS * k)
+            return await s.env.rollout(s.env.example(index), sampler)
+
+    t0 = time.perf_counter()
+    groups = await asyncio.gather(*(one(k, i) for k, i in enumerate(s.indices())))
+    return {**figures(groups, s.cfg.pass_k, s.cfg.threshold, version), "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def figures(groups: list[list[Trajectory]], ks: list[int], threshold: float, version: int | None) -> dict:
+    """The figures of scored groups (one per example, n samples each)."""
+    trajs = [t for g in groups for t in g]
+    out = {"reward": mean(t.reward for t in trajs)}
+    for k in ks:
+        out[f"pass@{k}"] = mean(pass_at_k(len(g), sum(t.reward >= threshold for t in g), k) for g in groups)
+        out[f"best@{k}"] = mean(best_at_k([t.reward for t in g], k) for g in groups)
+        if all(t.answer is not None for t in trajs):
+            out[f"maj@{k}"] = mean(maj_at_k([t.answer for t in g], [t.reward >= threshold for t in g], k)
+                                   for g in groups)
+    model = [v for t in trajs for v, m in zip(t.versions, t.mask or [1] * len(t.versions)) if m]
+    out["completion_len"] = len(model) / len(trajs)
+    if version is None:
+        version = min(model, default=0)
+    out["later_share"] = round(sum(v > version for v in model) / max(1, len(model)), 4)
+    out.update(summarize([t.info or {} for t in trajs]))
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)

@@ -1,0 +1,160 @@
+"""`prl eval`: a recipe's eval sets on a run's checkpoint or on a model folder, outside any run.
+
+The weights become a model folder (a checkpoint is exported as `prl ckpt export` writes it), the
+recipe's inference processes start on it (embedded engine or vLLM, as the recipe says; sandbox
+workers where the environment runs code), and the sets run through the same pool, environment and
+runner as inside a run (`prl.orchestrator.evals`), every example at once, with the same seeds. The
+servers serve the weights they started with, so every token is theirs (`later_share` 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+from prl.recipe.schema import Recipe
+
+SERVING_ROLES = ("inference", "engine_worker", "kv_master", "sandbox")
+
+
+class EvalError(RuntimeError):
+    """What `prl eval` cannot do, in one line."""
+
+
+def checkpoint_model(run_dir: Path, step: str, out: Path) -> tuple[Path, int]:
+    """The run's checkpoint at `step` ("latest" or a number) as a model folder in `out`, and its step."""
+    from prl.trainer.export import ExportError, export, find_checkpoint
+
+    try:
+        path = find_checkpoint(run_dir, step)
+        number = int(path.name.removeprefix("step_"))
+        if out.exists():
+            shutil.rmtree(out)
+        export(run_dir, str(number), out)
+    except ExportError as e:
+        raise EvalError(str(e)) from None
+    return out, number
+
+
+def evaluate(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -> dict[str, dict]:
+    """Each chosen set's figures on the weights in `model_dir`; `work_dir` holds the processes' logs."""
+    from prl.launch.driver import RecipeError, preflight, prepare_new
+
+    sets = {name: ev for name, ev in recipe.eval.items() if not only or name in only}
+    serving = recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(model_dir)}),
+                                        "eval": sets,
+                                        "run": recipe.run.model_copy(update={"name": work_dir.name,
+                                                                             "output_dir": str(work_dir.parent),
+                                                                             "wandb": None})})
+    try:
+        preflight(serving)
+        prepare_new(serving, work_dir, force=True)
+    except RecipeError as e:
+        raise EvalError(str(e)) from None
+    return serve_and_score(serving, work_dir)
+
+
+def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
+    """Start the recipe's serving processes, score its sets, stop them whatever happens."""
+    from prl.launch.hosts import LocalHost
+    from prl.launch.processes import make_plan
+    from prl.launch.supervisor import Supervisor
+    from prl.recipe.resolve import resolve, write_configs, write_secret
+
+    configs = resolve(recipe, work_dir, write_secret(work_dir))
+    write_configs(configs, work_dir)
+    specs = [s for s in make_plan(configs, work_dir) if s.role in SERVING_ROLES]
+    orch_cfg = next(c for c in configs if c.role == "orchestrator")
+    sup = Supervisor(specs, {"local": LocalHost()}, work_dir)
+    try:
+        sup.start_all()
+        return asyncio.run(score(orch_cfg, sup))
+    finally:
+        sup.stop_all()
+        sup.close()
+
+
+async def score(cfg, sup) -> dict[str, dict]:
+    from prl.evaluation.runner import run_set
+    from prl.orchestrator.orchestrator import Orchestrator
+
+    orch = Orchestrator(cfg)
+    watch = asyncio.create_task(exits(sup))
+    try:
+        ready = asyncio.create_task(orch.pool.start(cfg.startup_timeout_s))
+        done, _ = await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await next(iter(done))  # a server that exits first raises here
+        sets = orch.evals.sets.values()
+        results = {}
+        for s in sets:  # one set at a time, every example of it at once
+            scoring = asyncio.create_task(run_set(s, orch.eval_sampler, s.cfg.examples, None))
+            done, _ = await asyncio.wait({scoring, watch}, return_when=asyncio.FIRST_COMPLETED)
+            results[s.name] = {**await next(iter(done)), "examples": s.cfg.examples, "samples": s.cfg.samples,
+                               "verbatim_share": s.verbatim_share}
+        return results
+    finally:
+        watch.cancel()
+        await orch.stop()
+
+
+async def exits(sup) -> None:
+    """Raise EvalError when a serving process exits (its log's last lines say why)."""
+    while True:
+        for name, rc in sup.exited().items():
+            p = sup.procs[name]
+            tail = "\n    ".join(p.tail(8))
+            raise EvalError(f"{name} exited with code {rc} before the eval ended; its log {p.spec.log}:\n    {tail}")
+        await asyncio.sleep(0.5)
+
+
+def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, step: str,
+           overrides: list[str]) -> tuple[Recipe, Path, Path, int | None]:
+    """(recipe, model folder, work folder, checkpoint step) of what `prl eval` was asked to score; EvalError
+    naming what is wrong (nothing is started or written before every check passed)."""
+    from prl.launch.driver import RunStopped, load_resume
+    from prl.recipe import RecipeError, load_recipe
+
+    if (run_dir is None) == (model is None):
+        raise EvalError("give a run directory (prl eval runs/NAME --step N) or --model HF_DIR --recipe RECIPE")
+    try:
+        if run_dir is not None:
+            if recipe_path is not None:
+                raise EvalError(f"a run is scored with its own recipe ({run_dir}/recipe.json); change keys with --set")
+            recipe = load_resume(run_dir, overrides)
+        else:
+            if recipe_path is None:
+                raise EvalError("--model needs --recipe: the recipe's [eval.<name>] sets and inference say what to run")
+            if not model.is_dir():
+                raise EvalError(f"--model {model}: no such folder (give a Hugging Face model folder)")
+            recipe = load_recipe(recipe_path, overrides)
+    except (RunStopped, RecipeError) as e:
+        raise EvalError(str(e)) from None
+    if not recipe.eval:
+        raise EvalError("the recipe has no eval set: add an [eval.<name>] table (docs/evaluation.md), or --set "
+                        "eval.heldout.examples=32")
+    if run_dir is None:
+        return recipe, model.resolve(), Path(recipe.run.output_dir).resolve() / f"{recipe.run.name}-eval", None
+    from prl.trainer.export import ExportError, find_checkpoint
+
+    try:
+        number = int(find_checkpoint(run_dir, step).name.removeprefix("step_"))
+    except ExportError as e:
+        raise EvalError(str(e)) from None
+    evals = run_dir.resolve() / "evals"
+    return recipe, evals / f"model_step_{number}", evals / f"step_{number}", number
+
+
+def run_eval(run_dir: Path | None, model: Path | None, recipe_path: Path | None, step: str, only: list[str],
+             overrides: list[str]) -> dict:
+    """`prl eval`: every chosen set's figures, as {"step", "model", "sets": {name: figures}}."""
+    recipe, model_dir, work_dir, number = target(run_dir, model, recipe_path, step, overrides)
+    unknown = [name for name in only if name not in recipe.eval]
+    if unknown:
+        raise EvalError(f"--only {unknown[0]}: no such eval set; the recipe's: {', '.join(recipe.eval)}")
+    if number is not None:
+        checkpoint_model(run_dir, str(number), model_dir)
+    sets = evaluate(recipe, model_dir, work_dir, only)
+    (work_dir / "result.json").write_text(json.dumps({"step": number, "model": str(model_dir), "sets": sets}, indent=1))
+    return {"step": number, "model": str(model_dir), "sets": sets}

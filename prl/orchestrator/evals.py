@@ -1,0 +1,89 @@
+"""Eval sets inside a run: scheduled on the weights versions, run on the same servers as rollouts.
+
+Rules:
+- set s scores version p at each of its points p (`EvalCfg.points`: 0, every N steps, the last);
+  it starts once the servers serve version p, and the batch of step p (which makes version p + 1)
+  ships only after it started, so it starts under version p itself (a resumed run's point that
+  the servers are already past starts under the version they serve: `version` says which);
+- its requests go through the pool like a group's (same servers, retries, P/D) and count in the
+  in-flight budget, at most `max_share` of it, so training keeps the rest; weights update under it
+  as under any rollout, and `later_share` reports the tokens sampled under a newer version (a set
+  with `pin_version` holds new weights back from the servers until it ends instead: `pinned`);
+- its samples are never trained on and never touch the data cursor;
+- each (set, point) is logged once as an `eval` event: a restarted orchestrator reads the events
+  logged and runs only the points missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from prl.evaluation.runner import run_set
+from prl.evaluation.sets import EvalSet
+from prl.metrics import read_events
+
+
+def logged_points(metrics_path) -> set[tuple[str, int]]:
+    events, _ = read_events(metrics_path)
+    return {(e["set"], e["step"]) for e in events if e.get("kind") == "eval" and "set" in e and "step" in e}
+
+
+class InRunEvals:
+    def __init__(self, orch, sets: list[EvalSet], max_steps: int):
+        self.orch, self.sets = orch, {s.name: s for s in sets}
+        done = logged_points(orch.log.path)
+        self.waiting = sorted((p, s.name) for s in sets for p in s.cfg.points(max_steps) if (s.name, p) not in done)
+        self.tasks: set[asyncio.Task] = set()
+        self.pinned = 0  # running sets that hold weight loads back (pin_version)
+
+    def held_out_from(self) -> int | None:
+        """The first index of a set that draws from the training task's stream (training stops short of it)."""
+        firsts = [s.first for s in self.sets.values() if s.cfg.task is None]
+        return min(firsts, default=None)
+
+    def started_through(self, step: int) -> bool:
+        """Whether every point up to `step` has started (the batch of `step` may ship)."""
+        return not self.waiting or self.waiting[0][0] > step
+
+    async def watch(self) -> None:
+        """Start each point as soon as the servers serve its version (under `orch.changed`)."""
+        orch = self.orch
+        while self.waiting:
+            async with orch.changed:
+                await orch.changed.wait_for(lambda: self.waiting[0][0] <= orch.served)
+                due = [w for w in self.waiting if w[0] <= orch.served]
+                self.waiting = [w for w in self.waiting if w[0] > orch.served]
+                for point, name in due:  # started before anyone sees `waiting` without them
+                    self.pinned += self.sets[name].cfg.pin_version
+                    task = asyncio.create_task(orch.guard(self.run_point(self.sets[name], point, orch.served)))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+                orch.changed.notify_all()
+
+    async def run_point(self, s: EvalSet, point: int, version: int) -> None:
+        orch = self.orch
+        slots = math.floor(s.cfg.max_share * orch.inflight_budget() / s.cfg.samples)
+        started = time.time()
+        try:
+            figures = await run_set(s, orch.eval_sampler, slots, version)
+        finally:
+            if s.cfg.pin_version:
+                async with orch.changed:
+                    self.pinned -= 1
+                    orch.changed.notify_all()
+        orch.log.emit("eval", set=s.name, step=point, version=version, examples=s.cfg.examples,
+                      samples=s.cfg.samples, verbatim_share=s.verbatim_share, started=round(started, 3), **figures)
+
+    async def finish(self) -> None:
+        """Every point started and logged (the last ones once the final version is served)."""
+        orch = self.orch
+        while self.waiting or self.tasks:
+            if self.tasks:
+                await asyncio.gather(*list(self.tasks))
+            else:
+                async with orch.changed:
+                    await orch.changed.wait_for(lambda: not self.waiting or bool(self.tasks) or orch.error)
+            if orch.error:
+                raise orch.error
