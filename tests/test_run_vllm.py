@@ -20,6 +20,7 @@ from vllm_rig import needs_vllm
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 RECIPE = ROOT / "recipes" / "reverse-tiny-vllm.toml"
+VLLM_EVAL_TOLERANCE = 0.05  # greedy figures of the same weights in another batch shape (docs/evaluation.md)
 
 
 def run_args(tmp_path: Path, *args) -> list[str]:
@@ -127,3 +128,12 @@ def test_vllm_recipe_learns(tmp_path):
     assert not events(run_dir, "restart") and not events(run_dir, "unresponsive")
     assert [e["version"] for e in events(run_dir, "weights_sent")][-1] >= 59
     assert_nothing_left(run_dir)
+    # its held-out set, scored at 0, 20, 40 and the end; `prl eval` on the final checkpoint, on a vLLM server
+    # of its own, gives the same greedy figures within vLLM's batch-shape noise (its batch-invariant mode is off)
+    logged = {e["step"]: e for e in events(run_dir, "eval")}
+    assert sorted(logged) == [0, 20, 40, 60] and all(e["version"] == e["step"] for e in logged.values())
+    p = subprocess.run(prl_cmd("eval", run_dir, "--json"), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    again = json.loads(p.stdout)["sets"]["heldout"]
+    for k in ("reward", "pass@1"):
+        assert abs(again[k] - logged[60][k]) <= VLLM_EVAL_TOLERANCE, (k, again, logged[60])

@@ -144,7 +144,8 @@ def table_text(t: Table) -> list[str]:
              (False, True, False): f" An array of tables: one `{t.header}` per entry.",
              (False, False, True): f" Named tables: one `[{t.name}.<name>]` per entry, any number."}.get(
                  (t.optional, t.array, t.named), "")
-    lines = [f"## {t.header}", "", t.description + notes, ""]
+    heading = t.header.replace("<", "&lt;").replace(">", "&gt;")  # `<name>` is text, not an HTML tag
+    lines = [f"## {heading}", "", t.description + notes, ""]
     keys = t.entry("<name>") if t.named else t
     for key, info, _ in fields(t.model):
         lines += [entry(keys, key, info), ""]

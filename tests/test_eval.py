@@ -1,0 +1,164 @@
+"""Held-out evaluation: the estimators against enumeration, the recipe's refusals, and real runs:
+eval sets scored inside a run on the rollout servers (each point once, under the version it
+scores, never trained on), and `prl eval` on the run's checkpoints giving the same figures."""
+
+import itertools
+import json
+import random
+import signal
+import subprocess
+import time
+from math import comb
+
+import pytest
+
+from conftest import ROOT, prl_cmd
+from prl.envs import Trajectory
+from prl.evaluation.estimators import best_at_k, maj_at_k, pass_at_k
+from prl.evaluation.runner import figures
+from prl.recipe import RecipeError, load_recipe
+from test_run import assert_nothing_left, events
+
+RECIPE = ROOT / "recipes" / "reverse-tiny.toml"
+
+
+# ---- estimators ----
+def test_pass_and_best_at_k_equal_the_mean_over_every_k_subset():
+    rng = random.Random(0)
+    for n in range(1, 7):
+        for k in range(1, n + 1):
+            rewards = [rng.choice([0.0, 0.25, 1.0, 1.0]) for _ in range(n)]
+            subsets = list(itertools.combinations(rewards, k))
+            c = sum(r >= 1.0 for r in rewards)
+            assert pass_at_k(n, c, k) == pytest.approx(sum(max(s) >= 1.0 for s in subsets) / len(subsets))
+            assert best_at_k(rewards, k) == pytest.approx(sum(max(s) for s in subsets) / len(subsets))
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 3, 3) == 1.0
+
+
+def test_maj_at_k_votes_within_each_subset():
+    answers, correct = ["a", "b", "b", "c"], [True, False, False, False]
+    assert maj_at_k(answers, correct, 1) == pytest.approx(1 / 4)
+    # k = 3: {a,b,b} -> b; {a,b,c} -> a (tie, given first); {a,b,c} -> a; {b,b,c} -> b
+    assert maj_at_k(answers, correct, 3) == pytest.approx(2 / 4)
+    big = [str(i % 3) for i in range(40)]  # C(40, 20) subsets: a seeded sample of them, the same each time
+    assert maj_at_k(big, [a == "0" for a in big], 20) == maj_at_k(big, [a == "0" for a in big], 20)
+
+
+def test_figures_attribute_tokens_of_later_versions_to_the_start_version():
+    def traj(reward, versions, mask=None):
+        return Trajectory([1], [5] * len(versions), [0.0] * len(versions), versions, reward, mask=mask,
+                          answer=str(reward))
+
+    groups = [[traj(1.0, [3, 3, 4, 4]), traj(0.0, [3, 4])],
+              [traj(0.5, [3, -1, 4], mask=[1, 0, 1]), traj(1.0, [3, 3])]]
+    out = figures(groups, [1, 2], 1.0, version=3)
+    assert out["later_share"] == pytest.approx(4 / 10)  # environment tokens (mask 0) are not the model's
+    assert out["pass@1"] == pytest.approx(0.5) and out["pass@2"] == pytest.approx(1.0)
+    assert out["reward"] == pytest.approx(2.5 / 4) and out["completion_len"] == pytest.approx(10 / 4)
+    assert out["best@2"] == pytest.approx(1.0) and "maj@2" in out
+
+
+# ---- refusals ----
+@pytest.mark.parametrize("override, words", [
+    ("eval.h.pass_k=[1,4]", "k = 4 is larger than eval.h.samples"),
+    ("eval.h.first_index=100", "eval.h.first_index (100) overlaps the training indices"),
+    ("eval.h.threshold=1.5", "eval.h.threshold"),
+    ("eval.h.samples=4", "greedy samples are all the same"),
+    ("eval.h.pass_k=[0]", "distinct k >= 1"),
+    ('eval."h x".examples=2', "a set's name takes"),
+    ("eval.h.max_tokens=4000", "longer than model.max_position_embeddings"),
+])
+def test_bad_eval_sets_are_refused_naming_the_key(override, words):
+    with pytest.raises(RecipeError, match=None) as e:
+        load_recipe(RECIPE, [override])
+    assert words in str(e.value)
+
+
+def test_prl_eval_refuses_bad_arguments_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cases = [
+        ([], "give a run directory"),
+        ([tmp_path / "nowhere"], "not a prl run directory"),
+        (["--model", tmp_path / "nope", "--recipe", RECIPE], "no such folder"),
+        (["--model", tmp_path / "empty"], "--model needs --recipe"),
+    ]
+    for args, words in cases:
+        p = subprocess.run(prl_cmd("eval", *args), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and words in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ---- a run ----
+def run_with_evals(tmp_path, *extra) -> subprocess.CompletedProcess:
+    """reverse-tiny for 4 synchronous steps (max_async_level 0: step s trains examples s*16..s*16+15, whatever
+    else runs), scored by a greedy set pinned to its versions and a sampled one that is not."""
+    sets = ["eval.heldout.examples=16", "eval.heldout.every=2", "eval.heldout.pin_version=true",
+            "eval.sampled.examples=8", "eval.sampled.samples=3", "eval.sampled.pass_k=[1,3]",
+            "eval.sampled.temperature=1.0", "eval.sampled.every=2", "eval.sampled.seed=7"]
+    args = ["--set", f"run.output_dir={tmp_path}", "--set", "rl.max_steps=4", "--set", "sft.steps=10",
+            "--set", "rl.max_async_level=0", *[a for s in sets for a in ("--set", s)], *extra]
+    return subprocess.run(prl_cmd("run", RECIPE, "--no-tui", *args), capture_output=True, text=True, timeout=900)
+
+
+def eval_json(*args) -> dict:
+    p = subprocess.run(prl_cmd("eval", *args, "--json"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+FIGURES = ("reward", "pass@1", "best@1", "maj@1", "completion_len")
+
+
+def test_evals_in_a_run_are_logged_once_per_version_and_prl_eval_gives_the_same_figures(tmp_path):
+    p = run_with_evals(tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    run_dir = tmp_path / "reverse-tiny"
+    logged = {(e["set"], e["step"]): e for e in events(run_dir, "eval")}
+    assert len(logged) == len(events(run_dir, "eval")) == 6, "each (set, point) once"
+    assert sorted(logged) == [(s, p) for s in ("heldout", "sampled") for p in (0, 2, 4)]
+    assert all(e["version"] == e["step"] for e in logged.values()), "each starts under the version it scores"
+    assert all(logged[("heldout", p)]["later_share"] == 0 for p in (0, 2, 4)), "pinned: every token its version's"
+    assert all(0 <= e["later_share"] <= 1 and e["examples"] in (8, 16) for e in logged.values())
+    assert {"pass@3", "best@3", "maj@3"} <= set(logged[("sampled", 2)])
+    # never trained on, never moving the data cursor: the ledger is the run's without evals
+    ledger = [json.loads(ln) for ln in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert {e["step"]: sorted(e["prompts"]) for e in ledger} == {s: list(range(16 * s, 16 * s + 16)) for s in range(4)}
+    assert {e["step"] for e in events(run_dir, "checkpoint")} >= {0, 2, 4}
+    assert_nothing_left(run_dir)
+    # the same weights, set and seeds outside the run: the same figures (greedy: exactly; the final
+    # version, which nothing replaced under the sampled set: its seeded samples too)
+    mid = eval_json(run_dir, "--step", "2", "--only", "heldout")
+    assert set(mid["sets"]) == {"heldout"} and mid["step"] == 2
+    assert {k: mid["sets"]["heldout"][k] for k in FIGURES} == {k: logged[("heldout", 2)][k] for k in FIGURES}
+    end = eval_json(run_dir)
+    assert end["step"] == 4
+    for name in ("heldout", "sampled"):
+        assert {k: end["sets"][name][k] for k in FIGURES} == {k: logged[(name, 4)][k] for k in FIGURES}, name
+    assert end["sets"]["sampled"]["pass@3"] == logged[("sampled", 4)]["pass@3"]
+
+
+def test_a_restarted_orchestrator_logs_each_eval_once(tmp_path):
+    """The orchestrator is killed once its first eval is logged: the driver restarts it, it reads the evals
+    logged and runs only the rest; the run ends after the final one."""
+    args = ["--set", f"run.output_dir={tmp_path}", "--set", "rl.max_steps=6", "--set", "sft.steps=10",
+            "--set", "eval.heldout.examples=8", "--set", "eval.heldout.every=2"]
+    proc = subprocess.Popen(prl_cmd("run", RECIPE, "--no-tui", *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "reverse-tiny"
+    try:
+        while not ((run_dir / "metrics.jsonl").exists() and events(run_dir, "eval")):
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        pid = next(e["pid"] for e in events(run_dir, "process") if e.get("name") == "orchestrator" and e.get("pid"))
+        import os
+
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert [e["name"] for e in events(run_dir, "restart")] == ["orchestrator"]
+    points = [(e["set"], e["step"]) for e in events(run_dir, "eval")]
+    assert sorted(points) == [("heldout", p) for p in (0, 2, 4, 6)], points
+    assert_nothing_left(run_dir)
