@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import time
-from math import comb
 
 import pytest
 
