@@ -436,6 +436,10 @@ def finish(run_dir: Path, outcome: Outcome, console: Console, wall_s: float) -> 
             f"(+{summary['improvement']:.3f}) over {summary['rl_steps']} steps in {wall_s:.0f}s; "
             f"summary in {run_dir / 'summary.json'}", markup=False, highlight=False,
         )
+    from prl.tui.evals import eval_line
+
+    for name, s in summary.get("eval", {}).items():
+        console.print(f"eval {name}: {eval_line(s)}", markup=False, highlight=False)
 
 
 def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], force: bool, tui: bool,
