@@ -58,18 +58,22 @@ def test_figures_attribute_tokens_of_later_versions_to_the_start_version():
 
 
 # ---- refusals ----
-@pytest.mark.parametrize("override, words", [
-    ("eval.h.pass_k=[1,4]", "k = 4 is larger than eval.h.samples"),
-    ("eval.h.first_index=100", "eval.h.first_index (100) overlaps the training indices"),
-    ("eval.h.threshold=1.5", "eval.h.threshold"),
-    ("eval.h.samples=4", "greedy samples are all the same"),
-    ("eval.h.pass_k=[0]", "distinct k >= 1"),
-    ('eval."h x".examples=2', "a set's name takes"),
-    ("eval.h.max_tokens=4000", "longer than model.max_position_embeddings"),
+@pytest.mark.parametrize("overrides, words", [
+    (["eval.h.pass_k=[1,4]"], "k = 4 is larger than eval.h.samples"),
+    (["eval.h.first_index=100"], "eval.h.first_index (100) overlaps the training indices"),
+    (["eval.h.threshold=1.5"], "eval.h.threshold"),
+    (["eval.h.samples=4"], "greedy samples are all the same"),
+    (["eval.h.pass_k=[0]"], "distinct k >= 1"),
+    (['eval."h x".examples=2'], "a set's name takes"),
+    (["eval.h.max_tokens=4000"], "longer than model.max_position_embeddings"),
+    (["eval.h.at_start=false", "eval.h.every=0", "eval.h.at_end=false"], "no step to score"),
+    (["eval.h.samples=40", "eval.h.temperature=1.0"], "exceed its share of the in-flight budget"),
+    (['eval.h.task.name="reverse"', 'eval.h.task.reward="prl.tasks.builtin:exact_match"', "eval.h.task.max_len=6",
+      "eval.h.first_index=0"], "overlaps the training indices"),  # the training examples, another reward
 ])
-def test_bad_eval_sets_are_refused_naming_the_key(override, words):
-    with pytest.raises(RecipeError, match=None) as e:
-        load_recipe(RECIPE, [override])
+def test_bad_eval_sets_are_refused_naming_the_key(overrides, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(RECIPE, overrides)
     assert words in str(e.value)
 
 

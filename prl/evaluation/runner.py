@@ -19,21 +19,30 @@ from prl.evaluation.estimators import best_at_k, maj_at_k, pass_at_k
 from prl.evaluation.sets import EvalSet
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 
-TURN_SEEDS = 64  # turns of one example with seeds of their own
+TURN_SEEDS = 64  # turns of one conversation with seeds of their own
+EXAMPLE_SEEDS = 1 << 24  # seeds of one example: 256 (1 + 64 x 256 members + 64 turns) fit
 
 
 class SeededSampler:
-    """Gives each request of one example a seed of its own (turn t of example i: base + 256 x (64 i + t);
-    completion j of a request uses seed + j), so a sampled set gives the same samples on the same backend."""
+    """Gives each request of one example a seed of its own, so a sampled set gives the same samples on the
+    same backend: a request for the whole group (no conversation) seed = base, completion j base + j; turn t
+    of conversation m (members in the order they first ask) base + 256 (1 + 64 m + t)."""
 
     def __init__(self, inner: Sampler, base: int):
-        self.inner, self.base, self.turn = inner, base, 0
+        self.inner, self.base = inner, base
+        self.turns: dict[int, list[int]] = {}  # conversation -> [its member number, turns asked]
 
     async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse:
         if req.seed is None and req.temperature > 0:
-            req = req.model_copy(update={"seed": self.base + 256 * (self.turn % TURN_SEEDS)})
-        self.turn += 1
+            req = req.model_copy(update={"seed": self.base + self.offset(conversation)})
         return await self.inner.generate(req, conversation)
+
+    def offset(self, conversation: object) -> int:
+        if conversation is None:
+            return 0
+        member, turn = self.turns.setdefault(id(conversation), [len(self.turns), 0])
+        self.turns[id(conversation)][1] += 1
+        return 256 * (1 + TURN_SEEDS * member + turn % TURN_SEEDS)
 
 
 async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], slots: int, version: int | None) -> dict:
@@ -44,7 +53,7 @@ async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], slots: int,
 
     async def one(k: int, index: int) -> list[Trajectory]:
         async with gate:
-            sampler = SeededSampler(sampler_for(index), s.cfg.seed + 256 * TURN_SEEDS * k)
+            sampler = SeededSampler(sampler_for(index), s.cfg.seed + EXAMPLE_SEEDS * k)
             return await s.env.rollout(s.env.example(index), sampler)
 
     t0 = time.perf_counter()

@@ -171,19 +171,27 @@ def check_backend(recipe: Recipe, folder) -> None:
 
 
 def check_task(recipe: Recipe) -> None:
-    """Import user task functions now, so a typo fails before any process starts."""
+    """Import user task functions now (the recipe's and each eval set's), so a typo fails before any
+    process starts."""
+    try_task(recipe.task, recipe.run.seed, "task", 0)
+    for name, ev in recipe.eval.items():
+        if ev.task is not None:
+            try_task(ev.task, recipe.run.seed, f"eval.{name}.task", ev.start(recipe.task))
+    check_env(recipe)
+
+
+def try_task(cfg, seed: int, key: str, index: int) -> None:
     from prl.tasks import make_task
 
     try:
-        task = make_task(recipe.task, recipe.run.seed)
+        task = make_task(cfg, seed)
     except ValueError as e:
-        raise RecipeError(f"invalid task, nothing was started: {e}") from None
+        raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
     try:  # the user's own functions: whatever they raise is their bug, named in one line
-        task.reward("", task.example(0))
+        task.reward("", task.example(index))
     except Exception as e:  # noqa: BLE001
-        raise RecipeError(f"invalid task, nothing was started: task {recipe.task.name!r} failed on its first example "
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index} "
                           f"(its dataset, then its reward of an empty completion): {type(e).__name__}: {e}") from None
-    check_env(recipe)
 
 
 def check_env(recipe: Recipe) -> None:
@@ -192,8 +200,9 @@ def check_env(recipe: Recipe) -> None:
     from prl.envs.tools import load_tool
 
     try:
-        for spec in recipe.env.tools:
-            load_tool(spec)
+        for env in [recipe.env, *(ev.env for ev in recipe.eval.values() if ev.env is not None)]:
+            for spec in env.tools:
+                load_tool(spec)
     except ValueError as e:
         raise RecipeError(f"invalid environment, nothing was started: {e}") from None
     if recipe.env.env_class().needs_sandbox and recipe.cluster is None:
@@ -395,8 +404,10 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         p = sup.procs[name]
         if p.code is None:
             continue  # restarted meanwhile, with the rest of its unit
+        if rc == 0 and p.spec.role == "trainer" and name in ("trainer", "trainer-0"):
+            return Outcome("done", "trainer finished", 0)  # the endpoint's node: it waited for the orchestrator
         if rc == 0 and p.spec.role == "trainer":
-            return Outcome("done", "trainer finished", 0)
+            continue  # another trainer node, done with its ranks
         if rc == 0 and p.spec.role == "orchestrator":
             continue  # shipped every batch; the trainer finishes the last steps
         log.emit("process", name=name, state="failed", exit_code=rc)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 from pathlib import Path
 
 from prl.recipe.schema import Recipe
 
 SERVING_ROLES = ("inference", "engine_worker", "kv_master", "sandbox")
+WORK_MARK = "prl-eval"  # in a folder prl eval made (and may delete to start over)
 
 
 class EvalError(RuntimeError):
@@ -53,6 +55,7 @@ def evaluate(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -
         prepare_new(serving, work_dir, force=True)
     except RecipeError as e:
         raise EvalError(str(e)) from None
+    (work_dir / WORK_MARK).write_text("prl eval's servers, logs and result\n")
     return serve_and_score(serving, work_dir)
 
 
@@ -68,24 +71,39 @@ def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
     specs = [s for s in make_plan(configs, work_dir) if s.role in SERVING_ROLES]
     orch_cfg = next(c for c in configs if c.role == "orchestrator")
     sup = Supervisor(specs, {"local": LocalHost()}, work_dir)
+    previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         sup.start_all()
         return asyncio.run(score(orch_cfg, sup))
     finally:
+        for s in previous:  # a second signal must not cut the teardown short
+            signal.signal(s, signal.SIG_IGN)
         sup.stop_all()
         sup.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stopped(signum, frame):
+    raise EvalError(f"stopped by {signal.Signals(signum).name}; the servers were stopped")
 
 
 async def score(cfg, sup) -> dict[str, dict]:
+    from prl.backends.base import BackendError
     from prl.evaluation.runner import run_set
     from prl.orchestrator.orchestrator import Orchestrator
 
     orch = Orchestrator(cfg)
     watch = asyncio.create_task(exits(sup))
+    monitors = []
     try:
         ready = asyncio.create_task(orch.pool.start(cfg.startup_timeout_s))
         done, _ = await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
-        await next(iter(done))  # a server that exits first raises here
+        try:
+            await next(iter(done))  # a server that exits first raises here
+        except BackendError as e:
+            raise EvalError(f"no inference server came up: {e}") from None
+        monitors = [asyncio.create_task(orch.pool.watch(s)) for s in orch.pool.servers]  # a server taken out rejoins
         sets = orch.evals.sets.values()
         results = {}
         for s in sets:  # one set at a time, every example of it at once
@@ -95,7 +113,8 @@ async def score(cfg, sup) -> dict[str, dict]:
                                "verbatim_share": s.verbatim_share}
         return results
     finally:
-        watch.cancel()
+        for task in (watch, *monitors):
+            task.cancel()
         await orch.stop()
 
 
@@ -134,8 +153,14 @@ def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, s
     if not recipe.eval:
         raise EvalError("the recipe has no eval set: add an [eval.<name>] table (docs/evaluation.md), or --set "
                         "eval.heldout.examples=32")
+    if recipe.cluster is not None:
+        raise EvalError("prl eval starts its servers on this machine: score a [cluster] run's checkpoint with a "
+                        "recipe without [cluster] (copy checkpoints/ here, or run prl eval on a GPU host)")
     if run_dir is None:
-        return recipe, model.resolve(), Path(recipe.run.output_dir).resolve() / f"{recipe.run.name}-eval", None
+        work = Path(recipe.run.output_dir).resolve() / "evals" / recipe.run.name
+        if work.exists() and not (work / WORK_MARK).is_file():
+            raise EvalError(f"{work} exists and is not a prl eval folder: set run.output_dir or run.name elsewhere")
+        return recipe, model.resolve(), work, None
     from prl.trainer.export import ExportError, find_checkpoint
 
     try:

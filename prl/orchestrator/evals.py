@@ -11,7 +11,10 @@ Rules:
   with `pin_version` holds new weights back from the servers until it ends instead: `pinned`);
 - its samples are never trained on and never touch the data cursor;
 - each (set, point) is logged once as an `eval` event: a restarted orchestrator reads the events
-  logged and runs only the points missing.
+  logged and runs only the points missing; where several points of a set are missing whose weights
+  the servers no longer serve (a set added on resume), only the newest runs, under the version
+  served, and the others are reported as skipped (`eval_skipped`);
+- a set that fails is reported (`eval_failed`, with the error) and training goes on.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class InRunEvals:
 
     def held_out_from(self) -> int | None:
         """The first index of a set that draws from the training task's stream (training stops short of it)."""
-        firsts = [s.first for s in self.sets.values() if s.cfg.task is None]
+        firsts = [s.first for s in self.sets.values() if s.cfg.draws_training_data(self.orch.cfg.task)]
         return min(firsts, default=None)
 
     def started_through(self, step: int) -> bool:
@@ -53,7 +56,7 @@ class InRunEvals:
         while self.waiting:
             async with orch.changed:
                 await orch.changed.wait_for(lambda: self.waiting[0][0] <= orch.served)
-                due = [w for w in self.waiting if w[0] <= orch.served]
+                due = self.newest_per_set([w for w in self.waiting if w[0] <= orch.served])
                 self.waiting = [w for w in self.waiting if w[0] > orch.served]
                 for point, name in due:  # started before anyone sees `waiting` without them
                     self.pinned += self.sets[name].cfg.pin_version
@@ -62,12 +65,28 @@ class InRunEvals:
                     task.add_done_callback(self.tasks.discard)
                 orch.changed.notify_all()
 
+    def newest_per_set(self, due: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """Of the points due at once, each set's newest; the older ones are reported skipped."""
+        newest = {name: point for point, name in sorted(due)}
+        for name in sorted(newest):
+            older = [p for p, n in due if n == name and p != newest[name]]
+            if older:
+                self.orch.log.emit("eval_skipped", set=name, steps=older, version=self.orch.served,
+                                   reason="their weights are no longer served")
+        return sorted((point, name) for name, point in newest.items())
+
     async def run_point(self, s: EvalSet, point: int, version: int) -> None:
         orch = self.orch
-        slots = math.floor(s.cfg.max_share * orch.inflight_budget() / s.cfg.samples)
+        slots = max(1, math.floor(s.cfg.max_share * orch.inflight_budget() / s.cfg.samples))
         started = time.time()
         try:
             figures = await run_set(s, orch.eval_sampler, slots, version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an eval that fails is reported; training goes on
+            orch.log.emit("eval_failed", set=s.name, step=point, version=version,
+                          line=f"{type(e).__name__}: {e}"[:300])
+            return
         finally:
             if s.cfg.pin_version:
                 async with orch.changed:

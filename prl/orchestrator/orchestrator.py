@@ -227,7 +227,7 @@ class Orchestrator:
                 await self.ship(step, groups, {**ages, "stale_dropped": dropped}, time.perf_counter() - t0)
             await self.evals.finish()
             await self.pool.report_final()
-            if any(ev.at_end for ev in self.cfg.eval.values()):  # the trainer serves until the last eval is logged
+            if self.cfg.eval:  # the trainer serves until the last eval is logged
                 await self.trainer.finished()
         finally:
             await self.stop()

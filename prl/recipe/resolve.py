@@ -181,7 +181,7 @@ def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
         trainer=recipe.trainer, publish_format=backend.publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
         rendezvous=rendezvous, threads=recipe.trainer.threads, eval_points=recipe.eval_points(),
-        await_orchestrator=any(ev.at_end for ev in recipe.eval.values()), **common(pl),
+        await_orchestrator=bool(recipe.eval), **common(pl),
     ) for i, pl in enumerate(lay.trainers)]
 
 

@@ -137,7 +137,7 @@ class TrainerConfig(RoleConfig):
     rendezvous: str = ""  # "address:port" of node 0 (empty: one host, --standalone)
     servers: list[str] = []  # trainer.weight_transfer = "collective": the inference servers' base URLs
     eval_points: list[int] = []  # steps whose weights an eval set scores: checkpointed, so `prl eval` can score them again
-    await_orchestrator: bool = False  # an eval set scores the final weights: keep the endpoint up until it is logged
+    await_orchestrator: bool = False  # eval sets run: keep the endpoint up until the orchestrator has logged them all
 
 
 class KvMasterConfig(RoleConfig):

@@ -134,6 +134,11 @@ class TaskCfg(Section):
         raise ValueError(f"task.name = {v!r}: one of reverse, reverse_long_tail, sort, add, custom, or "
                          f"reasoning_gym:<name>")
 
+    def same_data(self, other: "TaskCfg") -> bool:
+        """Whether `other` draws the same examples at the same index (its reward may differ)."""
+        keys = ("name", "dataset", "min_len", "max_len", "options")
+        return all(getattr(self, k) == getattr(other, k) for k in keys)
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.min_len > self.max_len:
@@ -339,8 +344,9 @@ class EvalCfg(Section):
     max_tokens: int | None = Field(None, gt=0)
     """Tokens sampled at most per turn; unset: sampling.max_tokens."""
     seed: int = Field(0, ge=0)
-    """Sampling seed: turn t of the set's example k asks for seed + 256 x (64 k + t) (completion j adds j), so a
-    sampled set gives the same samples again on the same backend."""
+    """Sampling seed: each request of the set's example k asks for a seed of its own from seed + 2^24 x k on (by
+    member and turn; completion j of a request adds j), so a sampled set gives the same samples again on the same
+    backend."""
     every: int = Field(10, ge=0)
     """Evaluate the weights after every this many steps (0: only at the start and the end)."""
     at_start: bool = True
@@ -374,7 +380,11 @@ class EvalCfg(Section):
     def start(self, recipe_task: "TaskCfg") -> int:
         if self.first_index is not None:
             return self.first_index
-        return HELD_OUT_START if self.task is None or self.task == recipe_task else 0
+        return HELD_OUT_START if self.draws_training_data(recipe_task) else 0
+
+    def draws_training_data(self, recipe_task: "TaskCfg") -> bool:
+        """Whether the set's examples come from the training task's stream (its own reward aside)."""
+        return self.task is None or self.task.same_data(recipe_task)
 
 
 class LossCfg(Section):
@@ -1051,9 +1061,14 @@ def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
     if ev.temperature == 0 and ev.samples > 1:
         raise ValueError(f"{key}.samples = {ev.samples} at {key}.temperature = 0: greedy samples are all the same; "
                          f"set a temperature > 0 or samples = 1")
-    own_task = ev.task is not None and ev.task != recipe.task
+    if not ev.points(recipe.rl.max_steps):
+        raise ValueError(f"{key}: at_start, every and at_end leave the set no step to score; set one of them")
+    if ev.samples > ev.max_share * recipe.rl.max_inflight_rollouts:
+        raise ValueError(f"{key}.samples ({ev.samples}) exceed its share of the in-flight budget ({key}.max_share "
+                         f"{ev.max_share} x rl.max_inflight_rollouts {recipe.rl.max_inflight_rollouts}): one example "
+                         f"would hold more than the set may; raise max_share or lower samples")
     start, reach = ev.start(recipe.task), recipe.training_reach()
-    if not own_task and start < reach:
+    if ev.draws_training_data(recipe.task) and start < reach:
         raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
                          f"rl.batch_size / rl.group_size, with rl.overprovision): leave it unset, or set it >= {reach}")
     env = ev.env or recipe.env

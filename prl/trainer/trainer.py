@@ -168,7 +168,7 @@ class Trainer:
         if self.endpoint:
             if self.cfg.await_orchestrator:  # the final weights' evals are still running: serve until logged
                 self.log_main("trainer", state="waiting for the final evals")
-                self.endpoint.wait_finished()
+                self.endpoint.wait_finished(self.rl.max_steps)
             self.endpoint.stop()
 
     def checkpoints_at(self, version: int) -> bool:

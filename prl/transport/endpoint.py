@@ -40,6 +40,7 @@ from prl.transport.rollouts import FilesystemRolloutTransport
 
 FILE_RE = re.compile(r"^/weights/v(\d+)/([\w.-]+)$")
 MAX_WAIT_S = 30.0
+FINISHED = "orchestrator-finished"  # in the run directory: the orchestrator logged every eval (holds max_steps)
 RESCAN_S = 1.0  # a long poll looks at the folder again this often without a `sealed` notice
 
 
@@ -60,6 +61,7 @@ class TrainerEndpoint:
         self._sealed = threading.Condition()  # notified by the trainer as it seals a version
         self._seals = 0
         self.finished = threading.Event()
+        self.max_steps = -1  # of the run the orchestrator finishes (set by wait_finished)
         endpoint = self
 
         class Handler(_Handler):
@@ -109,8 +111,18 @@ class TrainerEndpoint:
             step += 1
         return {"step": step, "data_position": position[0], "data_ahead": position[1]}
 
-    def wait_finished(self) -> None:
-        """Block until the orchestrator says it is done (`PUT /finished`); the endpoint serves meanwhile."""
+    def mark_finished(self) -> None:
+        """The orchestrator is done: remembered on disk, so a trainer restarted after it still ends."""
+        (self.run_dir / FINISHED).write_text(str(self.max_steps))
+        self.finished.set()
+
+    def wait_finished(self, max_steps: int) -> None:
+        """Block until the orchestrator says it is done with a run of `max_steps` (`PUT /finished`, now or
+        before this process started); the endpoint serves meanwhile."""
+        self.max_steps = max_steps
+        marker = self.run_dir / FINISHED
+        if marker.is_file() and marker.read_text().strip() == str(max_steps):
+            return
         self.finished.wait()
 
     def sealed(self) -> None:
@@ -171,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         if self.path == "/finished":
-            self.ep.finished.set()
+            self.ep.mark_finished()
             return self._reply(200, {"finished": True})
         m = re.match(r"^/rollouts/(\d+)$", self.path)
         if not m:

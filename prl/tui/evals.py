@@ -16,7 +16,7 @@ from rich.text import Text
 
 from prl.tui.curves import finite
 
-BOOKKEEPING = ("t", "step", "version", "examples", "samples", "started")  # numbers that are not figures
+BOOKKEEPING = ("t", "step", "version", "examples", "samples", "started", "wall_s")  # numbers that are not figures
 PASS_AT = re.compile(r"pass@(\d+)$")
 
 
