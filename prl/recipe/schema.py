@@ -377,13 +377,22 @@ class EvalCfg(Section):
         return HELD_OUT_START if self.task is None or self.task == recipe_task else 0
 
 
-class LossCfg(Section):
-    """Off-policy correction between trainer and inference logprobs (see docs/architecture.md, "Loss")."""
+BUILTIN_OBJECTIVES = ("tis", "clip", "mask", "seq_mask", "none", "gspo", "gspo_token", "cispo")
+SEQUENCE_OBJECTIVES = ("seq_mask", "gspo")  # a sample's tokens share one ratio: a rank needs whole samples
 
-    correction: Literal["tis", "clip", "mask", "seq_mask", "none"] = "clip"
-    """How the loss treats the ratio of trainer to inference probability: "tis" (weighted by it, capped at tis_cap),
-    "clip" (as tis, and PPO's clip on it), "mask" (tokens outside [mask_low, mask_high] get no gradient), "seq_mask"
-    (whole samples masked by their geometric-mean ratio), "none"."""
+
+class LossCfg(Section):
+    """The RL objective: how the trainer's logprobs, the sampling policy's and the advantages make the loss (see
+    docs/objectives.md)."""
+
+    correction: str = "clip"
+    """The objective: "clip" (PPO's clip against the policy that sampled each token, its ratio capped at tis_cap),
+    "tis" (weighted by the ratio capped at tis_cap), "cispo" (weighted by the ratio clipped to [1 - cispo_clip_low,
+    1 + cispo_clip_high], gradient stopped: every token keeps its gradient), "gspo" (GSPO: one ratio per sample, the
+    geometric mean of its tokens', clipped in [1 - gspo_clip_low, 1 + gspo_clip_high]), "gspo_token" (GSPO-token: the
+    sample's ratio, each token's own advantage), "mask" (tokens outside [mask_low, mask_high] get no gradient),
+    "seq_mask" (whole samples masked by their geometric-mean ratio), "none", or your own as "module:function"
+    (docs/objectives.md gives its signature)."""
     tis_cap: float = Field(2.0, gt=0)
     """With correction "tis" or "clip": the importance ratio is capped here."""
     mask_low: float = Field(0.5, gt=0)
@@ -395,12 +404,51 @@ class LossCfg(Section):
     (PPO's clip on the ratio to the sampling policy)."""
     clip_high: float = Field(0.2, gt=0)
     """With correction "clip": a token with a positive advantage whose ratio is above 1 + clip_high gets no gradient."""
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1)
+    """With correction "gspo" or "gspo_token": a sample with a negative advantage whose sequence ratio is below 1 -
+    gspo_clip_low gets no gradient (GSPO's range is about a thousandth of PPO's: its ratio is a per-token mean)."""
+    gspo_clip_high: float = Field(4e-4, gt=0)
+    """With correction "gspo" or "gspo_token": a sample with a positive advantage whose sequence ratio is above 1 +
+    gspo_clip_high gets no gradient."""
+    cispo_clip_low: float = Field(1.0, gt=0, le=1)
+    """With correction "cispo": the weight is at least 1 - cispo_clip_low (1: no lower bound, as MiniMax-M1)."""
+    cispo_clip_high: float = Field(1.0, gt=0)
+    """With correction "cispo": the weight is at most 1 + cispo_clip_high (1: capped at 2, the same as "tis" at
+    tis_cap = 2)."""
+    normalize: Literal["auto", "token", "sequence", "constant"] = "auto"
+    """What the step's summed loss is divided by: "token" (the step's loss tokens, as DAPO), "sequence" (each
+    sample's loss is its tokens' mean, then the mean over the step's samples), "constant" (Dr. GRPO: rl.batch_size x
+    the longest completion, sampling.max_tokens, or env.max_total_tokens with turns), "auto" ("sequence" for "gspo",
+    as its paper; "token" otherwise). The trainer divides."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Adds -entropy_coef x the policy's mean token entropy to the loss (an entropy bonus; 0: entropy is logged, not
+    trained)."""
+
+    @field_validator("correction")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        if v in BUILTIN_OBJECTIVES:
+            return v
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"trainer.loss.correction = {v!r}: one of {', '.join(BUILTIN_OBJECTIVES)}, or your own "
+                             f"objective as 'module:function'")
+        return v
 
     @model_validator(mode="after")
     def _band(self):
         if self.mask_low >= self.mask_high:
             raise ValueError(f"trainer.loss.mask_low ({self.mask_low}) must be < mask_high ({self.mask_high})")
         return self
+
+    def normalization(self) -> str:
+        """`normalize` with "auto" resolved."""
+        if self.normalize != "auto":
+            return self.normalize
+        return "sequence" if self.correction == "gspo" else "token"
+
+    def whole_samples(self) -> bool:
+        """Whether a rank needs every token of a sample (no context parallelism)."""
+        return self.correction in SEQUENCE_OBJECTIVES or self.normalization() == "sequence"
 
 
 class ParallelCfg(Section):
@@ -541,9 +589,10 @@ class TrainerCfg(Section):
         if self.share_prompts and self.parallel.cp > 1:
             raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
                              "splits rows its own way and does not take the shared prompts' attention mask")
-        if self.loss.correction == "seq_mask" and self.parallel.cp > 1:
-            raise ValueError("trainer.loss.correction = 'seq_mask' needs trainer.parallel.cp = 1: a rank holds "
-                             "part of a sample there, and the mask needs the whole sample's mean ratio")
+        if self.loss.whole_samples() and self.parallel.cp > 1:
+            raise ValueError(f"trainer.loss.correction = {self.loss.correction!r} with trainer.loss.normalize = "
+                             f"{self.loss.normalize!r} needs trainer.parallel.cp = 1: a rank holds part of a sample "
+                             f"there, and the objective needs the whole sample's mean")
         return self
 
     @property
@@ -1018,6 +1067,9 @@ class Recipe(Section):
             raise ValueError(f"sft.steps: the warm start learns from demonstrations and env.kind = "
                              f"{self.env.kind!r} has none: set sft.steps = 0 (a tiny model's default is 40) or "
                              f"write demonstration(index)")
+        if self.rl.credit == "turn" and self.trainer.loss.correction == "gspo":
+            raise ValueError("trainer.loss.correction = 'gspo' gives each sample one advantage; rl.credit = 'turn' gives "
+                             "each turn its own: use 'gspo_token' (GSPO's token variant), or rl.credit = 'trajectory'")
         if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
                              "carry their own advantage, compared within the same turn): use one of them")

@@ -224,7 +224,8 @@ class Trainer:
             self.ledger[step] = prompts
         n = max(stats["loss_tokens"], 1)
         self.log_main(
-            "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / n,
+            "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / stats["loss_divisor"],
+            entropy=stats["entropy"] / n,
             mismatch_kl=stats["mismatch_kl"] / n, extreme_token_frac=stats["extreme_tokens"] / n,
             masked_frac=stats["masked_tokens"] / n, truncated_frac=stats["truncated_tokens"] / n,
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
@@ -254,7 +255,8 @@ class Trainer:
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
         temperature = self.temperature if kind == "rl" else 1.0
-        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq)
+        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
+                                norm_constant=self.rl.batch_size * self.cfg.env.workload(self.cfg.sampling).max_tokens)
 
     def optimizer_step(self, opt, sched) -> float:
         self.par.finish_grads()
