@@ -420,6 +420,13 @@ class LossCfg(Section):
     sample's loss is its tokens' mean, then the mean over the step's samples), "constant" (Dr. GRPO: rl.batch_size x
     the longest completion, sampling.max_tokens, or env.max_total_tokens with turns), "auto" ("sequence" for "gspo",
     as its paper; "token" otherwise). The trainer divides."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Adds kl_coef x a KL estimate to a frozen reference policy (the weights RL starts from, after the warm start)
+    on every loss token; 0: no reference is kept. The reference is sharded like the policy and costs one more
+    forward per micro-batch and its weights' memory (`prl plan` counts it)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The KL estimator, with r = log pi_ref - log pi: "k1" (-r), "k2" (r^2 / 2), "k3" (exp(r) - r - 1: unbiased,
+    never negative)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Adds -entropy_coef x the policy's mean token entropy to the loss (an entropy bonus; 0: entropy is logged, not
     trained)."""

@@ -16,7 +16,8 @@ stopped gradient, and a sample i's loss tokens y_i:
     mask       : -1[low <= ratio_t <= high] A_t logp_t   (tokens outside the band masked)
     seq_mask   : -1[low <= exp(mean_{y_i} d) <= high] A_t logp_t (whole samples masked)
     none       : -A_t logp_t
-plus, on every loss token, -entropy_coef H_t (an entropy bonus). A user's objective
+plus, on every loss token, -entropy_coef H_t (an entropy bonus) and kl_coef KL_t (a KL estimate to
+a frozen reference policy: `kl_to_reference`). A user's objective
 ("module:function") gets a `LossBatch` and `LossCfg` and returns the per-token loss (or it and a
 dict of figures to sum and log).
 
@@ -49,6 +50,7 @@ class LossBatch:
     mask: torch.Tensor  # bool: a loss token (the model's, not stale-masked); the rest is context
     sequence_ids: torch.Tensor  # long: the packed sample (or shared-prompt branch) each token belongs to
     entropy: torch.Tensor | None = None  # the policy's entropy at each token (None where not computed)
+    ref_logp: torch.Tensor | None = None  # the reference policy's logprob (trainer.loss.kl_coef > 0), no gradient
 
 
 def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -179,10 +181,21 @@ def check_user_objective(cfg: LossCfg) -> None:
                              f"{type(e).__name__}: {e}") from None
 
 
-def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg,
-            entropy_L: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per token, with r = log pi_ref - log pi: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - r - 1."""
+    r = ref_logp - logp
+    if estimator == "k1":
+        return -r
+    if estimator == "k2":
+        return 0.5 * r * r
+    return torch.exp(r) - r - 1
+
+
+def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch.Tensor | None = None,
+            ref_logp_L: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's summed loss (weighted per sample under "sequence" normalisation) and its figures."""
-    b = LossBatch(logp_L, mb.infer_logprobs, mb.advantages, mb.loss_mask, segment_ids(mb.position_ids), entropy_L)
+    b = LossBatch(logp_L, mb.infer_logprobs, mb.advantages, mb.loss_mask, segment_ids(mb.position_ids), entropy_L,
+                  ref_logp_L)
     fn = objective(cfg.correction)
     if cfg.correction in BUILTIN:
         (loss_L, keep), extra = fn(b, cfg), {}
@@ -190,6 +203,10 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg,
         loss_L, keep, extra = user_terms(fn, b, cfg)
     if entropy_L is not None and cfg.entropy_coef:
         loss_L = loss_L - cfg.entropy_coef * entropy_L
+    if ref_logp_L is not None:
+        kl_L = kl_to_reference(logp_L, ref_logp_L, cfg.kl_estimator)
+        loss_L = loss_L + cfg.kl_coef * kl_L
+        extra = {**extra, "kl_ref": kl_L.detach()[b.mask].double().sum()}
     if cfg.normalization() == "sequence":
         loss_L = loss_L / sequence_tokens(b)
     stats = {**mismatch_stats(logp_L, mb), **extra, "masked_tokens": (b.mask & ~keep).sum().float(),

@@ -29,10 +29,12 @@ from prl.transport.batch import MicroBatch, rows_by_sample
 
 
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
-                     device: torch.device, seq=None, norm_constant: float | None = None) -> dict[str, float]:
+                     device: torch.device, seq=None, norm_constant: float | None = None,
+                     reference=None) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
     With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`).
-    `norm_constant`: the divisor of trainer.loss.normalize = "constant"."""
+    `norm_constant`: the divisor of trainer.loss.normalize = "constant"; `reference`: the frozen
+    reference policy of trainer.loss.kl_coef (parallelized as `model`), its forward without gradient."""
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
     mode = tcfg.loss.normalization() if kind == "rl" else "token"
     divisor = step_divisor(rows, mode, norm_constant, device)
@@ -48,14 +50,15 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
         # the routers and the attention there
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
               cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
-            with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens, entropy=kind == "rl"):
-                position_ids = mb.position_ids.view(-1, width)
-                mask = trees.attention_mask(model, position_ids) if seq is None else None  # CP: its own masks
-                out = model(input_ids=mb.input_ids.view(-1, width), position_ids=position_ids,
-                            attention_mask=mask, use_cache=False)
-            per_token = out.logits.reshape(-1, out.logits.shape[-1])  # logprobs (and entropies), in mb's token order
-            loss_sum, stats = (rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1]) if kind == "rl"
-                               else sft_loss(per_token[:, 0], mb))
+            per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
+            if kind == "rl":
+                ref = None
+                if reference is not None:
+                    with torch.no_grad():
+                        ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
+                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref)
+            else:
+                loss_sum, stats = sft_loss(per_token[:, 0], mb)
             if replay:
                 stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, replay.agreement())
             (loss_sum * scale).backward()
@@ -69,6 +72,17 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     packed = torch.stack([totals[k] for k in keys])
     dist.all_reduce(packed)
     return {**dict(zip(keys, packed.tolist())), "loss_divisor": divisor}
+
+
+def token_outputs(model, mb: MicroBatch, width: int, seq, temperature: float, chunk: int,
+                  entropy: bool = False) -> torch.Tensor:
+    """[L, 1] logprobs of mb's targets ([L, 2] with each token's entropy), in mb's token order."""
+    with head.targets(model, mb.target_ids, temperature, chunk, entropy=entropy):
+        position_ids = mb.position_ids.view(-1, width)
+        mask = trees.attention_mask(model, position_ids) if seq is None else None  # CP: its own masks
+        out = model(input_ids=mb.input_ids.view(-1, width), position_ids=position_ids, attention_mask=mask,
+                    use_cache=False)
+    return out.logits.reshape(-1, out.logits.shape[-1])
 
 
 def step_divisor(rows, mode: str, constant: float | None, device) -> float:
