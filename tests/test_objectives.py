@@ -148,7 +148,7 @@ def test_a_users_objective_runs_and_is_checked_at_load():
     check_user_objective(cfg)
     loss, stats = rl_loss(logp, mb, cfg)
     want = -((mb.advantages - 0.1) * logp)[mb.loss_mask].sum()
-    assert float(loss) == pytest.approx(float(want)) and float(stats["mean_adv"]) == pytest.approx(
+    assert float(loss) == pytest.approx(float(want)) and float(stats["objective_mean_adv"]) == pytest.approx(
         float(mb.advantages[mb.loss_mask].sum()))
     with pytest.raises(ObjectiveError, match="must return the per-token loss"):
         check_user_objective(LossCfg(correction="test_objectives:not_a_tensor"))

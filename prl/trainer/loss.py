@@ -133,6 +133,9 @@ BUILTIN: dict[str, Callable] = {"tis": tis, "clip": clip, "cispo": cispo, "mask"
 assert set(BUILTIN) == set(BUILTIN_OBJECTIVES)
 
 
+USER_FIGURE = "objective_"  # a user objective's figures, summed over the step, logged under this prefix
+
+
 class ObjectiveError(ValueError):
     """A user's objective cannot be used; the message names `trainer.loss.correction`."""
 
@@ -161,7 +164,7 @@ def user_terms(fn: Callable, b: LossBatch, cfg: LossCfg):
         shape = tuple(loss_L.shape) if isinstance(loss_L, torch.Tensor) else type(loss_L).__name__
         raise ObjectiveError(f"trainer.loss.correction = {cfg.correction!r} must return the per-token loss, a tensor "
                              f"of shape {tuple(b.logp.shape)} with a gradient from batch.logp; got {shape}")
-    return loss_L, b.mask, {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in extra.items()}
+    return loss_L, b.mask, {f"{USER_FIGURE}{k}": torch.as_tensor(v, dtype=torch.float32).detach() for k, v in extra.items()}
 
 
 def check_user_objective(cfg: LossCfg) -> None:

@@ -27,6 +27,7 @@ from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
 from prl.trainer.ledger import read_ledger, record
+from prl.trainer.loss import USER_FIGURE
 from prl.trainer.model_setup import setup_model
 from prl.trainer.step import forward_backward
 from prl.transport.batch import MicroBatch, Sample, pack
@@ -246,6 +247,7 @@ class Trainer:
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
+            **{k: v for k, v in stats.items() if k.startswith(USER_FIGURE)},
         )
 
     def receive(self, step: int) -> tuple[list[MicroBatch], tuple[int, list[int]], list[int], bool]:
