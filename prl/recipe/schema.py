@@ -284,6 +284,23 @@ class RlCfg(Section):
     tokens: its own outcome against the same turn of the group's other members; `code` scores each attempt, `tools`
     compares a turn only with members that got the same tool results before it;
     prl.orchestrator.orchestrator.turn_advantages)."""
+    filter_groups: Literal["none", "uniform"] = "none"
+    """Online difficulty filtering (DAPO's dynamic sampling): "uniform" drops a completed group whose rewards are all
+    equal (or spread no more than filter_min_std), which carries no learning signal; its prompt counts as consumed and a
+    replacement group starts, so batches stay full of groups that teach (prl.orchestrator.buffer.GroupFilter)."""
+    filter_min_std: float = Field(0.0, ge=0)
+    """With filter_groups = "uniform": a group whose rewards' population standard deviation is at most this is dropped
+    (at most, so the default 0 drops exactly the groups of equal rewards)."""
+    max_filtered_per_step: int | None = Field(None, ge=0)
+    """With filter_groups = "uniform": the most groups dropped while one step's batch is assembled; past it uniform
+    groups are trained (counted as groups_uniform), so a task too easy or too hard still trains every step. Unset: a
+    step's groups (batch_size / group_size); 0: none dropped, only counted."""
+
+    def filter_bound(self) -> int:
+        """Groups filtering may drop per step (`max_filtered_per_step`; 0 when filtering is off)."""
+        if self.filter_groups == "none":
+            return 0
+        return self.batch_size // self.group_size if self.max_filtered_per_step is None else self.max_filtered_per_step
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -296,6 +313,9 @@ class RlCfg(Section):
                 f"rl.max_inflight_rollouts ({self.max_inflight_rollouts}) must be >= rl.group_size "
                 f"({self.group_size}), or no group can ever start"
             )
+        if self.filter_groups == "none" and (self.filter_min_std or self.max_filtered_per_step is not None):
+            raise ValueError("rl.filter_min_std and rl.max_filtered_per_step apply to rl.filter_groups = 'uniform': "
+                             "set it, or leave them unset")
         return self
 
 
@@ -325,7 +345,7 @@ class EvalCfg(Section):
     """Examples in the set: indices first_index .. first_index + examples - 1 of the task."""
     first_index: int | None = Field(None, ge=0)
     """The set's first example index; unset: 1000000000 for the recipe's own task (training reaches rl.max_steps x
-    rl.batch_size / rl.group_size indices, refused if it could reach this one), 0 for a task of the set's own."""
+    (rl.batch_size / rl.group_size + the groups filtering may drop) indices, refused if it could reach this one), 0 for a task of the set's own."""
     samples: int = Field(1, gt=0, le=256)
     """Completions sampled per example (n of pass@k)."""
     pass_k: list[int] = [1]
@@ -1093,10 +1113,11 @@ class Recipe(Section):
         return sorted({p for ev in self.eval.values() for p in ev.points(self.rl.max_steps)})
 
     def training_reach(self) -> int:
-        """Example indices the training data can reach: every step's groups and the overprovisioned ones (a
-        stale group dropped takes one more, refused at run time should it reach an eval set)."""
+        """Example indices the training data can reach: every step's groups, the overprovisioned ones and the
+        groups filtering may drop (`RlCfg.filter_bound` per step); a stale group dropped takes one more, refused
+        at run time should it reach an eval set."""
         groups = self.rl.batch_size // self.rl.group_size
-        return self.rl.max_steps * groups + math.ceil(self.rl.overprovision * groups)
+        return self.rl.max_steps * (groups + self.rl.filter_bound()) + math.ceil(self.rl.overprovision * groups)
 
 
 def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
@@ -1114,7 +1135,7 @@ def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
     start, reach = ev.start(recipe.task), recipe.training_reach()
     if not own_task and start < reach:
         raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
-                         f"rl.batch_size / rl.group_size, with rl.overprovision): leave it unset, or set it >= {reach}")
+                         f"rl.batch_size / rl.group_size, with rl.overprovision and rl.max_filtered_per_step): leave it unset, or set it >= {reach}")
     env = ev.env or recipe.env
     if env.env_class().needs_sandbox and not recipe.env.env_class().needs_sandbox:
         raise ValueError(f"{key}.env: env.kind = {env.kind!r} runs model-written code, and the run starts sandbox "
