@@ -6,7 +6,10 @@ computed it next to the sample's own (the engine's, with `--samples`), gathered 
 each rank's logprob of every token it holds, per micro-batch (`rows`: [rank][micro-batch]).
 
     torchrun --nproc-per-node N tests/dist_step.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}, ...}' [--replay]
-        [--samples SAMPLES.pt] [--cp-adapter] [--count]
+        [--samples SAMPLES.pt] [--cp-adapter] [--count] [--reference]
+
+`--reference`: a frozen reference policy (the tiny model at another seed, parallelized as the policy)
+for trainer.loss.kl_coef.
 """
 
 import json
@@ -83,10 +86,10 @@ def record_logprobs(seen: list, rows: list) -> None:
 
     loss = step_module.rl_loss
 
-    def recording(logp, mb, cfg):
+    def recording(logp, mb, cfg, *rest):
         seen.append(torch.stack([logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask]]).detach().float().cpu())
         rows.append(logp.detach().float().cpu())
-        return loss(logp, mb, cfg)
+        return loss(logp, mb, cfg, *rest)
 
     step_module.rl_loss = recording
 
@@ -147,7 +150,10 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     rows: list[torch.Tensor] = []
     record_logprobs(seen, rows)
     before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
-    stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq)
+    reference = None
+    if "--reference" in sys.argv:
+        reference = Parallel(build_model(model_dir, seed=1), dims, tcfg).model.requires_grad_(False)
+    stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq, reference=reference)
     if counts is not None:
         stats["collectives_per_attention_forward"] = counts
     grads, grad_norm = optimizer_step(par, tcfg)

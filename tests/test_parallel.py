@@ -75,6 +75,20 @@ def test_expert_parallel_matches_one_rank(model_dir, tmp_path, replay):
         assert_same_step(one, step(model_dir, tmp_path, 2, {"parallel": {"ep": 1}}, replay), "ep=1 on 2 ranks")
 
 
+def test_objectives_and_the_kl_reference_match_one_rank(model_dir, tmp_path):
+    """GSPO (whole samples per rank) with an entropy bonus and a KL term to a frozen reference policy
+    (sharded like the policy): the same loss, KL, entropy and gradients under expert parallelism and
+    FSDP over 2 ranks as on one."""
+    loss = {"loss": {"correction": "gspo", "gspo_clip_low": 0.5, "gspo_clip_high": 0.5, "kl_coef": 0.5,
+                     "kl_estimator": "k3", "entropy_coef": 0.01}}
+    one = step(model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0, **loss}, False, "--reference")
+    two = step(model_dir, tmp_path, 2, {"parallel": {"ep": 2}, **loss}, False, "--reference")
+    assert one["stats"]["kl_ref"] > 0 and one["stats"]["entropy"] > 0
+    for k in ("kl_ref", "entropy", "sequences"):
+        assert two["stats"][k] == pytest.approx(one["stats"][k], rel=1e-5), k
+    assert_same_step(one, two, "gspo + entropy + KL to the reference, ep=2 on 2 ranks")
+
+
 def test_fp8_expert_stacks_split_over_expert_parallel_ranks(model_dir, tmp_path):
     """trainer.fp8 with ep = 2: each rank runs its slice of an FP8 stack through the same block-FP8
     GEMMs as one rank. Forward and the gradients flowing back through the experts use tiles along each

@@ -47,7 +47,7 @@ def test_one_table():
                                                                  .model_fields["loss"].annotation.model_fields)
     assert all(k.startswith("trainer.loss.") for k in keys), keys
     assert "## [trainer.loss]" in text and "## [trainer]" not in text
-    assert '"tis" | "clip" | "mask" | "seq_mask" | "none"' in text and 'default `"clip"`' in text
+    assert '"gspo"' in text and 'default `"clip"`' in text
     trainer = keys_text("trainer")  # a table brings the tables under it
     assert "trainer.lr" in trainer and "trainer.parallel.ep" in trainer and "inference." not in trainer
 

@@ -146,7 +146,19 @@ def preflight(recipe: Recipe) -> None:
     check_backend(recipe, folder)
     check_kv_pool(recipe)
     check_task(recipe)
+    check_objective(recipe)
     check_wandb(recipe)
+
+
+def check_objective(recipe: Recipe) -> None:
+    """A user's objective (`trainer.loss.correction = "module:function"`) imports and, on a small batch,
+    returns a per-token loss with a gradient; else one line naming the key, before anything starts."""
+    from prl.trainer.loss import ObjectiveError, check_user_objective
+
+    try:
+        check_user_objective(recipe.trainer.loss)
+    except ObjectiveError as e:
+        raise RecipeError(f"{e}; nothing was started") from None
 
 
 def check_kv_pool(recipe: Recipe) -> None:

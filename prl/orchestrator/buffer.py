@@ -10,11 +10,16 @@ batch for step s is assembled, and counted:
   longest trajectories are the likeliest to be dropped, which `LengthLedger` makes visible.
 Trajectories still running when new weights arrive always continue under them (in-flight updates),
 each token keeping the version that sampled it.
+
+Difficulty filtering (`rl.filter_groups`, `GroupFilter`) decides before a completed group enters the
+buffer: a group whose rewards do not spread carries no learning signal and is dropped, a bounded
+number per step, its prompt consumed like a stale group's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -97,11 +102,51 @@ def decile(n: int, edges: list[float]) -> int:
     return sum(n >= e for e in edges)
 
 
+def uniform(group: Group, min_std: float = 0.0) -> bool:
+    """The group's rewards spread no more than `min_std` (population std; equal rewards give exactly 0,
+    `statistics` sums exactly): its advantages are 0, or nearly, so it teaches nothing."""
+    return statistics.pstdev([s.reward for s in group.samples]) <= min_std
+
+
+class GroupFilter:
+    """`rl.filter_groups = "uniform"` (DAPO's dynamic sampling): drops completed groups that are
+    `uniform`, at most `bound` while one step's batch is assembled (from the previous batch shipped to
+    this one). Past the bound uniform groups are trained, so a run whose every group is uniform (a task
+    too easy or too hard) still trains each step with a full batch instead of sampling forever; the
+    dropped prompts count as consumed in the data cursor of the next batch shipped. Nothing is dropped
+    once the last step shipped (no batch would use the replacement)."""
+
+    def __init__(self, mode: str, min_std: float, bound: int, max_steps: int):
+        self.on, self.min_std, self.bound, self.max_steps = mode == "uniform", min_std, bound, max_steps
+        self.step = 0  # the step whose batch is being assembled
+        self.dropped: list[int] = []  # prompt indices dropped while assembling it
+        self.total = 0  # dropped by this orchestrator
+
+    def drops(self, group: Group) -> bool:
+        """Whether to drop `group` (counted when it is)."""
+        if not self.on or self.step >= self.max_steps or len(self.dropped) >= self.bound:
+            return False
+        if not uniform(group, self.min_std):
+            return False
+        self.dropped.append(group.prompt_index)
+        self.total += 1
+        return True
+
+    def shipped(self, step: int) -> dict:
+        """The batch of `step` ships: what was dropped while assembling it (`orch_step` fields); the
+        next step starts counting from 0."""
+        fields = {"groups_filtered": len(self.dropped), "groups_filtered_total": self.total,
+                  "filtered_prompts": self.dropped}
+        self.step, self.dropped = step + 1, []
+        return fields
+
+
 class GroupBuffer:
-    def __init__(self, max_off_policy_steps: int, policy: str = "mask"):
+    def __init__(self, max_off_policy_steps: int, policy: str = "mask", group_filter: GroupFilter | None = None):
         if policy not in POLICIES:
             raise ValueError(f"stale policy {policy!r}: expected one of {POLICIES}")
         self.max_off_policy_steps, self.policy = max_off_policy_steps, policy
+        self.filter = group_filter or GroupFilter("none", 0.0, 0, 0)
         self.groups: list[Group] = []
         self.dropped_samples = 0
         self.lengths = LengthLedger()
@@ -109,9 +154,13 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self.groups)
 
-    def add(self, group: Group) -> None:
-        self.groups.append(group)
+    def add(self, group: Group) -> bool:
+        """Buffer a completed group; False when the filter drops it (the caller consumes its prompt)."""
         self.lengths.completed(group)
+        if self.filter.drops(group):
+            return False
+        self.groups.append(group)
+        return True
 
     def drop_stale(self, step: int) -> list[Group]:
         """Under the "drop" policy: drop and return the groups too old to train at `step`."""
@@ -141,7 +190,7 @@ class GroupBuffer:
 
 
 class DataCursor:
-    """Which prompt indices the run has consumed (trained, or dropped as stale): every index below
+    """Which prompt indices the run has consumed (trained, or dropped as stale or filtered): every index below
     `position`, and `ahead` past it. Groups finish out of order (more so with `rl.overprovision`), so
     a batch may train index 9 while 7 is still running: a restart continues at `position` and skips
     `ahead`, so no prompt is lost and none trained twice."""

@@ -7,6 +7,8 @@ environment's. Rules:
   s - max_async_level (0 = synchronous); a token more than max_off_policy_steps behind the step
   that trains it is masked, corrected or its group dropped, as `rl.stale_policy` says, and counted
   (`GroupBuffer`); every step reports the lengths generated and trained (the policy's length bias);
+- a group whose rewards do not spread is dropped before the buffer and replaced, a bounded number
+  per step, as `rl.filter_groups` says (`GroupFilter`), its prompt consumed;
 - rollouts in flight follow the servers' KV usage (`InflightBudget`), at most max_inflight_rollouts;
 - a new policy is relayed to every server as soon as the trainer seals it;
 - batches go to the trainer endpoint (rank 0), which also says where a resumed run starts;
@@ -28,7 +30,7 @@ from prl.evaluation.sets import build_sets
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
-from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer
+from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer, GroupFilter, uniform
 from prl.orchestrator.evals import InRunEvals
 from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
@@ -162,7 +164,8 @@ class Orchestrator:
                                cfg.startup_timeout_s, prefill=cfg.prefill_servers)
         self.trainer = TrainerClient(cfg.trainer_url, cfg.secret(), hang_timeout_s=r.run.hang_timeout_s,
                                      on_hang=self.trainer_hung, locate=self.locator("trainer", cfg.trainer_url))
-        self.buffer = GroupBuffer(r.rl.max_off_policy_steps, r.rl.stale_policy)
+        self.buffer = GroupBuffer(r.rl.max_off_policy_steps, r.rl.stale_policy, GroupFilter(
+            r.rl.filter_groups, r.rl.filter_min_std, r.rl.filter_bound(), r.rl.max_steps))
         self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
                                      prefill=cfg.prefill_servers)
         self.pool.on_metrics = self.observe_kv
@@ -170,6 +173,7 @@ class Orchestrator:
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0
+        self.groups_started = 0  # since the last batch shipped
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
@@ -248,6 +252,7 @@ class Orchestrator:
         self.cursor = DataCursor(position, ahead)
         self.next_prompt = self.cursor.position
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
+        self.buffer.filter.step = self.start_step
         await self.pool.start(self.cfg.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         # groups for step s may start under version s - max_async_level (a restarted orchestrator
@@ -299,26 +304,36 @@ class Orchestrator:
             while True:
                 stale = self.buffer.drop_stale(step)
                 if stale:
-                    self.committed -= len(stale)  # frees budget: replacements start under newer weights
-                    self.cursor.consume(g.prompt_index for g in stale)
+                    self.release(stale)
                     dropped += sum(len(g.samples) for g in stale)
-                    self.changed.notify_all()
                 if self.error:
                     raise self.error
                 if len(self.buffer) >= self.groups_per_batch:
                     return *self.buffer.take(self.groups_per_batch, step), dropped
                 await self.changed.wait()
 
+    def release(self, groups: list[Group]) -> None:
+        """Groups that will never be trained (dropped as stale, or filtered): their prompts are consumed,
+        not retried, and their budget freed, so replacements start (under newer weights). Caller holds
+        `self.changed`."""
+        self.committed -= len(groups)
+        self.cursor.consume(g.prompt_index for g in groups)
+        self.changed.notify_all()
+
     async def ship(self, step: int, groups: list[Group], ages: dict, wait_s: float) -> None:
         samples = [s for g in groups for s in g.samples]
         self.cursor.consume(g.prompt_index for g in groups)  # groups finish out of order: see DataCursor
         position, ahead = self.cursor.state()
+        # read with the cursor, before any await: the groups filtered so far are those it consumed
+        counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
+                  "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
+        self.groups_started = 0
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
         batch = TrainBatch(step=step, micro_batches=rows,
                            data_position=position, data_ahead=ahead, prompt_indices=[g.prompt_index for g in groups])
         await self.trainer.send_batch(batch)
         env = summarize([i for g in groups for i in g.infos])
-        self.log_step(step, samples, batch.data_position, {**ages, **self.buffer.lengths.fields(samples), **env,
+        self.log_step(step, samples, batch.data_position, {**counts, **self.buffer.lengths.fields(samples), **env,
                                                             "data_ahead": len(ahead)}, wait_s)
 
     def log_step(self, step: int, samples: list[Sample], data_position: int, extra: dict, wait_s: float) -> None:
@@ -356,6 +371,7 @@ class Orchestrator:
                                        f"examples start: set its eval.<name>.first_index higher")
                 self.next_prompt = index + 1
                 self.committed += 1
+                self.groups_started += 1
                 self.inflight_groups += 1
                 self.rollouts.pending += 1
             task = asyncio.create_task(self.run_group(index))
@@ -374,8 +390,8 @@ class Orchestrator:
                 self.rollouts.pending -= 1
         async with self.changed:
             self.inflight_groups -= 1
-            if group:
-                self.buffer.add(group)
+            if group and not self.buffer.add(group):  # filtered: a replacement starts
+                self.release([group])
             self.changed.notify_all()
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:

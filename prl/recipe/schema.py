@@ -289,6 +289,23 @@ class RlCfg(Section):
     tokens: its own outcome against the same turn of the group's other members; `code` scores each attempt, `tools`
     compares a turn only with members that got the same tool results before it;
     prl.orchestrator.orchestrator.turn_advantages)."""
+    filter_groups: Literal["none", "uniform"] = "none"
+    """Online difficulty filtering (DAPO's dynamic sampling): "uniform" drops a completed group whose rewards are all
+    equal (or spread no more than filter_min_std), which carries no learning signal; its prompt counts as consumed and a
+    replacement group starts, so batches stay full of groups that teach (prl.orchestrator.buffer.GroupFilter)."""
+    filter_min_std: float = Field(0.0, ge=0)
+    """With filter_groups = "uniform": a group whose rewards' population standard deviation is at most this is dropped
+    (at most, so the default 0 drops exactly the groups of equal rewards)."""
+    max_filtered_per_step: int | None = Field(None, ge=0)
+    """With filter_groups = "uniform": the most groups dropped while one step's batch is assembled; past it uniform
+    groups are trained (counted as groups_uniform), so a task too easy or too hard still trains every step. Unset: a
+    step's groups (batch_size / group_size); 0: none dropped, only counted."""
+
+    def filter_bound(self) -> int:
+        """Groups filtering may drop per step (`max_filtered_per_step`; 0 when filtering is off)."""
+        if self.filter_groups == "none":
+            return 0
+        return self.batch_size // self.group_size if self.max_filtered_per_step is None else self.max_filtered_per_step
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -301,6 +318,9 @@ class RlCfg(Section):
                 f"rl.max_inflight_rollouts ({self.max_inflight_rollouts}) must be >= rl.group_size "
                 f"({self.group_size}), or no group can ever start"
             )
+        if self.filter_groups == "none" and (self.filter_min_std or self.max_filtered_per_step is not None):
+            raise ValueError("rl.filter_min_std and rl.max_filtered_per_step apply to rl.filter_groups = 'uniform': "
+                             "set it, or leave them unset")
         return self
 
 
@@ -330,7 +350,7 @@ class EvalCfg(Section):
     """Examples in the set: indices first_index .. first_index + examples - 1 of the task."""
     first_index: int | None = Field(None, ge=0)
     """The set's first example index; unset: 1000000000 for the recipe's own task (training reaches rl.max_steps x
-    rl.batch_size / rl.group_size indices, refused if it could reach this one), 0 for a task of the set's own."""
+    (rl.batch_size / rl.group_size + the groups filtering may drop) indices, refused if it could reach this one), 0 for a task of the set's own."""
     samples: int = Field(1, gt=0, le=256)
     """Completions sampled per example (n of pass@k)."""
     pass_k: list[int] = [1]
@@ -387,13 +407,22 @@ class EvalCfg(Section):
         return self.task is None or self.task.same_data(recipe_task)
 
 
-class LossCfg(Section):
-    """Off-policy correction between trainer and inference logprobs (see docs/architecture.md, "Loss")."""
+BUILTIN_OBJECTIVES = ("tis", "clip", "mask", "seq_mask", "none", "gspo", "gspo_token", "cispo")
+SEQUENCE_OBJECTIVES = ("seq_mask", "gspo")  # a sample's tokens share one ratio: a rank needs whole samples
 
-    correction: Literal["tis", "clip", "mask", "seq_mask", "none"] = "clip"
-    """How the loss treats the ratio of trainer to inference probability: "tis" (weighted by it, capped at tis_cap),
-    "clip" (as tis, and PPO's clip on it), "mask" (tokens outside [mask_low, mask_high] get no gradient), "seq_mask"
-    (whole samples masked by their geometric-mean ratio), "none"."""
+
+class LossCfg(Section):
+    """The RL objective: how the trainer's logprobs, the sampling policy's and the advantages make the loss (see
+    docs/objectives.md)."""
+
+    correction: str = "clip"
+    """The objective: "clip" (PPO's clip against the policy that sampled each token, its ratio capped at tis_cap),
+    "tis" (weighted by the ratio capped at tis_cap), "cispo" (weighted by the ratio clipped to [1 - cispo_clip_low,
+    1 + cispo_clip_high], gradient stopped: every token keeps its gradient), "gspo" (GSPO: one ratio per sample, the
+    geometric mean of its tokens', clipped in [1 - gspo_clip_low, 1 + gspo_clip_high]), "gspo_token" (GSPO-token: the
+    sample's ratio, each token's own advantage), "mask" (tokens outside [mask_low, mask_high] get no gradient),
+    "seq_mask" (whole samples masked by their geometric-mean ratio), "none", or your own as "module:function"
+    (docs/objectives.md gives its signature)."""
     tis_cap: float = Field(2.0, gt=0)
     """With correction "tis" or "clip": the importance ratio is capped here."""
     mask_low: float = Field(0.5, gt=0)
@@ -405,12 +434,58 @@ class LossCfg(Section):
     (PPO's clip on the ratio to the sampling policy)."""
     clip_high: float = Field(0.2, gt=0)
     """With correction "clip": a token with a positive advantage whose ratio is above 1 + clip_high gets no gradient."""
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1)
+    """With correction "gspo" or "gspo_token": a sample with a negative advantage whose sequence ratio is below 1 -
+    gspo_clip_low gets no gradient (GSPO's range is about a thousandth of PPO's: its ratio is a per-token mean)."""
+    gspo_clip_high: float = Field(4e-4, gt=0)
+    """With correction "gspo" or "gspo_token": a sample with a positive advantage whose sequence ratio is above 1 +
+    gspo_clip_high gets no gradient."""
+    cispo_clip_low: float = Field(1.0, gt=0, le=1)
+    """With correction "cispo": the weight is at least 1 - cispo_clip_low (1: no lower bound, as MiniMax-M1)."""
+    cispo_clip_high: float = Field(1.0, gt=0)
+    """With correction "cispo": the weight is at most 1 + cispo_clip_high (1: capped at 2, the same as "tis" at
+    tis_cap = 2)."""
+    normalize: Literal["auto", "token", "sequence", "constant"] = "auto"
+    """What the step's summed loss is divided by: "token" (the step's loss tokens, as DAPO), "sequence" (each
+    sample's loss is its tokens' mean, then the mean over the step's samples), "constant" (Dr. GRPO: rl.batch_size x
+    the longest completion, sampling.max_tokens, or env.max_total_tokens with turns), "auto" ("sequence" for "gspo",
+    as its paper; "token" otherwise). The trainer divides."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Adds kl_coef x a KL estimate to a frozen reference policy (the weights RL starts from, after the warm start)
+    on every loss token; 0: no reference is kept. The reference is sharded like the policy and costs one more
+    forward per micro-batch and its weights' memory (`prl plan` counts it)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The KL estimator, with r = log pi_ref - log pi: "k1" (-r), "k2" (r^2 / 2), "k3" (exp(r) - r - 1: unbiased,
+    never negative)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Adds -entropy_coef x the policy's mean token entropy to the loss (an entropy bonus; 0: entropy is logged, not
+    trained)."""
+
+    @field_validator("correction")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        if v in BUILTIN_OBJECTIVES:
+            return v
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"trainer.loss.correction = {v!r}: one of {', '.join(BUILTIN_OBJECTIVES)}, or your own "
+                             f"objective as 'module:function'")
+        return v
 
     @model_validator(mode="after")
     def _band(self):
         if self.mask_low >= self.mask_high:
             raise ValueError(f"trainer.loss.mask_low ({self.mask_low}) must be < mask_high ({self.mask_high})")
         return self
+
+    def normalization(self) -> str:
+        """`normalize` with "auto" resolved."""
+        if self.normalize != "auto":
+            return self.normalize
+        return "sequence" if self.correction == "gspo" else "token"
+
+    def whole_samples(self) -> bool:
+        """Whether a rank needs every token of a sample (no context parallelism)."""
+        return self.correction in SEQUENCE_OBJECTIVES or self.normalization() == "sequence"
 
 
 class ParallelCfg(Section):
@@ -551,9 +626,10 @@ class TrainerCfg(Section):
         if self.share_prompts and self.parallel.cp > 1:
             raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
                              "splits rows its own way and does not take the shared prompts' attention mask")
-        if self.loss.correction == "seq_mask" and self.parallel.cp > 1:
-            raise ValueError("trainer.loss.correction = 'seq_mask' needs trainer.parallel.cp = 1: a rank holds "
-                             "part of a sample there, and the mask needs the whole sample's mean ratio")
+        if self.loss.whole_samples() and self.parallel.cp > 1:
+            raise ValueError(f"trainer.loss.correction = {self.loss.correction!r} with trainer.loss.normalize = "
+                             f"{self.loss.normalize!r} needs trainer.parallel.cp = 1: a rank holds part of a sample "
+                             f"there, and the objective needs the whole sample's mean")
         return self
 
     @property
@@ -1028,6 +1104,9 @@ class Recipe(Section):
             raise ValueError(f"sft.steps: the warm start learns from demonstrations and env.kind = "
                              f"{self.env.kind!r} has none: set sft.steps = 0 (a tiny model's default is 40) or "
                              f"write demonstration(index)")
+        if self.rl.credit == "turn" and self.trainer.loss.correction == "gspo":
+            raise ValueError("trainer.loss.correction = 'gspo' gives each sample one advantage; rl.credit = 'turn' gives "
+                             "each turn its own: use 'gspo_token' (GSPO's token variant), or rl.credit = 'trajectory'")
         if self.rl.credit == "turn" and self.rl.loss_weighting == "sequence":
             raise ValueError("rl.loss_weighting = 'sequence' has no effect with rl.credit = 'turn' (each turn's tokens "
                              "carry their own advantage, compared within the same turn): use one of them")
@@ -1044,10 +1123,11 @@ class Recipe(Section):
         return sorted({p for ev in self.eval.values() for p in ev.points(self.rl.max_steps)})
 
     def training_reach(self) -> int:
-        """Example indices the training data can reach: every step's groups and the overprovisioned ones (a
-        stale group dropped takes one more, refused at run time should it reach an eval set)."""
+        """Example indices the training data can reach: every step's groups, the overprovisioned ones and the
+        groups filtering may drop (`RlCfg.filter_bound` per step); a stale group dropped takes one more, refused
+        at run time should it reach an eval set."""
         groups = self.rl.batch_size // self.rl.group_size
-        return self.rl.max_steps * groups + math.ceil(self.rl.overprovision * groups)
+        return self.rl.max_steps * (groups + self.rl.filter_bound()) + math.ceil(self.rl.overprovision * groups)
 
 
 def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
@@ -1070,7 +1150,7 @@ def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
     start, reach = ev.start(recipe.task), recipe.training_reach()
     if ev.draws_training_data(recipe.task) and start < reach:
         raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
-                         f"rl.batch_size / rl.group_size, with rl.overprovision): leave it unset, or set it >= {reach}")
+                         f"rl.batch_size / rl.group_size, with rl.overprovision and rl.max_filtered_per_step): leave it unset, or set it >= {reach}")
     env = ev.env or recipe.env
     if env.env_class().needs_sandbox and not recipe.env.env_class().needs_sandbox:
         raise ValueError(f"{key}.env: env.kind = {env.kind!r} runs model-written code, and the run starts sandbox "

@@ -72,6 +72,8 @@ def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int) -> dict[str, 
             (recipe.plan.expert_imbalance - 1) * rows * (3 * h + 4 * c["moe_intermediate_size"]) * cb,
         "logprob chunk (logits, softmax, grad)": chunk * c["vocab_size"] * 4 * 3,
     }
+    if t.loss.kl_coef:
+        out["KL reference weights (frozen, sharded as the policy)"] = (n.routed / par.ep + n.dense / world) * cb
     if kv.is_dsa(c):
         block = min(ATTENTION_BLOCK, tokens)
         # the scores summed so far and one head's, the masked copy, the sort's values and int64 indices

@@ -240,6 +240,18 @@ def _load_sharded(model, optimizer, path: Path) -> None:
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+def load_model_state(model, path: Path) -> None:
+    """The model weights (no optimizer) of the sealed checkpoint at `path` into `model`, on every rank: a
+    sharded one read shard by shard, a full one read by rank 0 and broadcast."""
+    if verify_dir(path, hash_only=set()).get("format") == "dcp":
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, storage_reader=FileSystemReader(str(path)))
+        set_model_state_dict(model, state["model"])
+        return
+    state = load_file(str(path / WEIGHTS_FILE)) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def _read_full(path: Path) -> tuple[dict, dict]:
     """(model state, optimizer state) of a verified full checkpoint."""
     try:

@@ -1,25 +1,56 @@
-"""Losses over packed micro-batches, summed over loss tokens (the caller normalises).
+"""RL objectives over packed micro-batches: a per-token loss, summed (the trainer divides).
 
-RL loss per completion token t, with d_t = logp_train - logp_infer and ratio_t = exp(d_t):
-    tis           : -min(ratio_t, C) * A * logp_train      (truncated importance sampling)
-    clip (default): PPO's clipped objective against the sampling policy: as tis, but a token whose
-                    ratio is already past 1 + clip_high (A > 0) or below 1 - clip_low (A < 0) gets no
-                    gradient: an update made since sampling has moved it far enough
-    mask          : -1[low <= ratio_t <= high] * A * logp_train   (tokens outside the band masked)
-    seq_mask      : -1[low <= exp(mean_seq d) <= high] * A * logp_train (whole sequences masked by
-                    their geometric-mean ratio)
-    none          : -A * logp_train
-The weights are detached, so the gradient is that of the importance-weighted policy gradient.
-The caller divides the summed loss by the loss tokens of the whole step across all ranks.
+With d_t = logp_t - logp_infer_t (the trainer's logprob minus that of the policy that sampled the
+token: in an async run, the policy "old" means), ratio_t = exp(d_t), A_t the advantage, sg[.] a
+stopped gradient, and a sample i's loss tokens y_i:
+    tis        : -sg[min(ratio_t, C)] A_t logp_t                        (truncated importance sampling)
+    clip       : as tis, but a token whose ratio is already past 1 + clip_high (A > 0) or below
+                 1 - clip_low (A < 0) gets no gradient (PPO's clip against the sampling policy)
+    cispo      : -sg[clip(ratio_t, 1 - eps_low, 1 + eps_high)] A_t logp_t   (CISPO, MiniMax-M1: every
+                 token keeps its gradient; eps_low = 1, eps_high = C - 1 is tis)
+    gspo       : s_i = exp(mean_{t in y_i} d_t), per sample: -min(s_i A_i, clip(s_i, 1 - e_low, 1 + e_high) A_i)
+                 (GSPO, Qwen: one ratio per sample, so one token's expert flip does not blow up its ratio;
+                 every token of y_i carries it, and "sequence" normalisation makes it the paper's mean)
+    gspo_token : s_i,t = sg[s_i] exp(logp_t - sg[logp_t]), -min(s_i,t A_t, clip(s_i,t) A_t) (GSPO-token:
+                 the value of s_i, each token's own advantage and gradient)
+    mask       : -1[low <= ratio_t <= high] A_t logp_t   (tokens outside the band masked)
+    seq_mask   : -1[low <= exp(mean_{y_i} d) <= high] A_t logp_t (whole samples masked)
+    none       : -A_t logp_t
+plus, on every loss token, -entropy_coef H_t (an entropy bonus) and kl_coef KL_t (a KL estimate to
+a frozen reference policy: `kl_to_reference`). A user's objective
+("module:function") gets a `LossBatch` and `LossCfg` and returns the per-token loss (or it and a
+dict of figures to sum and log).
+
+Normalisation (`LossCfg.normalization`): "token" sums the per-token loss and the trainer divides by
+the step's loss tokens; "sequence" weighs each token by 1 / its sample's loss tokens and the trainer
+divides by the step's samples; "constant" sums, the trainer divides by a fixed count.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from prl.recipe.schema import LossCfg
+from prl.recipe.schema import BUILTIN_OBJECTIVES, LossCfg
 from prl.transport.batch import MicroBatch
 from prl.transport.trees import segment_ids
+
+
+@dataclass
+class LossBatch:
+    """What an objective gets: one entry per token of a packed micro-batch (float tensors [L])."""
+
+    logp: torch.Tensor  # the policy's logprob of each token, with its gradient
+    infer_logp: torch.Tensor  # the logprob under the policy that sampled it (no gradient)
+    advantages: torch.Tensor  # per token (a sample's, or its turn's)
+    mask: torch.Tensor  # bool: a loss token (the model's, not stale-masked); the rest is context
+    sequence_ids: torch.Tensor  # long: the packed sample (or shared-prompt branch) each token belongs to
+    entropy: torch.Tensor | None = None  # the policy's entropy at each token (None where not computed)
+    ref_logp: torch.Tensor | None = None  # the reference policy's logprob (trainer.loss.kl_coef > 0), no gradient
 
 
 def token_logprobs(logits_LV: torch.Tensor, targets_L: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -40,39 +71,167 @@ def mismatch_stats(logp_L: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tens
     }
 
 
-def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    mask = mb.loss_mask
-    ratio = torch.exp(logp_L.detach() - mb.infer_logprobs)
-    if cfg.correction == "tis":
-        weight, keep = ratio.clamp(max=cfg.tis_cap), mask
-    elif cfg.correction == "clip":
-        adv = mb.advantages
-        past = ((adv > 0) & (ratio > 1 + cfg.clip_high)) | ((adv < 0) & (ratio < 1 - cfg.clip_low))
-        weight, keep = ratio.clamp(max=cfg.tis_cap), mask & ~past
-    elif cfg.correction == "mask":
-        weight, keep = torch.ones_like(ratio), mask & (ratio >= cfg.mask_low) & (ratio <= cfg.mask_high)
-    elif cfg.correction == "seq_mask":
-        seq_ratio = sequence_ratio(logp_L.detach() - mb.infer_logprobs, mb)
-        weight, keep = torch.ones_like(ratio), mask & (seq_ratio >= cfg.mask_low) & (seq_ratio <= cfg.mask_high)
+# ---- the objectives: (LossBatch, LossCfg) -> (per-token loss, tokens that keep a gradient) ----
+def ratio_of(b: LossBatch) -> torch.Tensor:
+    return torch.exp(b.logp.detach() - b.infer_logp)
+
+
+def tis(b: LossBatch, cfg: LossCfg):
+    return -ratio_of(b).clamp(max=cfg.tis_cap) * b.advantages * b.logp, b.mask
+
+
+def clip(b: LossBatch, cfg: LossCfg):
+    ratio, adv = ratio_of(b), b.advantages
+    past = ((adv > 0) & (ratio > 1 + cfg.clip_high)) | ((adv < 0) & (ratio < 1 - cfg.clip_low))
+    return -ratio.clamp(max=cfg.tis_cap) * adv * b.logp, b.mask & ~past
+
+
+def cispo(b: LossBatch, cfg: LossCfg):
+    weight = ratio_of(b).clamp(min=1 - cfg.cispo_clip_low, max=1 + cfg.cispo_clip_high)
+    return -weight * b.advantages * b.logp, b.mask
+
+
+def band_mask(b: LossBatch, cfg: LossCfg):
+    ratio = ratio_of(b)
+    return -b.advantages * b.logp, b.mask & (ratio >= cfg.mask_low) & (ratio <= cfg.mask_high)
+
+
+def seq_mask(b: LossBatch, cfg: LossCfg):
+    seq_ratio = torch.exp(sequence_mean(b.logp.detach() - b.infer_logp, b))
+    return -b.advantages * b.logp, b.mask & (seq_ratio >= cfg.mask_low) & (seq_ratio <= cfg.mask_high)
+
+
+def plain(b: LossBatch, cfg: LossCfg):
+    return -b.advantages * b.logp, b.mask
+
+
+def gspo(b: LossBatch, cfg: LossCfg):
+    return clipped_surrogate(torch.exp(sequence_mean(b.logp - b.infer_logp, b)), b.advantages, cfg), b.mask
+
+
+def gspo_token(b: LossBatch, cfg: LossCfg):
+    s = torch.exp(sequence_mean(b.logp.detach() - b.infer_logp, b)) * torch.exp(b.logp - b.logp.detach())
+    return clipped_surrogate(s, b.advantages, cfg), b.mask
+
+
+def clipped_surrogate(s: torch.Tensor, adv: torch.Tensor, cfg: LossCfg) -> torch.Tensor:
+    """-min(s A, clip(s, 1 - gspo_clip_low, 1 + gspo_clip_high) A), per token."""
+    return -torch.minimum(s * adv, s.clamp(1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high) * adv)
+
+
+def sequence_mean(values_L: torch.Tensor, b: LossBatch) -> torch.Tensor:
+    """The mean of `values` over each sample's loss tokens, broadcast back to its tokens (differentiable)."""
+    seq, m = b.sequence_ids, b.mask.to(values_L.dtype)
+    n = int(seq.max()) + 1
+    sums = torch.zeros(n, dtype=values_L.dtype, device=values_L.device).index_add(0, seq, values_L * m)
+    counts = torch.zeros(n, dtype=values_L.dtype, device=values_L.device).index_add(0, seq, m)
+    return (sums / counts.clamp(min=1))[seq]
+
+
+BUILTIN: dict[str, Callable] = {"tis": tis, "clip": clip, "cispo": cispo, "mask": band_mask, "seq_mask": seq_mask,
+                                "none": plain, "gspo": gspo, "gspo_token": gspo_token}
+assert set(BUILTIN) == set(BUILTIN_OBJECTIVES)
+
+
+USER_FIGURE = "objective_"  # a user objective's figures, summed over the step, logged under this prefix
+
+
+class ObjectiveError(ValueError):
+    """A user's objective cannot be used; the message names `trainer.loss.correction`."""
+
+
+@functools.cache
+def objective(name: str) -> Callable:
+    """The function `trainer.loss.correction` names."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, _, fn_name = name.partition(":")
+    key = f"trainer.loss.correction = {name!r}"
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises, in one line
+        raise ObjectiveError(f"{key}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ObjectiveError(f"{key}: not a function")
+    return fn
+
+
+def user_terms(fn: Callable, b: LossBatch, cfg: LossCfg):
+    """A user's objective's per-token loss, its extra figures, checked (an ObjectiveError naming the key)."""
+    out = fn(b, cfg)
+    loss_L, extra = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss_L, torch.Tensor) or loss_L.shape != b.logp.shape or not loss_L.requires_grad:
+        shape = tuple(loss_L.shape) if isinstance(loss_L, torch.Tensor) else type(loss_L).__name__
+        raise ObjectiveError(f"trainer.loss.correction = {cfg.correction!r} must return the per-token loss, a tensor "
+                             f"of shape {tuple(b.logp.shape)} with a gradient from batch.logp; got {shape}")
+    return loss_L, b.mask, {f"{USER_FIGURE}{k}": torch.as_tensor(v, dtype=torch.float32).detach() for k, v in extra.items()}
+
+
+def check_user_objective(cfg: LossCfg) -> None:
+    """Import a user's objective and run it on two small samples (an ObjectiveError naming the key if it
+    cannot be used); built-ins pass."""
+    if cfg.correction in BUILTIN:
+        return
+    logp = torch.full((6,), -1.0, requires_grad=True)
+    b = LossBatch(logp, torch.full((6,), -1.1), torch.tensor([0.5] * 3 + [-0.5] * 3),
+                  torch.tensor([False, True, True, False, True, True]), torch.tensor([0, 0, 0, 1, 1, 1]))
+    try:
+        user_terms(objective(cfg.correction), b, cfg)
+    except ObjectiveError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code, named in one line
+        raise ObjectiveError(f"trainer.loss.correction = {cfg.correction!r} failed on a small batch: "
+                             f"{type(e).__name__}: {e}") from None
+
+
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per token, with r = log pi_ref - log pi: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - r - 1."""
+    r = ref_logp - logp
+    if estimator == "k1":
+        return -r
+    if estimator == "k2":
+        return 0.5 * r * r
+    return torch.exp(r) - r - 1
+
+
+def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch.Tensor | None = None,
+            ref_logp_L: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's summed loss (weighted per sample under "sequence" normalisation) and its figures."""
+    b = LossBatch(logp_L, mb.infer_logprobs, mb.advantages, mb.loss_mask, segment_ids(mb.position_ids), entropy_L,
+                  ref_logp_L)
+    fn = objective(cfg.correction)
+    if cfg.correction in BUILTIN:
+        (loss_L, keep), extra = fn(b, cfg), {}
     else:
-        weight, keep = torch.ones_like(ratio), mask
-    loss_sum = -(weight * mb.advantages * logp_L)[keep].sum()
-    stats = mismatch_stats(logp_L, mb)
-    stats["masked_tokens"] = (mask & ~keep).sum().float()
+        loss_L, keep, extra = user_terms(fn, b, cfg)
+    if entropy_L is not None and cfg.entropy_coef:
+        loss_L = loss_L - cfg.entropy_coef * entropy_L
+    if ref_logp_L is not None:
+        kl_L = kl_to_reference(logp_L, ref_logp_L, cfg.kl_estimator)
+        loss_L = loss_L + cfg.kl_coef * kl_L
+        extra = {**extra, "kl_ref": kl_L.detach()[b.mask].double().sum()}
+    if cfg.normalization() == "sequence":
+        loss_L = loss_L / sequence_tokens(b)
+    stats = {**mismatch_stats(logp_L, mb), **extra, "masked_tokens": (b.mask & ~keep).sum().float(),
+             "sequences": sequence_count(b.mask, b.sequence_ids)}
     capped = cfg.correction in ("tis", "clip")
-    stats["truncated_tokens"] = ((ratio > cfg.tis_cap) & keep).sum().float() if capped else 0 * stats["loss_tokens"]
-    return loss_sum, stats
+    stats["truncated_tokens"] = ((ratio_of(b) > cfg.tis_cap) & keep).sum().float() if capped else 0 * stats["loss_tokens"]
+    if entropy_L is not None:
+        stats["entropy"] = entropy_L.detach()[b.mask].double().sum()
+    return loss_L[keep].sum(), stats
 
 
-def sequence_ratio(d_L: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """exp(mean of d over each packed sample's loss tokens), broadcast back to its tokens (a member of
-    a shared-prompt tree is its branch: its root carries no loss)."""
-    seg = segment_ids(mb.position_ids)
-    n = int(seg.max()) + 1
-    m = mb.loss_mask.float()
-    sums = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, d_L * m)
-    counts = torch.zeros(n, dtype=d_L.dtype).scatter_add(0, seg, m)
-    return torch.exp(sums / counts.clamp(min=1))[seg]
+def sequence_tokens(b: LossBatch) -> torch.Tensor:
+    """Each token's sample's loss tokens (at least 1)."""
+    n = int(b.sequence_ids.max()) + 1
+    m = b.mask.float()
+    counts = torch.zeros(n, dtype=m.dtype, device=m.device).index_add(0, b.sequence_ids, m)
+    return counts.clamp(min=1)[b.sequence_ids]
+
+
+def sequence_count(mask: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """The samples (or shared-prompt branches) with at least one loss token."""
+    return torch.unique(seq[mask]).numel() * torch.ones((), dtype=torch.float32)
 
 
 def sft_loss(logp_L: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -46,3 +46,12 @@ def setup_model(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, dev
         par.model.to_empty(device=device)
         read = load_sharded(par.model, Path(model_dir))
     return TrainedModel(par, replay, report, read)
+
+
+def setup_reference(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, device: torch.device,
+                    seed: int = 0):
+    """The frozen reference policy of trainer.loss.kl_coef: built and parallelized as the policy (FSDP2, EP,
+    CP, FP8), no gradients; its weights are loaded by the caller."""
+    ref = setup_model(model_dir, tcfg, dims, device, seed=seed).par.model
+    ref.requires_grad_(False)
+    return ref

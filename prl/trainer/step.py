@@ -29,14 +29,17 @@ from prl.transport.batch import MicroBatch, rows_by_sample
 
 
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
-                     device: torch.device, seq=None) -> dict[str, float]:
+                     device: torch.device, seq=None, norm_constant: float | None = None,
+                     reference=None) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
-    With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`)."""
+    With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`).
+    `norm_constant`: the divisor of trainer.loss.normalize = "constant"; `reference`: the frozen
+    reference policy of trainer.loss.kl_coef (parallelized as `model`), its forward without gradient."""
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
-    local_tokens = torch.tensor(float(sum(mb.loss_tokens for mb, _, _ in rows)), device=device)
-    dist.all_reduce(local_tokens)
-    # FSDP averages gradients over `grad_divisor` ranks: undo it, so the step's loss is one sum / tokens
-    scale = tcfg.parallel.dims(dist.get_world_size()).grad_divisor / max(float(local_tokens), 1.0)
+    mode = tcfg.loss.normalization() if kind == "rl" else "token"
+    divisor = step_divisor(rows, mode, norm_constant, device)
+    # FSDP averages gradients over `grad_divisor` ranks: undo it, so the step's loss is one sum / divisor
+    scale = tcfg.parallel.dims(dist.get_world_size()).grad_divisor / divisor
     totals: dict[str, torch.Tensor] = {}
     for mb, segments, positions in rows:
         tokens = mb.input_ids.numel()
@@ -47,13 +50,15 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
         # the routers and the attention there
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
               cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
-            with head.targets(model, mb.target_ids, temperature, tcfg.logprob_chunk_tokens):
-                position_ids = mb.position_ids.view(-1, width)
-                mask = trees.attention_mask(model, position_ids) if seq is None else None  # CP: its own masks
-                out = model(input_ids=mb.input_ids.view(-1, width), position_ids=position_ids,
-                            attention_mask=mask, use_cache=False)
-            logp = out.logits.reshape(-1)  # the head's [1, L, 1] logprobs, in the order of mb's tokens
-            loss_sum, stats = rl_loss(logp, mb, tcfg.loss) if kind == "rl" else sft_loss(logp, mb)
+            per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
+            if kind == "rl":
+                ref = None
+                if reference is not None:
+                    with torch.no_grad():
+                        ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
+                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref)
+            else:
+                loss_sum, stats = sft_loss(per_token[:, 0], mb)
             if replay:
                 stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, replay.agreement())
             (loss_sum * scale).backward()
@@ -66,4 +71,32 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     keys = sorted(totals)
     packed = torch.stack([totals[k] for k in keys])
     dist.all_reduce(packed)
-    return dict(zip(keys, packed.tolist()))
+    return {**dict(zip(keys, packed.tolist())), "loss_divisor": divisor}
+
+
+def token_outputs(model, mb: MicroBatch, width: int, seq, temperature: float, chunk: int,
+                  entropy: bool = False) -> torch.Tensor:
+    """[L, 1] logprobs of mb's targets ([L, 2] with each token's entropy), in mb's token order."""
+    with head.targets(model, mb.target_ids, temperature, chunk, entropy=entropy):
+        position_ids = mb.position_ids.view(-1, width)
+        mask = trees.attention_mask(model, position_ids) if seq is None else None  # CP: its own masks
+        out = model(input_ids=mb.input_ids.view(-1, width), position_ids=position_ids, attention_mask=mask,
+                    use_cache=False)
+    return out.logits.reshape(-1, out.logits.shape[-1])
+
+
+def step_divisor(rows, mode: str, constant: float | None, device) -> float:
+    """What the step's summed loss is divided by, over all ranks: its loss tokens, its samples with loss
+    tokens ("sequence"), or `constant`."""
+    if mode == "constant":
+        if not constant:
+            raise ValueError("trainer.loss.normalize = 'constant' needs the trainer's constant divisor")
+        return float(constant)
+    count = (lambda mb: float(mb.loss_tokens)) if mode == "token" else sequences_with_loss
+    local = torch.tensor(sum(count(mb) for mb, _, _ in rows), device=device, dtype=torch.float64)
+    dist.all_reduce(local)
+    return max(float(local), 1.0)
+
+
+def sequences_with_loss(mb: MicroBatch) -> float:
+    return float(torch.unique(trees.segment_ids(mb.position_ids)[mb.loss_mask]).numel())

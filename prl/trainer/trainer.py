@@ -27,6 +27,7 @@ from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
 from prl.trainer.ledger import read_ledger, record
+from prl.trainer.loss import USER_FIGURE
 from prl.trainer.model_setup import setup_model
 from prl.trainer.step import forward_backward
 from prl.transport.batch import MicroBatch, Sample, pack
@@ -154,6 +155,7 @@ class Trainer:
             start, self.data_position, self.data_ahead = meta["step"], meta["data_position"], meta.get("data_ahead", [])
             self.resume_schedule(start)
             self.log_main("resumed", step=start, path=meta["path"])
+        self.reference = self.make_reference()
         self.ledger = read_ledger(self.run_dir) if self.rank == 0 else {}
         if self.endpoint:
             self.endpoint.set_base(start, self.data_position, self.data_ahead)
@@ -170,6 +172,19 @@ class Trainer:
                 self.log_main("trainer", state="waiting for the final evals")
                 self.endpoint.wait_finished(self.rl.max_steps)
             self.endpoint.stop()
+
+    def make_reference(self):
+        """trainer.loss.kl_coef > 0: the policy RL starts from (the step-0 checkpoint, after the warm start),
+        frozen and sharded as the policy; None otherwise."""
+        if not self.tcfg.loss.kl_coef:
+            return None
+        from prl.trainer.checkpoint import load_model_state
+        from prl.trainer.model_setup import setup_reference
+
+        ref = setup_reference(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed)
+        load_model_state(ref, self.run_dir / "checkpoints" / "step_0")
+        self.log_main("reference", state="loaded", path=str(self.run_dir / "checkpoints" / "step_0"))
+        return ref
 
     def checkpoints_at(self, version: int) -> bool:
         """The last step, every trainer.checkpoint_every, and each step an eval set scores (so `prl eval` can
@@ -224,13 +239,15 @@ class Trainer:
             self.ledger[step] = prompts
         n = max(stats["loss_tokens"], 1)
         self.log_main(
-            "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / n,
+            "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / stats["loss_divisor"],
+            entropy=stats["entropy"] / n, kl_ref=stats["kl_ref"] / n if "kl_ref" in stats else None,
             mismatch_kl=stats["mismatch_kl"] / n, extreme_token_frac=stats["extreme_tokens"] / n,
             masked_frac=stats["masked_tokens"] / n, truncated_frac=stats["truncated_tokens"] / n,
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
+            **{k: v for k, v in stats.items() if k.startswith(USER_FIGURE)},
         )
 
     def receive(self, step: int) -> tuple[list[MicroBatch], tuple[int, list[int]], list[int], bool]:
@@ -254,7 +271,9 @@ class Trainer:
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
         temperature = self.temperature if kind == "rl" else 1.0
-        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq)
+        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
+                                norm_constant=self.rl.batch_size * self.cfg.env.workload(self.cfg.sampling).max_tokens,
+                                reference=self.reference if kind == "rl" else None)
 
     def optimizer_step(self, opt, sched) -> float:
         self.par.finish_grads()

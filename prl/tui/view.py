@@ -73,7 +73,8 @@ def metrics_table(s: RunState) -> Table:
     t.add_row("loss / mismatch KL", f"{fmt(tr.get('loss'), '.4f')} / {fmt(tr.get('mismatch_kl'), '.2e')}"
               f"  extreme tokens {fmt(tr.get('extreme_token_frac'), '.2%')}"
               f"  routing agreement {fmt(tr.get('routing_agreement'), '.2%')}")
-    t.add_row("rollouts in flight", f"{ro.get('inflight', '-')}  buffered {ro.get('buffered', '-')}")
+    t.add_row("rollouts in flight", f"{ro.get('inflight', '-')}  buffered {ro.get('buffered', '-')}"
+              f"  uniform groups: filtered {o.get('groups_filtered_total', 0)}, trained {o.get('groups_uniform', 0)}")
     t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
               f"  stale: {o.get('stale_policy', '-')} {o.get('stale_tokens', 0)} tokens, dropped {o.get('stale_dropped_total', 0)}")
     t.add_row("lengths p90", f"trained {fmt(o.get('len_accepted_p90'), '.0f')}  generated {fmt(o.get('len_generated_p90'), '.0f')}")
