@@ -29,7 +29,7 @@ from prl.launch.hosts import NO_STATUS, HostError, LocalHost
 from prl.launch.supervisor import Supervisor
 from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
 from prl.metrics import EventLog
-from prl.model.weights import published_versions, sealed, version_dir
+from prl.model.weights import WEIGHTS_PREFIX, published_versions, sealed, version_dir
 from prl.recipe.load import RecipeError, apply_override, validate
 from prl.recipe.reference import recipe_toml
 from prl.recipe.resolve import resolve, write_configs, write_secret
@@ -268,6 +268,9 @@ def prepare_resume(run_dir: Path, recipe: Recipe) -> None:
     for v in published_versions(run_dir / "weights"):
         if v > last:
             shutil.rmtree(version_dir(run_dir / "weights", v), ignore_errors=True)
+    for v in sealed(run_dir / "checkpoints", WEIGHTS_PREFIX):  # eval sets' snapshots the run makes again
+        if v > last:
+            shutil.rmtree(run_dir / "checkpoints" / f"{WEIGHTS_PREFIX}{v}", ignore_errors=True)
     for p in (run_dir / "rollouts").glob("step_*.pt"):
         p.unlink()
     from prl.trainer.ledger import truncate

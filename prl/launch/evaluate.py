@@ -31,7 +31,7 @@ def checkpoint_model(run_dir: Path, step: str, out: Path) -> tuple[Path, int]:
 
     try:
         path = find_checkpoint(run_dir, step)
-        number = int(path.name.removeprefix("step_"))
+        number = int(path.name.rpartition("_")[2])
         if out.exists():
             shutil.rmtree(out)
         export(run_dir, str(number), out)
@@ -164,7 +164,7 @@ def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, s
     from prl.trainer.export import ExportError, find_checkpoint
 
     try:
-        number = int(find_checkpoint(run_dir, step).name.removeprefix("step_"))
+        number = int(find_checkpoint(run_dir, step).name.rpartition("_")[2])
     except ExportError as e:
         raise EvalError(str(e)) from None
     evals = run_dir.resolve() / "evals"

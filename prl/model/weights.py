@@ -153,6 +153,9 @@ def nonfinite_names(state: dict[str, "torch.Tensor"]) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
 
 
+WEIGHTS_PREFIX = "weights_"  # checkpoints/weights_N: weights alone (no optimizer: never resumed from), for eval sets
+
+
 def sealed(root: Path, prefix: str) -> list[int]:
     """N for every sealed folder `root/{prefix}{N}` (has a manifest), ascending."""
     if not root.is_dir():

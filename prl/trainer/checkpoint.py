@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from prl.model.weights import (
     WEIGHTS_FILE,
+    WEIGHTS_PREFIX,
     CorruptWeightsError,
     commit_dir,
     file_entry,
@@ -65,17 +66,19 @@ def sharded_format(choice: str, shared: bool = False) -> bool:
 
 def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int, sharded: bool = False,
                     data_ahead: list[int] = ()) -> Path | None:
+    """`optimizer` None: a weights-only snapshot, `root/weights_<step>` (a run never resumes from one)."""
     meta = {"step": step, "data_position": data_position, "data_ahead": list(data_ahead)}
+    final = root / (f"step_{step}" if optimizer is not None else f"{WEIGHTS_PREFIX}{step}")
     if sharded:
-        return save_sharded(model, optimizer, root / f"step_{step}", meta)
+        return save_sharded(model, optimizer, final, meta)
     model_state = full_model_state(model)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
-    final = root / f"step_{step}"
+    optim_state = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer is not None else None
 
     def write() -> Path:
         tmp = tmp_dir_for(final)
         save_tensors(tmp / WEIGHTS_FILE, model_state)
-        torch.save(optim_state, tmp / OPTIM_FILE)
+        if optim_state is not None:
+            torch.save(optim_state, tmp / OPTIM_FILE)
         return commit_dir(tmp, final, {**meta, "format": "full"})
 
     return on_rank0(write, final)
@@ -113,7 +116,9 @@ def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
     once DCP's closing collective says every rank's files and the metadata are written."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = _shared_tmp(final)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
     own = tmp / shard_file(rank)
     try:

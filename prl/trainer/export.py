@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prl.model.weights import CorruptWeightsError, sealed
+from prl.model.weights import WEIGHTS_PREFIX, CorruptWeightsError, sealed
 
 
 class ExportError(RuntimeError):
@@ -12,15 +12,18 @@ class ExportError(RuntimeError):
 
 
 def find_checkpoint(run_dir: Path, step: str) -> Path:
+    """The checkpoint of `step` ("latest" or a number): a resumable one, else the weights-only snapshot the
+    trainer writes for an eval set."""
     root = Path(run_dir) / "checkpoints"
-    steps = sealed(root, "step_")
+    full, weights = sealed(root, "step_"), sealed(root, WEIGHTS_PREFIX)
+    steps = sorted(set(full) | set(weights))
     if not steps:
         raise ExportError(f"{root}: no complete checkpoint")
     if step == "latest":
-        return root / f"step_{steps[-1]}"
+        step = str(steps[-1])
     if not step.isdigit() or int(step) not in steps:
         raise ExportError(f"{root}: no checkpoint for step {step!r}; available: {steps}")
-    return root / f"step_{int(step)}"
+    return root / (f"step_{int(step)}" if int(step) in full else f"{WEIGHTS_PREFIX}{int(step)}")
 
 
 def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:

@@ -165,6 +165,8 @@ class Trainer:
             self.rl_step(step)
             if self.checkpoints_at(step + 1):
                 self.checkpoint(step + 1)
+            elif step + 1 in self.cfg.eval_points:  # an eval set scores these weights: `prl eval` can again
+                self.checkpoint(step + 1, weights_only=True)
         dist.barrier()
         dist.destroy_process_group()
         if self.endpoint:
@@ -187,10 +189,9 @@ class Trainer:
         return ref
 
     def checkpoints_at(self, version: int) -> bool:
-        """The last step, every trainer.checkpoint_every, and each step an eval set scores (so `prl eval` can
-        score the same weights again)."""
+        """The last step and every trainer.checkpoint_every."""
         every = self.tcfg.checkpoint_every
-        return version == self.rl.max_steps or bool(every and version % every == 0) or version in self.cfg.eval_points
+        return version == self.rl.max_steps or bool(every and version % every == 0)
 
     def warm_start(self) -> None:
         sft = self.cfg.sft
@@ -313,13 +314,16 @@ class Trainer:
         return (self.tcfg.weight_transfer != "stream" or not self.published_here
                 or version == self.rl.max_steps or bool(every and version % every == 0))
 
-    def checkpoint(self, step: int) -> None:
-        path = save_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", step, self.data_position,
-                               data_ahead=self.data_ahead,
+    def checkpoint(self, step: int, weights_only: bool = False) -> None:
+        """A resumable checkpoint; `weights_only`: the model's weights alone (what `prl eval` reads)."""
+        path = save_checkpoint(self.model, None if weights_only else self.optimizer, self.run_dir / "checkpoints",
+                               step, self.data_position, data_ahead=self.data_ahead,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
                                                       shared=bool(self.cfg.shared_checkpoints)))
         if path:
-            self.log_main("checkpoint", step=step, path=str(path))
+            self.log_main("checkpoint", step=step, path=str(path), weights_only=weights_only)
+        if weights_only:
+            return
         if self.endpoint:  # batches before a checkpoint are never replayed: drop them (base first: /resume
             self.endpoint.set_base(step, self.data_position, self.data_ahead)  # never walks from a base whose files are gone)
             self.endpoint.inbox.discard_before(step)
