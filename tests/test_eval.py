@@ -126,7 +126,8 @@ def test_evals_in_a_run_are_logged_once_per_version_and_prl_eval_gives_the_same_
     # never trained on, never moving the data cursor: the ledger is the run's without evals
     ledger = [json.loads(ln) for ln in (run_dir / "trained.jsonl").read_text().splitlines()]
     assert {e["step"]: sorted(e["prompts"]) for e in ledger} == {s: list(range(16 * s, 16 * s + 16)) for s in range(4)}
-    assert {e["step"] for e in events(run_dir, "checkpoint")} >= {0, 2, 4}
+    kept = {e["step"] for e in events(run_dir, "checkpoint") + events(run_dir, "eval_weights")}
+    assert kept >= {0, 2, 4} and 2 not in {e["step"] for e in events(run_dir, "checkpoint")}
     assert_nothing_left(run_dir)
     # the same weights, set and seeds outside the run: the same figures (greedy: exactly; the final
     # version, which nothing replaced under the sampled set: its seeded samples too)

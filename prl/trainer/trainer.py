@@ -320,8 +320,8 @@ class Trainer:
                                step, self.data_position, data_ahead=self.data_ahead,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
                                                       shared=bool(self.cfg.shared_checkpoints)))
-        if path:
-            self.log_main("checkpoint", step=step, path=str(path), weights_only=weights_only)
+        if path:  # a weights-only snapshot is not a checkpoint a run resumes from: an event of its own
+            self.log_main("eval_weights" if weights_only else "checkpoint", step=step, path=str(path))
         if weights_only:
             return
         if self.endpoint:  # batches before a checkpoint are never replayed: drop them (base first: /resume
