@@ -220,8 +220,10 @@ class VllmBackend(InferenceBackend):
             await self.resume(quiet=True)  # the run stops on a rejected version: its error is the one to report
             raise
         except BackendError as e:
-            if loading:  # the model may be half-loaded: never serve it
+            if loading and not await self.gone():  # alive, the model maybe half-loaded: never serve it
                 raise ServerStuck(f"{e}; the server stays paused until it is restarted") from None
+            if loading:  # its process is gone (killed mid-load): down, the driver restarts it and it rejoins
+                raise BackendError(f"{e}; the server is gone (it no longer accepts connections)") from None
             await self.end_session()
             await self.resume()  # /pause may have taken effect with its answer lost
             raise
@@ -234,6 +236,16 @@ class VllmBackend(InferenceBackend):
         self.version, self.salt = version, version_label(version)
         self.weight_loads += 1
         return time.perf_counter() - t0
+
+    async def gone(self) -> bool:
+        """Whether the server no longer accepts connections (its process died), asked once."""
+        try:
+            await self.http.get("/health", timeout=httpx.Timeout(5.0, connect=5.0))
+        except httpx.ConnectError:
+            return True
+        except httpx.TransportError:
+            return False
+        return False
 
     async def load_draft(self, version: int) -> None:
         """The drafter's session (vLLM retargets prl's engine at the draft model): the folder's MTP layer,
