@@ -221,3 +221,26 @@ def test_fuzz_sweep_of_the_trainer_endpoint(tmp_path):
         assert c.put("/rollouts/1", content=corrupt(1)).status_code == 200
     finally:
         ep.stop()
+
+
+def test_finished_is_remembered_for_a_restarted_trainer_of_the_same_run(tmp_path):
+    """The orchestrator's `PUT /finished` may come before the trainer waits for it, and before a fault restarts
+    the trainer: the endpoint that follows still ends at once, unless the run was resumed with more steps."""
+    ep = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", 0, max_steps=6).start()
+
+    async def finish():
+        client = TrainerClient(url(ep), SECRET)
+        await client.finished()
+        await client.close()
+
+    asyncio.run(finish())
+    ep.wait_finished()
+    ep.stop()
+    again = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", 0, max_steps=6)
+    done = threading.Thread(target=again.wait_finished, daemon=True)
+    done.start()
+    done.join(timeout=30)
+    again.server.server_close()
+    assert not done.is_alive(), "a restarted trainer of the same run waits for nothing"
+    # remembered for 6 steps: a run resumed with more waits for its orchestrator again
+    assert (tmp_path / "trainer" / "orchestrator-finished").read_text() == "6"

@@ -88,7 +88,8 @@ class Trainer:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
                                             world=self.dims.dp_size,
                                             vocab_size=vocab_size(self.cfg.model_dir), fallback=self.cfg.port_fallback,
-                                            name="trainer", trees=self.tcfg.parallel.cp == 1).start()
+                                            name="trainer", trees=self.tcfg.parallel.cp == 1,
+                                            max_steps=self.rl.max_steps).start()
         print(f"trainer: rank {self.rank} of {self.world} ({backend}, {self.device})", flush=True)
         torch.set_num_threads(self.tcfg.threads)
         from prl.model.build import load_tokenizer
@@ -172,7 +173,7 @@ class Trainer:
         if self.endpoint:
             if self.cfg.await_orchestrator:  # the final weights' evals are still running: serve until logged
                 self.log_main("trainer", state="waiting for the final evals")
-                self.endpoint.wait_finished(self.rl.max_steps)
+                self.endpoint.wait_finished()
             self.endpoint.stop()
 
     def make_reference(self):

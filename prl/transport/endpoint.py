@@ -47,11 +47,13 @@ RESCAN_S = 1.0  # a long poll looks at the folder again this often without a `se
 class TrainerEndpoint:
     def __init__(self, run_dir: Path, secret: str, host: str, port: int, world: int | None = None,
                  vocab_size: int | None = None, fallback: bool = False, name: str | None = None,
-                 trees: bool = True):
+                 trees: bool = True, max_steps: int = -1):
         """`world`, `vocab_size`, `trees` (shared-prompt rows trainable: no context parallelism): what an
         arriving batch is checked against (None: not checked).
         `fallback`: another free port when `port` is taken; `name`: publish the port got under this
-        name in the run directory (`prl.transport.ports`)."""
+        name in the run directory (`prl.transport.ports`).
+        `max_steps`: the run's steps, which a `PUT /finished` is remembered for (a run resumed with more
+        steps waits for the orchestrator again)."""
         self.inbox = FilesystemRolloutTransport(Path(run_dir) / "rollouts")
         self.world, self.vocab_size, self.trees = world, vocab_size, trees
         self.weights_root = Path(run_dir) / "weights"
@@ -61,7 +63,7 @@ class TrainerEndpoint:
         self._sealed = threading.Condition()  # notified by the trainer as it seals a version
         self._seals = 0
         self.finished = threading.Event()
-        self.max_steps = -1  # of the run the orchestrator finishes (set by wait_finished)
+        self.max_steps = max_steps
         endpoint = self
 
         class Handler(_Handler):
@@ -116,12 +118,11 @@ class TrainerEndpoint:
         (self.run_dir / FINISHED).write_text(str(self.max_steps))
         self.finished.set()
 
-    def wait_finished(self, max_steps: int) -> None:
-        """Block until the orchestrator says it is done with a run of `max_steps` (`PUT /finished`, now or
+    def wait_finished(self) -> None:
+        """Block until the orchestrator says it is done with this run's `max_steps` (`PUT /finished`, now or
         before this process started); the endpoint serves meanwhile."""
-        self.max_steps = max_steps
         marker = self.run_dir / FINISHED
-        if marker.is_file() and marker.read_text().strip() == str(max_steps):
+        if marker.is_file() and marker.read_text().strip() == str(self.max_steps):
             return
         self.finished.wait()
 
