@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from statistics import fmean as mean
 from collections.abc import Callable
 
 from prl.envs import Sampler, Trajectory
@@ -79,7 +80,3 @@ def figures(groups: list[list[Trajectory]], ks: list[int], threshold: float, ver
     out.update(summarize([t.info or {} for t in trajs]))
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)

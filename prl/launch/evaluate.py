@@ -120,11 +120,13 @@ async def score(cfg, sup) -> dict[str, dict]:
 
 async def exits(sup) -> None:
     """Raise EvalError when a serving process exits (its log's last lines say why)."""
+    from prl.launch.driver import exit_reason
+
     while True:
         for name, rc in sup.exited().items():
             p = sup.procs[name]
             tail = "\n    ".join(p.tail(8))
-            raise EvalError(f"{name} exited with code {rc} before the eval ended; its log {p.spec.log}:\n    {tail}")
+            raise EvalError(f"{name} {exit_reason(rc) if rc else 'exited'} before the eval ended; its log {p.spec.log}:\n    {tail}")
         await asyncio.sleep(0.5)
 
 

@@ -224,7 +224,8 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
     par = recipe.trainer.parallel
     return OrchestratorConfig(
         name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task, env=recipe.env,
-        eval=recipe.eval, training_reach=recipe.training_reach(), backend=recipe.inference.backend, startup_timeout_s=recipe.inference.startup_timeout_s,
+        eval=recipe.eval, training_reach=recipe.training_reach(), backend=recipe.inference.backend,
+        startup_timeout_s=recipe.inference.startup_timeout_s,
         router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
         data_parallel=par.dims(recipe.trainer_world()).dp_size,

@@ -28,11 +28,12 @@ class Task:
 
 
 def import_function(spec: str, key: str) -> Callable:
+    """The function `spec` ("module:function") names; a ValueError naming `key` when it cannot be used."""
     module_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key} = {spec!r}: cannot import ({e})") from None
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import, in one line
+        raise ValueError(f"{key} = {spec!r}: cannot import ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise ValueError(f"{key} = {spec!r}: not a function")
     return fn

@@ -29,13 +29,13 @@ divides by the step's samples; "constant" sums, the trainer divides by a fixed c
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from prl.recipe.schema import BUILTIN_OBJECTIVES, LossCfg
+from prl.tasks import import_function
 from prl.transport.batch import MicroBatch
 from prl.transport.trees import segment_ids
 
@@ -119,13 +119,16 @@ def clipped_surrogate(s: torch.Tensor, adv: torch.Tensor, cfg: LossCfg) -> torch
     return -torch.minimum(s * adv, s.clamp(1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high) * adv)
 
 
+def per_sample(values_L: torch.Tensor, b: LossBatch) -> torch.Tensor:
+    """The sum of `values` over each sample's loss tokens, one entry per sample (differentiable)."""
+    n = int(b.sequence_ids.max()) + 1
+    zeros = torch.zeros(n, dtype=values_L.dtype, device=values_L.device)
+    return zeros.index_add(0, b.sequence_ids, values_L * b.mask.to(values_L.dtype))
+
+
 def sequence_mean(values_L: torch.Tensor, b: LossBatch) -> torch.Tensor:
     """The mean of `values` over each sample's loss tokens, broadcast back to its tokens (differentiable)."""
-    seq, m = b.sequence_ids, b.mask.to(values_L.dtype)
-    n = int(seq.max()) + 1
-    sums = torch.zeros(n, dtype=values_L.dtype, device=values_L.device).index_add(0, seq, values_L * m)
-    counts = torch.zeros(n, dtype=values_L.dtype, device=values_L.device).index_add(0, seq, m)
-    return (sums / counts.clamp(min=1))[seq]
+    return (per_sample(values_L, b) / sequence_tokens(b, values_L.dtype))[b.sequence_ids]
 
 
 BUILTIN: dict[str, Callable] = {"tis": tis, "clip": clip, "cispo": cispo, "mask": band_mask, "seq_mask": seq_mask,
@@ -145,15 +148,10 @@ def objective(name: str) -> Callable:
     """The function `trainer.loss.correction` names."""
     if name in BUILTIN:
         return BUILTIN[name]
-    module_name, _, fn_name = name.partition(":")
-    key = f"trainer.loss.correction = {name!r}"
     try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except Exception as e:  # noqa: BLE001 - whatever the user's module raises, in one line
-        raise ObjectiveError(f"{key}: cannot import it ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise ObjectiveError(f"{key}: not a function")
-    return fn
+        return import_function(name, "trainer.loss.correction")
+    except ValueError as e:
+        raise ObjectiveError(str(e)) from None
 
 
 def user_terms(fn: Callable, b: LossBatch, cfg: LossCfg):
@@ -211,7 +209,7 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch
         loss_L = loss_L + cfg.kl_coef * kl_L
         extra = {**extra, "kl_ref": kl_L.detach()[b.mask].double().sum()}
     if cfg.normalization() == "sequence":
-        loss_L = loss_L / sequence_tokens(b)
+        loss_L = loss_L / sequence_tokens(b, loss_L.dtype)[b.sequence_ids]
     stats = {**mismatch_stats(logp_L, mb), **extra, "masked_tokens": (b.mask & ~keep).sum().float(),
              "sequences": sequence_count(b.mask, b.sequence_ids)}
     capped = cfg.correction in ("tis", "clip")
@@ -221,12 +219,9 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch
     return loss_L[keep].sum(), stats
 
 
-def sequence_tokens(b: LossBatch) -> torch.Tensor:
-    """Each token's sample's loss tokens (at least 1)."""
-    n = int(b.sequence_ids.max()) + 1
-    m = b.mask.float()
-    counts = torch.zeros(n, dtype=m.dtype, device=m.device).index_add(0, b.sequence_ids, m)
-    return counts.clamp(min=1)[b.sequence_ids]
+def sequence_tokens(b: LossBatch, dtype: torch.dtype) -> torch.Tensor:
+    """Each sample's loss tokens (at least 1), one entry per sample."""
+    return per_sample(torch.ones_like(b.mask, dtype=dtype), b).clamp(min=1)
 
 
 def sequence_count(mask: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel as cp
 from prl.trainer import head
 from prl.trainer.context_parallel import local_slice
-from prl.trainer.loss import rl_loss, sft_loss
+from prl.trainer.loss import rl_loss, sequence_count, sft_loss
 from prl.transport import trees
 from prl.transport.batch import MicroBatch, rows_by_sample
 
@@ -99,4 +99,4 @@ def step_divisor(rows, mode: str, constant: float | None, device) -> float:
 
 
 def sequences_with_loss(mb: MicroBatch) -> float:
-    return float(torch.unique(trees.segment_ids(mb.position_ids)[mb.loss_mask]).numel())
+    return float(sequence_count(mb.loss_mask, trees.segment_ids(mb.position_ids)))

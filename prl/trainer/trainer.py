@@ -71,6 +71,8 @@ class Trainer:
         self.log = EventLog(self.run_dir / "metrics.jsonl", "trainer")
         self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
         self.published_here = False  # a version published by this process (the first is written whole)
+        # trainer.loss.normalize = "constant": rl.batch_size x the longest completion the recipe allows
+        self.norm_constant = r.rl.batch_size * r.env.workload(r.sampling).max_tokens
 
     # ---- setup ----
     def setup(self) -> None:
@@ -274,7 +276,7 @@ class Trainer:
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
         temperature = self.temperature if kind == "rl" else 1.0
         return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
-                                norm_constant=self.rl.batch_size * self.cfg.env.workload(self.cfg.sampling).max_tokens,
+                                norm_constant=self.norm_constant,
                                 reference=self.reference if kind == "rl" else None)
 
     def optimizer_step(self, opt, sched) -> float:
@@ -311,9 +313,7 @@ class Trainer:
         leaves them out, except in the first version this process publishes and each checkpoint's
         version (what a restarted trainer continues from); a server that missed the stream gets the
         version whole anyway (`publish`)."""
-        every = self.tcfg.checkpoint_every
-        return (self.tcfg.weight_transfer != "stream" or not self.published_here
-                or version == self.rl.max_steps or bool(every and version % every == 0))
+        return self.tcfg.weight_transfer != "stream" or not self.published_here or self.checkpoints_at(version)
 
     def checkpoint(self, step: int, weights_only: bool = False) -> None:
         """A resumable checkpoint; `weights_only`: the model's weights alone (what `prl eval` reads)."""
