@@ -606,6 +606,22 @@ def top_p_filter(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs_V).scatter(0, order, sorted_p)
 
 
+def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, meta: dict, base) -> Policy:
+    """An adapter version as the target weights it makes: `W_base + B' @ A`, each checked as a full version's."""
+    from prl.model.lora import check_adapter
+
+    expected = model.state_dict()
+    problems = check_adapter(raw, {k: tuple(v.shape) for k, v in expected.items()}) if raw else ["no tensors"]
+    nonfinite = nonfinite_names(raw)
+    if problems or nonfinite or base is None:
+        raise WeightLoadError(f"{where}: adapter refused: {problems[:3] or nonfinite[:3] or 'no base to merge into'}")
+    try:
+        state = base.apply(raw, meta)
+    except Exception as e:  # noqa: BLE001 - a missing or damaged base: refused, the old version serving
+        raise WeightLoadError(f"{where}: adapter's base v{meta['adapter'].get('base')}: {type(e).__name__}: {e}") from None
+    return Policy({k: v.to(expected[k].dtype) for k, v in state.items()}, {}, version)
+
+
 class WeightLoadError(RuntimeError):
     """New weights were rejected before touching the served model; the old version keeps serving."""
 
@@ -637,7 +653,7 @@ class Policy:
             params[name].copy_(t)
 
 
-def prepare_weights(model, path) -> Policy:
+def prepare_weights(model, path, base=None) -> Policy:
     """Read, verify and shape-check a published weight folder (plain or block-FP8).
 
     Runs off the engine thread, so decoding continues while a new policy is read."""
@@ -654,13 +670,18 @@ def prepare_weights(model, path) -> Policy:
         raise WeightLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a bad header, a manifest without version: refused, not a 500
         raise WeightLoadError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
-    return make_policy(model, raw, version, str(path))
+    return make_policy(model, raw, version, str(path), manifest, base)
 
 
-def make_policy(model, raw: dict[str, torch.Tensor], version: int, where: str) -> Policy:
+def make_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, meta: dict | None = None,
+                base=None) -> Policy:
     """A version's tensors as received (a folder's, or a collective's), checked against the model:
-    every name, every shape, FP8 only with its scales, finite values."""
+    every name, every shape, FP8 only with its scales, finite values. A LoRA adapter version (`meta`'s
+    `adapter`) is merged into its base's weights (`base`, a `prl.model.lora.AdapterBase`)."""
     from prl.model.fp8_checkpoint import SCALE_SUFFIX
+
+    if (meta or {}).get("adapter"):
+        return adapter_policy(model, raw, version, where, meta, base)
 
     scales = {k.removesuffix(SCALE_SUFFIX): v for k, v in raw.items() if k.endswith(SCALE_SUFFIX)}
     state = {k: v for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}

@@ -28,8 +28,9 @@ class ReceiveError(RuntimeError):
 
 
 class Receiver:
-    def __init__(self, model):
+    def __init__(self, model, base=None):
         self.model = model
+        self.base = base  # LoRA: the adapters' base (`prl.model.lora.AdapterBase`)
         self.expected = None  # name -> (shape, max bytes), computed on first use
         self.wire: Wire | None = None
         self.staged: dict[int, Policy] = {}  # version -> staged, the newest KEEP
@@ -59,7 +60,7 @@ class Receiver:
                 tensors, meta = self.wire.receive(self._expected(), on_tensor=self._count)
                 if int(meta.get("version", -1)) != version:
                     raise WireError(f"the wire carried v{meta.get('version')}, not v{version}")
-                policy = make_policy(self.model, tensors, version, f"v{version} from the collective")
+                policy = make_policy(self.model, tensors, version, f"v{version} from the collective", meta, self.base)
             except (RuntimeError, WeightLoadError, ValueError, TypeError, KeyError) as e:  # gloo: RuntimeError
                 self.wire.close()  # the group goes now: on gloo the sender fails at once (NCCL: at its timeout)
                 self.wire = None

@@ -39,6 +39,7 @@ from prl.transport.auth import bearer
 from prl.model.weights import StreamedOnly
 from prl.transport.collective import GroupInfo
 from prl.transport.weights import WeightFetchError
+from prl.model.lora import AdapterBase
 
 
 MAX_BODY_BYTES = 16 << 20  # prompts are token ids or text; larger bodies are refused unread
@@ -59,8 +60,17 @@ class Served:
         config = self.loop.core.model.config
         self.vocab, self.context = config.vocab_size, getattr(config, "max_position_embeddings", None)
         self.eos = [self.tokenizer.eos_token_id]
-        self.receiver = Receiver(self.loop.core.model)  # the collective weight path's staging
+        # LoRA: the base's target weights, read once from the base version's folder
+        self.adapter_base = AdapterBase(self.base_folder)
+        self.receiver = Receiver(self.loop.core.model, self.adapter_base)  # the collective weight path's staging
         self.weights_skipped = 0  # versions asked for while a newer one was served or staged (served instead)
+
+    def base_folder(self, version: int) -> Path:
+        if self.weights is not None:
+            return self.weights.fetch(version)
+        if self.weights_root is None:
+            raise WeightFetchError(f"this server has no weight source for the adapters' base v{version}")
+        return self.weights_root / f"v{version}"
 
     def check_prompt(self, ids: list[int], max_tokens: int, field_name: str) -> None:
         """Refuse what the engine cannot serve before it reaches the engine (one bad request must not
@@ -153,7 +163,7 @@ async def staged_or_read(s: Served, req: UpdateWeightsRequest):
         return policy, "collective", "the collective"
     try:
         path = req.path or await asyncio.to_thread(s.weights.fetch, req.version)
-        return await asyncio.to_thread(prepare_weights, s.loop.core.model, path), "folder", path
+        return await asyncio.to_thread(prepare_weights, s.loop.core.model, path, s.adapter_base), "folder", path
     except StreamedOnly as e:  # not a bad version: this server missed the stream (503: taken out, rejoins)
         raise HTTPException(503, str(e)) from None
     except (WeightLoadError, WeightFetchError) as e:

@@ -23,6 +23,17 @@ FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 # sibling linears that serving engines fuse into one GEMM (vLLM: qkv_proj, gate_up_proj, fused_qkv_a_proj),
 # whose FP8 scales then sit in one tensor: a group is FP8 only when every member present is eligible
 FP8_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+# LoRA target groups (`trainer.lora.targets`): group -> module paths inside a decoder layer
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LORA_QWEN3_MOE = {"attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+                  "mlp": DENSE_MLP}
+# MLA: kv_b_proj is left out (the engine's latent decode absorbs it into the query and output); the DSA
+# indexer's projections are not targets
+LORA_MLA = {"attention": ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj",
+                          "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj"),
+            "mlp": DENSE_MLP,
+            "shared_experts": tuple(p.replace("mlp.", "mlp.shared_experts.") for p in DENSE_MLP)}
+LORA_DEFAULT = ("attention", "mlp", "shared_experts")  # routed experts dominate the count: opt-in
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +58,9 @@ class FamilySpec:
     fp8_fused: tuple[tuple[str, ...], ...] = FP8_FUSED  # leaf names quantised together or not at all
     tp_plan: dict[str, str] | None = None  # tensor parallelism: module pattern -> style (not built yet)
     tiny: bool = False  # `prl.model.tiny` builds a random-init model of it (`model.arch`)
+    # LoRA target groups (`prl.model.lora`): group -> module paths inside a decoder layer (routed experts: not
+    # built; `trainer.lora.targets` refuses them by name)
+    lora_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def r3(self) -> bool:
@@ -64,9 +78,11 @@ class FamilySpec:
 FAMILIES = {s.model_type: s for s in (
     FamilySpec("glm_moe_dsa", "GlmMoeDsaTopkRouter", "sigmoid", ("GlmMoeDsaExperts",),
                attention_class="GlmMoeDsaAttention", indexer_class="GlmMoeDsaIndexer", latent_decode=True,
-               lean_forward=True, tiny=True),
-    FamilySpec("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", ("DeepseekV3NaiveMoe", "DeepseekV3Experts")),
-    FamilySpec("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", ("Qwen3MoeExperts",), lean_forward=True, tiny=True),
+               lean_forward=True, tiny=True, lora_groups=LORA_MLA),
+    FamilySpec("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", ("DeepseekV3NaiveMoe", "DeepseekV3Experts"),
+               lora_groups=LORA_MLA),
+    FamilySpec("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", ("Qwen3MoeExperts",), lean_forward=True, tiny=True,
+               lora_groups=LORA_QWEN3_MOE),
 )}
 
 

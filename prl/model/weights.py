@@ -177,11 +177,28 @@ def published_versions(root: Path) -> list[int]:
     return sealed(root, "v")
 
 
+def adapter_bases(root: Path, versions: list[int]) -> set[int]:
+    """The base versions LoRA adapter versions among `versions` apply to (their manifests' `adapter.base`)."""
+    bases = set()
+    for v in versions:
+        try:
+            base = json.loads((version_dir(root, v) / MANIFEST).read_text()).get("adapter", {}).get("base")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(base, int):
+            bases.add(base)
+    return bases
+
+
 def prune_versions(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` versions. Each leaves its name first (an atomic rename), so a
-    process stopped mid-way never leaves a sealed folder with files missing; leftovers of an earlier
-    interrupted prune go too."""
-    for v in published_versions(root)[:-keep]:
+    """Remove all but the newest `keep` versions, and the base any of those is an adapter of (LoRA). Each
+    leaves its name first (an atomic rename), so a process stopped mid-way never leaves a sealed folder with
+    files missing; leftovers of an earlier interrupted prune go too."""
+    versions = published_versions(root)
+    pinned = adapter_bases(root, versions[-keep:])
+    for v in versions[:-keep]:
+        if v in pinned:
+            continue
         doomed = root / f".pruned-v{v}-{os.getpid()}"
         try:
             os.rename(version_dir(root, v), doomed)

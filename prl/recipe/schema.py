@@ -567,6 +567,46 @@ class ParallelCfg(Section):
         return per
 
 
+LORA_GROUPS = ("attention", "mlp", "shared_experts", "routed_experts")
+
+
+class LoraCfg(Section):
+    """LoRA RL: low-rank adapters trained on a frozen base, and only the adapters published each step (see
+    docs/lora.md). The warm start (`[sft]`) still trains every weight; the adapters start after it."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank; 0: LoRA off (every weight trained, the default). Rank 1 to 64 is usual for RL."""
+    alpha: float = Field(32.0, gt=0)
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (0: none)."""
+    targets: list[str] = ["attention", "mlp", "shared_experts"]
+    """Module groups that get adapters, named per model family: "attention" (the attention projections; MLA's
+    kv_b_proj and the DSA indexer stay frozen), "mlp" (dense MLP layers), "shared_experts", "routed_experts" (not
+    built yet: `prl plan` counts it, `prl run` refuses it)."""
+
+    @field_validator("targets")
+    @classmethod
+    def _groups(cls, v: list[str]) -> list[str]:
+        bad = [g for g in v if g not in LORA_GROUPS]
+        if bad or not v or len(set(v)) != len(v):
+            raise ValueError(f"trainer.lora.targets = {v}: a non-empty list of distinct groups from "
+                             f"{', '.join(LORA_GROUPS)}")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def manifest(self) -> dict:
+        """What a LoRA checkpoint's manifest says of its adapters (its base: the step-0 checkpoint)."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "base": "step_0"}
+
+
 class TrainerCfg(Section):
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate of the RL steps (AdamW)."""
@@ -619,6 +659,8 @@ class TrainerCfg(Section):
     """How the trainer's ranks are arranged."""
     loss: LossCfg = LossCfg()
     """The RL loss's off-policy correction."""
+    lora: LoraCfg = LoraCfg()
+    """LoRA RL (rank 0: off)."""
 
     @model_validator(mode="after")
     def _whole_rows(self):
@@ -1046,6 +1088,18 @@ class Recipe(Section):
             raise ValueError("trainer.parallel.ep > 1 needs an MoE model, but every layer is dense")
         return self
 
+    @model_validator(mode="after")
+    def _lora(self):
+        lora = self.trainer.lora
+        if not lora.enabled or self.model.path is not None:  # a folder's family: checked when the trainer loads it
+            return self
+        known = set(families.FAMILIES[self.model.arch].lora_groups) | {"routed_experts"}
+        bad = [g for g in lora.targets if g not in known]
+        if bad:
+            raise ValueError(f"trainer.lora.targets: {bad} are not LoRA groups of model.arch {self.model.arch!r}; "
+                             f"known: {sorted(known)}")
+        return self
+
     def not_built(self) -> list[str]:
         """Valid settings whose implementation does not exist yet: `prl plan` and `--dry-run` take
         them (the flagship plan needs them), `prl run` refuses them before starting anything."""
@@ -1057,7 +1111,17 @@ class Recipe(Section):
             out.append("trainer.checkpoint_format = 'sharded' with the trainer on several hosts needs "
                        "cluster.shared_checkpoints (a folder every trainer host mounts): every rank may read every "
                        "host's shards when it resumes; set it, or use 'auto'")
-        return out + registry.get(self.inference.backend).not_built(self)
+        return out + self.lora_not_built() + registry.get(self.inference.backend).not_built(self)
+
+    def lora_not_built(self) -> list[str]:
+        lora, out = self.trainer.lora, []
+        if lora.enabled and "routed_experts" in lora.targets:
+            out.append("trainer.lora.targets = 'routed_experts': adapters on the stacked routed experts are not built "
+                       "yet; target 'attention', 'mlp' and 'shared_experts'")
+        if lora.enabled and self.inference.fp8:
+            out.append("trainer.lora with inference.fp8: the servers would merge each adapter into block-FP8 weights, "
+                       "which is not built yet; serve in bf16 (inference.fp8 = false) or train without LoRA")
+        return out
 
     def server_count(self) -> int:
         if self.cluster is None:

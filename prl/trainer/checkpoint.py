@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from prl.model.lora import is_adapter
 from prl.model.weights import (
     WEIGHTS_FILE,
     WEIGHTS_PREFIX,
@@ -51,8 +52,15 @@ OPTIM_FILE = "optim.pt"
 SHARE_TOKEN = ".prl-share-check"
 
 
+def model_options(model, **kw) -> StateDictOptions:
+    """What a checkpoint of `model` holds: every weight, or under LoRA the adapters alone (the frozen base is
+    the step-0 checkpoint's, `load_model_state`)."""
+    adapters = any(is_adapter(n) for n, _ in model.named_parameters())
+    return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters, **kw)
+
+
 def full_model_state(model) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=FULL)
+    return get_model_state_dict(model, options=model_options(model, full_state_dict=True, cpu_offload=True))
 
 
 def sharded_format(choice: str, shared: bool = False) -> bool:
@@ -65,10 +73,12 @@ def sharded_format(choice: str, shared: bool = False) -> bool:
 
 
 def save_checkpoint(model, optimizer, root: Path, step: int, data_position: int, sharded: bool = False,
-                    data_ahead: list[int] = ()) -> Path | None:
-    """`optimizer` None: a weights-only snapshot, `root/weights_<step>` (a run never resumes from one)."""
-    meta = {"step": step, "data_position": data_position, "data_ahead": list(data_ahead)}
-    final = root / (f"step_{step}" if optimizer is not None else f"{WEIGHTS_PREFIX}{step}")
+                    data_ahead: list[int] = (), snapshot: bool | None = None, extra: dict | None = None) -> Path | None:
+    """`snapshot` (default: `optimizer` None): a weights-only snapshot, `root/weights_<step>` (a run never
+    resumes from one). `extra`: more manifest fields (LoRA's adapter layout)."""
+    meta = {"step": step, "data_position": data_position, "data_ahead": list(data_ahead), **(extra or {})}
+    snapshot = optimizer is None if snapshot is None else snapshot
+    final = root / (f"{WEIGHTS_PREFIX}{step}" if snapshot else f"step_{step}")
     if sharded:
         return save_sharded(model, optimizer, final, meta)
     model_state = full_model_state(model)
@@ -116,7 +126,7 @@ def save_sharded(model, optimizer, final: Path, meta: dict) -> Path | None:
     once DCP's closing collective says every rank's files and the metadata are written."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = _shared_tmp(final)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=model_options(model))}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
@@ -173,14 +183,14 @@ def _shared_tmp(final: Path) -> Path:
     return tmp
 
 
-def load_checkpoint(model, optimizer, root: Path) -> dict | None:
-    """Restore the newest checkpoint into (model, optimizer); returns its meta or None.
+def load_checkpoint(model, optimizer, root: Path, after: int = -1) -> dict | None:
+    """Restore the newest checkpoint (of a step past `after`) into (model, optimizer); returns its meta or None.
 
     Rank 0 picks the checkpoint and checks it: a full one (which rank 0 alone reads and broadcasts)
     every file's hash; a sharded one (every rank reads the shards it needs) the sizes, with the
     hashing shared out between the ranks. Every rank raises the same error for a damaged one."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = [_pick_checkpoint(root, world) if rank == 0 else None]
+    info = [_pick_checkpoint(root, world, after) if rank == 0 else None]
     dist.broadcast_object_list(info, src=0)
     if info[0] is None:
         return None
@@ -192,18 +202,18 @@ def load_checkpoint(model, optimizer, root: Path) -> dict | None:
         _load_sharded(model, optimizer, Path(info[0]["path"]))
         return info[0]
     model_state, optim_state = _read_full(Path(info[0]["path"])) if rank == 0 else ({}, {})
+    set_model_state_dict(model, model_state, options=model_options(model, full_state_dict=True, broadcast_from_rank0=True))
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, model_state, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
     return info[0]
 
 
-def _pick_checkpoint(root: Path, world: int) -> dict | None:
+def _pick_checkpoint(root: Path, world: int, after: int = -1) -> dict | None:
     """The newest sealed checkpoint under `root` with its step, data position, path and format,
     checked as far as rank 0's part goes; {"error": why} where it is damaged."""
     try:  # every failure goes to the other ranks through the broadcast that follows
         found = latest_checkpoint(root)
-        if not found:
+        if not found or int(found[0].name.removeprefix("step_")) <= after:
             return None
         path, _ = found
         manifest = verify_dir(path, hash_only=set())
@@ -236,25 +246,29 @@ def _verify_share(path: Path, files: list[str], rank: int, world: int) -> None:
 
 
 def _load_sharded(model, optimizer, path: Path) -> None:
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    opts = model_options(model)
+    state = {"model": get_model_state_dict(model, options=opts), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
         dcp.load(state, storage_reader=FileSystemReader(str(path)))
     except Exception as e:  # noqa: BLE001 - hashes matched, yet not a checkpoint of this model
         raise CorruptWeightsError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {str(e)[:500]})") from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def load_model_state(model, path: Path) -> None:
     """The model weights (no optimizer) of the sealed checkpoint at `path` into `model`, on every rank: a
-    sharded one read shard by shard, a full one read by rank 0 and broadcast."""
+    sharded one read shard by shard, a full one read by rank 0 and broadcast. A LoRA model takes its base
+    (every weight but the adapters) from a whole checkpoint."""
+    strict = not any(is_adapter(n) for n, _ in model.named_parameters())
     if verify_dir(path, hash_only=set()).get("format") == "dcp":
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}}
         dcp.load(state, storage_reader=FileSystemReader(str(path)))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         return
     state = load_file(str(path / WEIGHTS_FILE)) if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                 strict=strict))
 
 
 def _read_full(path: Path) -> tuple[dict, dict]:

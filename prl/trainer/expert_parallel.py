@@ -147,6 +147,8 @@ def reduce_expert_grads(params: list[torch.nn.Parameter], replicas: DeviceMesh |
     all ranks that FSDP gives the other parameters. An expert no token reached on this rank gets a
     zero gradient first: every rank must join the same collectives."""
     for p in params:
+        if not p.requires_grad:  # frozen (LoRA's base): no gradient to average
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = local(p.grad)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from prl.model.fp8 import apply_fp8
+from prl.model.lora import apply_lora, init_adapters
 from prl.model.pretrained import has_weights
 from prl.model.routing import Replay, routers
 from prl.parallel_dims import ParallelDims
@@ -31,20 +32,25 @@ class TrainedModel:
 
 
 def setup_model(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, device: torch.device,
-                seed: int = 0) -> TrainedModel:
-    """`dims` with its meshes built. Order: build (meta when sharded), router replay, FP8, parallelize,
-    then the sharded read into this rank's shards."""
+                seed: int = 0, lora: bool = False) -> TrainedModel:
+    """`dims` with its meshes built. Order: build (meta when sharded), router replay, FP8, LoRA adapters
+    (`lora`: trainer.lora, the base frozen), parallelize, then the sharded read into this rank's shards."""
     from prl.model.build import build_model
 
     sharded = has_weights(model_dir)
     model = meta_model(model_dir) if sharded else build_model(model_dir, seed=seed).to(device)
     replay = Replay(model, replay=tcfg.router_replay) if routers(model) else None
     report = apply_fp8(model) if tcfg.fp8 else {}
+    cfg = tcfg.lora
+    if lora:
+        apply_lora(model, model.config.model_type, cfg.rank, cfg.alpha, cfg.dropout, cfg.targets, seed=seed)
     par = Parallel(model, dims, tcfg)
     read = None
     if sharded:
         par.model.to_empty(device=device)
         read = load_sharded(par.model, Path(model_dir))
+        if lora:
+            init_adapters(par.model, seed)
     return TrainedModel(par, replay, report, read)
 
 

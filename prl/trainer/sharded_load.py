@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from prl.model import families
+from prl.model.lora import is_adapter
 from prl.model.mtp import draft_names
 from prl.model.pretrained import PretrainedError, weight_files
 from prl.parallel_dims import shard_layout
@@ -134,8 +135,8 @@ def load_sharded(model, folder: Path) -> int:
     stacked = fam.stacked_experts if fam else {}
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:  # a tied weight (output head = embeddings) is loaded once, under its first name
-            continue
+        if id(t) in seen or is_adapter(name):  # a tied weight (output head = embeddings) is loaded once, under
+            continue  # its first name; LoRA adapters are not in a folder (`prl.model.lora.init_adapters`)
         seen.add(id(t))
         local = t.to_local() if isinstance(t, DTensor) else t
         start, _ = row_range(t)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel as cp
 from prl.trainer import head
+from prl.model.lora import adapters_off
 from prl.trainer.context_parallel import local_slice
 from prl.trainer.loss import rl_loss, sequence_count, sft_loss
 from prl.transport import trees
@@ -34,7 +35,8 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
     With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`).
     `norm_constant`: the divisor of trainer.loss.normalize = "constant"; `reference`: the frozen
-    reference policy of trainer.loss.kl_coef (parallelized as `model`), its forward without gradient."""
+    reference policy of trainer.loss.kl_coef (parallelized as `model`), its forward without gradient; `model`
+    itself under LoRA: its base, adapters off."""
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
     mode = tcfg.loss.normalization() if kind == "rl" else "token"
     divisor = step_divisor(rows, mode, norm_constant, device)
@@ -50,12 +52,12 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
         # the routers and the attention there
         with (replay.use(mb.routing) if replay else contextlib.nullcontext(),
               cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
+            ref = None
+            if kind == "rl" and reference is not None:  # first: the policy's forward then runs last before backward
+                with torch.no_grad(), adapters_off(model) if reference is model else contextlib.nullcontext():
+                    ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
             per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
             if kind == "rl":
-                ref = None
-                if reference is not None:
-                    with torch.no_grad():
-                        ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
                 loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref)
             else:
                 loss_sum, stats = sft_loss(per_token[:, 0], mb)

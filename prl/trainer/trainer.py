@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from prl.transport.endpoint import TrainerEndpoint
 from prl.transport.sinks import weight_sink
 
 SFT_SEED_OFFSET = 7919  # warm-start prompts are drawn apart from the RL prompts
+BASE_VERSION = 0  # under LoRA: the published version the adapters apply to (whole; never pruned)
 
 
 def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float):
@@ -97,9 +99,8 @@ class Trainer:
         from prl.model.build import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
-        built = setup_model(self.cfg.model_dir, self.tcfg, self.dims.build_meshes(self.device.type), self.device,
-                            seed=self.cfg.run.seed)
-        self.par, self.model, self.replay = built.par, built.par.model, built.replay
+        self.dims.build_meshes(self.device.type)
+        built = self.build(lora=self.tcfg.lora.enabled and self.base_checkpoint() is not None)
         self.fp8_names = None
         if self.tcfg.fp8:
             self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(built.fp8["fp8"]), kept=built.fp8["kept"])
@@ -108,7 +109,28 @@ class Trainer:
         if built.bytes_read is not None:
             print(f"trainer: rank {self.rank} read {built.bytes_read / 2**20:.1f} MiB of its shards of "
                   f"{self.cfg.model_dir}", flush=True)
+
+    def build(self, lora: bool):
+        """The model, parallelized (`lora`: adapters on a frozen base, the base loaded from the step-0
+        checkpoint)."""
+        built = setup_model(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed, lora=lora)
+        self.par, self.model, self.replay = built.par, built.par.model, built.replay
+        if lora:
+            from prl.trainer.checkpoint import load_model_state
+
+            load_model_state(self.model, self.base_checkpoint())
         self.model.train()
+        return built
+
+    def base_checkpoint(self):
+        """The step-0 checkpoint (the weights RL starts from, after the warm start), on every rank; None before
+        it is written."""
+        from prl.model.weights import sealed
+
+        root = self.run_dir / "checkpoints"
+        found = [0 in sealed(root, "step_") if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return root / "step_0" if found[0] else None
 
     def make_sink(self):
         """Where the trainer publishes: the sealed folder (rank 0); with trainer.weight_transfer =
@@ -133,8 +155,10 @@ class Trainer:
                            senders=senders, share=share, agree=agree)
 
     def make_optimizer(self, lr: float, total_steps: int):
-        # fused: one kernel over all parameters (CPU and CUDA); reverse-tiny's step 24 -> 8.5 ms on CPU
-        opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.tcfg.weight_decay, fused=True)
+        # fused: one kernel over all parameters (CPU and CUDA); reverse-tiny's step 24 -> 8.5 ms on CPU.
+        # Under LoRA only the adapters train: the optimizer holds them alone
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=self.tcfg.weight_decay, fused=True)
         fn = lr_lambda(self.tcfg.warmup_steps, total_steps, self.tcfg.schedule, self.tcfg.min_lr_ratio)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
@@ -148,12 +172,20 @@ class Trainer:
     def run(self) -> None:
         self.setup()
         self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints")
+        lora = self.tcfg.lora.enabled
+        # under LoRA, step 0 is the base (no adapters, no optimizer): a run resumes from a later checkpoint
+        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", after=0 if lora else -1)
         if meta is None:
-            self.warm_start()
+            if not (lora and self.base_checkpoint()):
+                self.warm_start()
+            self.data_position, self.data_ahead = 0, []
+            if lora and not self.base_checkpoint():
+                self.checkpoint(0)
+                self.build(lora=True)
             self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-            start, self.data_position, self.data_ahead = 0, 0, []
-            self.checkpoint(0)
+            start = 0
+            if not lora:
+                self.checkpoint(0)
         else:
             start, self.data_position, self.data_ahead = meta["step"], meta["data_position"], meta.get("data_ahead", [])
             self.resume_schedule(start)
@@ -183,6 +215,8 @@ class Trainer:
         frozen and sharded as the policy; None otherwise."""
         if not self.tcfg.loss.kl_coef:
             return None
+        if self.tcfg.lora.enabled:  # the base is the reference: the same model, adapters off
+            return self.model
         from prl.trainer.checkpoint import load_model_state
         from prl.trainer.model_setup import setup_reference
 
@@ -298,8 +332,17 @@ class Trainer:
         return bool(found[0])
 
     def publish(self, version: int) -> None:
-        publish(self.model, self.sink, version, self.fp8_names,
-                hf_format=self.cfg.publish_format == "hf", whole=self.whole_version(version))
+        """Weights `version`; under LoRA, version 0 is the base, whole, and every later one the adapters alone
+        (the base published again first where its folder is gone)."""
+        adapter = None
+        lora = self.tcfg.lora
+        if lora.enabled and version > BASE_VERSION:
+            adapter = {"base": BASE_VERSION, "rank": lora.rank, "scale": lora.scale}
+            if not self.base_published():
+                publish(self.model, weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights),
+                        BASE_VERSION, hf_format=self.cfg.publish_format == "hf")
+        publish(self.model, self.sink, version, self.fp8_names, hf_format=self.cfg.publish_format == "hf",
+                whole=self.whole_version(version), adapter=adapter)
         self.published_here = True
         if self.endpoint:
             self.endpoint.sealed()  # wakes the orchestrator's long poll for new weights
@@ -307,6 +350,15 @@ class Trainer:
         if sent is not None:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
                           send_s=sent.send_s, error=sent.error, backend=sent.backend, senders=sent.senders)
+
+    def base_published(self) -> bool:
+        """Whether the base of the adapter versions is sealed whole in RUN_DIR/weights (on every rank)."""
+        from prl.model.weights import MANIFEST, version_dir
+
+        base = version_dir(self.run_dir / "weights", BASE_VERSION) / MANIFEST
+        found = [base.is_file() and not json.loads(base.read_text()).get("streamed_only") if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return bool(found[0])
 
     def whole_version(self, version: int) -> bool:
         """Whether the sealed folder of `version` must hold its tensors. Only the stream from every rank
@@ -317,10 +369,14 @@ class Trainer:
 
     def checkpoint(self, step: int, weights_only: bool = False) -> None:
         """A resumable checkpoint; `weights_only`: the model's weights alone (what `prl eval` reads)."""
-        path = save_checkpoint(self.model, None if weights_only else self.optimizer, self.run_dir / "checkpoints",
-                               step, self.data_position, data_ahead=self.data_ahead,
+        lora = self.tcfg.lora
+        adapters = lora.enabled and step > 0  # step 0 under LoRA: the base, before adapters (no optimizer)
+        path = save_checkpoint(self.model, None if weights_only or (lora.enabled and step == 0) else self.optimizer,
+                               self.run_dir / "checkpoints", step, self.data_position, data_ahead=self.data_ahead,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
-                                                      shared=bool(self.cfg.shared_checkpoints)))
+                                                      shared=bool(self.cfg.shared_checkpoints)),
+                               snapshot=weights_only,
+                               extra={"lora": lora.manifest()} if adapters else None)
         if path:  # a weights-only snapshot is not a checkpoint a run resumes from: an event of its own
             self.log_main("eval_weights" if weights_only else "checkpoint", step=step, path=str(path))
         if weights_only:

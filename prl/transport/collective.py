@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import threading
@@ -330,7 +331,16 @@ def expected_tensors(model, scale_suffix: str) -> dict[str, tuple[list[int] | No
     for k, v in model.state_dict().items():
         out[k] = (list(v.shape), v.numel() * 4)
         out[k + scale_suffix] = (None, v.numel() * 4)
-    return out
+    return {**out, **adapter_entries({k: tuple(v.shape) for k, v in model.state_dict().items()})}
+
+
+def adapter_entries(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[None, int]]:
+    """What a LoRA adapter version may hold: for each 2-D or 3-D weight `X.weight`, `X.lora_A` and `X.lora_B` (any
+    shape, no larger in fp32 than the weight: checked against the weight when merged, `prl.model.lora`)."""
+    from prl.model.lora import SUFFIXES
+
+    return {k.removesuffix(".weight") + s: (None, math.prod(shape) * 4) for k, shape in shapes.items()
+            if k.endswith(".weight") and len(shape) in (2, 3) for s in SUFFIXES}
 
 
 # ---------------------------------------------------------------- the trainer side

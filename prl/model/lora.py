@@ -1,0 +1,198 @@
+"""LoRA: low-rank adapters on a frozen base, trained by RL and sent to the servers alone.
+
+A target linear `X` (weight `[out, in]`) gains two trainable parameters on the same module, `X.lora_A`
+`[rank, in]` and `X.lora_B` `[out, rank]`, and computes `base(x) + scale * dropout(x) @ A.T @ B.T` with
+`scale = alpha / rank` (the module's class is swapped, as FP8's is, so names and hooks stay: the base weight
+is still `X.weight`). `B` starts at zero, so step 0's forward is the base's exactly.
+
+On the wire and in a published version an adapter is the pair `X.lora_A`, `X.lora_B` with the scale
+folded into `B` (`B' = scale * B`): a server computes `W = W_base + B' @ A` (`merged`), keeping the base's
+target weights of the version named in the manifest's `adapter.base` (`AdapterBase`). Stacked routed
+experts (`[E, out, in]`) would take `A` `[E, rank, in]` and `B` `[E, out, rank]` and merge per expert
+(`merged` handles both); the trainer does not build them yet (the recipe refuses the group).
+
+Which modules a group names is the model family's business (`prl.model.families.FamilySpec.lora_groups`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from prl.model import families
+
+A, B = ".lora_A", ".lora_B"
+SUFFIXES = (A, B)
+
+
+class _LoraLinear:
+    """Mixed into a linear's class: the base's output plus the adapter's (the base weight frozen)."""
+
+    lora_scale: float
+    lora_dropout: float
+    lora_on: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self.lora_on:
+            return out
+        h = torch.nn.functional.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + (h @ self.lora_A.to(h.dtype).t() @ self.lora_B.to(h.dtype).t()) * self.lora_scale
+
+
+def target_modules(model, model_type: str, groups: list[str]) -> dict[str, torch.nn.Module]:
+    """name -> linear module of every target in `groups` (the family's `lora_groups`), in module order."""
+    spec = families.spec(model_type, "trainer.lora")
+    patterns = []
+    for g in groups:
+        if g not in spec.lora_groups:
+            raise ValueError(f"trainer.lora.targets: {g!r} is not a LoRA group of {model_type}; "
+                             f"known: {sorted(spec.lora_groups)}")
+        patterns += [re.compile(rf"(^|\.)layers\.\d+\.{re.escape(p)}$") for p in spec.lora_groups[g]]
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(p.search(n) for p in patterns)}
+
+
+def apply_lora(model, model_type: str, rank: int, alpha: float, dropout: float, groups: list[str],
+               seed: int = 0) -> list[str]:
+    """Adapters on every target of `groups`, everything else frozen; returns the targets' names. Rank and
+    seed fix the adapters' initial values, so every rank builds the same ones."""
+    targets = target_modules(model, model_type, groups)
+    if not targets:
+        raise ValueError(f"trainer.lora.targets {groups}: no module of this {model_type} model matches")
+    model.requires_grad_(False)
+    for name, mod in targets.items():
+        w = mod.weight
+        mod.__class__ = type(f"Lora{type(mod).__name__}", (_LoraLinear, type(mod)), {})
+        mod.lora_scale, mod.lora_dropout, mod.lora_on = alpha / rank, dropout, True
+        mod.lora_A = torch.nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=torch.float32))
+        mod.lora_B = torch.nn.Parameter(torch.empty(w.shape[0], rank, device=w.device, dtype=torch.float32))
+    init_adapters(model, seed)
+    return list(targets)
+
+
+@torch.no_grad()
+def init_adapters(model, seed: int) -> None:
+    """A as PEFT's default (Kaiming-uniform, a = sqrt(5): bound 1/sqrt(in)), B zero; from `seed` and the
+    target's name alone, so a rank holding a shard (DTensor) gets its part of the same values."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in adapter_params(model).items():
+        full = torch.zeros(p.shape, dtype=p.dtype)
+        if name.endswith(A):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+            bound = 1 / math.sqrt(p.shape[1])
+            full = torch.rand(p.shape, generator=gen, dtype=torch.float64).mul(2 * bound).sub(bound).to(p.dtype)
+        if isinstance(p, DTensor):
+            p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None))
+        else:
+            p.copy_(full)
+
+
+def adapter_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if n.endswith(SUFFIXES)}
+
+
+def lora_modules(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, _LoraLinear)]
+
+
+class adapters_off:
+    """Within the block the model is its base (the KL reference of a LoRA run costs no second model)."""
+
+    def __init__(self, model):
+        self.mods = lora_modules(model)
+
+    def __enter__(self):
+        for m in self.mods:
+            m.lora_on = False
+
+    def __exit__(self, *exc):
+        for m in self.mods:
+            m.lora_on = True
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def target_of(name: str) -> str:
+    """`X.lora_A` / `X.lora_B` -> `X.weight`, the tensor the adapter changes."""
+    return name.removesuffix(A).removesuffix(B) + ".weight"
+
+
+def wire_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Adapter tensors as published: B scaled (`B' = scale * B`), A as is."""
+    return {k: v * scale if k.endswith(B) else v for k, v in state.items()}
+
+
+def check_adapter(adapter: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What is wrong with an adapter version against the model's tensor shapes (empty: nothing): every
+    target known and 2-D or 3-D, A and B paired, shapes `[.., r, in]` and `[.., out, r]`."""
+    problems = []
+    for name in sorted({target_of(k) for k in adapter}):
+        stem = name.removesuffix(".weight")
+        a, b, w = adapter.get(stem + A), adapter.get(stem + B), shapes.get(name)
+        if w is None or len(w) not in (2, 3):
+            problems.append(f"{stem}: no such target weight")
+        elif a is None or b is None:
+            problems.append(f"{stem}: lora_A and lora_B come in pairs")
+        elif (tuple(a.shape[:-2]) != tuple(w[:-2]) or a.shape[-1] != w[-1] or b.shape[-2] != w[-2]
+              or b.shape[-1] != a.shape[-2]):
+            problems.append(f"{stem}: A {list(a.shape)} / B {list(b.shape)} do not fit {list(w)}")
+    return problems
+
+
+@torch.no_grad()
+def merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`W_base + B' @ A` for every target of `adapter` (published form, scale folded into B), in fp32, at the
+    base tensor's dtype; stacked ([E, out, in]) targets per expert."""
+    out = {}
+    for name in sorted({target_of(k) for k in adapter}):
+        stem = name.removesuffix(".weight")
+        w = base[name]
+        delta = torch.matmul(adapter[stem + B].float(), adapter[stem + A].float())
+        out[name] = (w.float() + delta).to(w.dtype)
+    return out
+
+
+class AdapterBase:
+    """A server's copy of the base's target weights, read once per base version from its sealed folder
+    (`fetch(version) -> folder`); `rename` maps a published tensor name to the folder's, as for the
+    adapter's targets."""
+
+    def __init__(self, fetch: Callable[[int], Path]):
+        self.fetch = fetch
+        self.version: int | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def targets(self, version: int, names: set[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        from prl.model.weights import verify_dir
+
+        if version != self.version:
+            self.version, self.tensors = version, {}
+        wanted = names - set(self.tensors)
+        if wanted:
+            folder = Path(self.fetch(version))
+            manifest = verify_dir(folder, hash_only=set())
+            if manifest.get("adapter") or manifest.get("streamed_only"):
+                raise ValueError(f"{folder}: the base v{version} of an adapter must be a whole version")
+            for file in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
+                with safe_open(str(folder / file), "pt") as f:
+                    for k in wanted & set(f.keys()):
+                        self.tensors[k] = f.get_tensor(k)
+        missing = names - set(self.tensors)
+        if missing:
+            raise ValueError(f"base v{version}: no tensors {sorted(missing)[:5]} for the adapter's targets")
+        return {k: self.tensors[k] for k in names}
+
+    def apply(self, adapter: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+        """The merged target weights of an adapter version (`meta`: its manifest, `adapter.base` its base)."""
+        base = self.targets(int(meta["adapter"]["base"]), {target_of(k) for k in adapter})
+        return merged(base, adapter)
