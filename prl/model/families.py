@@ -26,7 +26,7 @@ FP8_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_pro
 # LoRA target groups (`trainer.lora.targets`): group -> module paths inside a decoder layer
 DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LORA_QWEN3_MOE = {"attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-                  "mlp": DENSE_MLP}
+                  "mlp": DENSE_MLP, "shared_experts": ()}  # Qwen3-MoE has no shared expert
 # MLA: kv_b_proj is left out (the engine's latent decode absorbs it into the query and output); the DSA
 # indexer's projections are not targets
 LORA_MLA = {"attention": ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj",

@@ -1088,11 +1088,6 @@ class Recipe(Section):
             raise ValueError("trainer.parallel.ep > 1 needs an MoE model, but every layer is dense")
         return self
 
-    @model_validator(mode="after")
-    def _lora(self):
-        lora = self.trainer.lora
-        if not lora.enabled or self.model.path is not None:  # a folder's family: checked when the trainer loads it
-            return self
         known = set(families.FAMILIES[self.model.arch].lora_groups) | {"routed_experts"}
         bad = [g for g in lora.targets if g not in known]
         if bad:

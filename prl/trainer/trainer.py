@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 
 import torch
@@ -285,6 +286,7 @@ class Trainer:
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **{k: v for k, v in stats.items() if k.startswith(USER_FIGURE)},
         )
 

@@ -1,0 +1,109 @@
+"""LoRA RL against full fine-tuning, side by side in one invocation: what a step costs and what RL learns.
+
+    .venv/bin/python bench/lora.py [--rl-seconds 90] [--cost-seconds 45] [--lrs 3e-3,1e-2,3e-2] [--seeds 1]
+        [--skip-learning] [--skip-cost] [--keep DIR]
+
+Learning: recipes/reverse-tiny.toml (full fine-tuning, its trainer.lr 1e-3) and recipes/reverse-tiny-lora.toml
+(rank 8, alpha 32) at each learning rate of `--lrs` (LoRA wants about 10x full fine-tuning's), every run given
+the same `--rl-seconds` of RL from its first RL step (bench/objectives.py's window: warm start and start-up
+outside it), then stopped cleanly. Figures per run: RL steps, the orchestrator's reward gain (mean of the last 5
+`orch_step`s minus the first 5), the held-out eval's reward; `lora_gain_over_full` is the best LoRA learning
+rate's gain over full fine-tuning's (the goal: at least 0.9).
+
+Cost: the same larger model (hidden 512, 4 layers, 16 experts of 512: about 30 M parameters, so weights and
+optimizer state are more than torch's own memory) with and without LoRA rank 8, no warm start (so the LoRA
+trainer never holds a full optimizer), weights over the collective path, `--cost-seconds` of RL each. Per run:
+bytes a version sends (`weights_sent`), the trainer's publish_s (the update, sender side), fwd_bwd_s (median),
+and the trainer rank's peak RSS (`trainer_step.peak_rss_mb`, the process's high-water mark). The JSON line's
+`lora_over_full_<figure>` are LoRA's over full's for bytes, update_s, step_s and peak_mem.
+
+Ends with one JSON line of the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from objectives import one  # noqa: E402  (the windowed `prl run`)
+
+from prl.metrics import read_events  # noqa: E402
+
+FULL = ROOT / "recipes" / "reverse-tiny.toml"
+LORA = ROOT / "recipes" / "reverse-tiny-lora.toml"
+BIG = ["model.hidden_size=512", "model.num_layers=4", "model.num_experts=16", "model.expert_dim=512",
+       "model.dense_dim=1024", "sft.steps=0", 'trainer.weight_transfer="collective"', "eval.heldout.every=0",
+       "eval.heldout.at_start=false"]
+
+
+def learning(args, out: Path) -> dict:
+    runs = {}
+    for seed in range(args.seeds):
+        variants = [("full", FULL, [])] + [(f"lora_lr{lr}", LORA, [f"trainer.lr={lr}"]) for lr in args.lrs]
+        for name, recipe, sets in variants:
+            fig = one(recipe, f"{name}_s{seed}", [*sets, f"run.seed={seed}"], args.rl_seconds, out)
+            print(json.dumps({"run": f"{name}_s{seed}", **{k: fig.get(k) for k in (
+                "rl_steps", "reward_first5", "reward_last5", "reward_gain", "heldout_reward", "errors", "restarts")}}),
+                file=sys.stderr, flush=True)
+            runs.setdefault(name, []).append(fig)
+    gains = {name: statistics.mean(f["reward_gain"] for f in figs if f.get("reward_gain") is not None)
+             for name, figs in runs.items() if any(f.get("reward_gain") is not None for f in figs)}
+    best = max((n for n in gains if n != "full"), key=gains.get)
+    head = {f"{n}_reward_gain": round(g, 4) for n, g in gains.items()}
+    return {**head, "best_lora": best, "lora_gain_over_full": round(gains[best] / gains["full"], 3)}
+
+
+def cost_of(name: str, recipe: Path, seconds: float, out: Path) -> dict:
+    fig = one(recipe, name, BIG, seconds, out)
+    evs = read_events(out / name / "metrics.jsonl")
+    steps = [e for e in evs if e["kind"] == "trainer_step" and e.get("stage") == "rl"][1:]
+    sent = [e for e in evs if e["kind"] == "weights_sent" and e.get("version", 0) > 0 and not e.get("error")]
+    got = {"bytes": statistics.median(e["bytes"] for e in sent) if sent else None,
+           "update_s": statistics.median(e["publish_s"] for e in steps) if steps else None,
+           "step_s": statistics.median(e["fwd_bwd_s"] for e in steps) if steps else None,
+           "peak_mem": max((e.get("peak_rss_mb") or 0 for e in steps), default=None),
+           "errors": fig.get("errors"), "restarts": fig.get("restarts")}
+    print(json.dumps({"run": name, **got}), file=sys.stderr, flush=True)
+    return got
+
+
+def cost(args, out: Path) -> dict:
+    full = cost_of("cost_full", FULL, args.cost_seconds, out)
+    lora = cost_of("cost_lora", LORA, args.cost_seconds, out)
+    res = {f"full_{k}": v for k, v in full.items() if k not in ("errors", "restarts")}
+    res.update({f"lora_{k}": v for k, v in lora.items() if k not in ("errors", "restarts")})
+    for k in ("bytes", "update_s", "step_s", "peak_mem"):
+        if full.get(k) and lora.get(k):
+            res[f"lora_over_full_{k}"] = round(lora[k] / full[k], 4)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rl-seconds", type=float, default=90.0)
+    p.add_argument("--cost-seconds", type=float, default=45.0)
+    p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[3e-3, 1e-2, 3e-2])
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--skip-learning", action="store_true")
+    p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--keep", type=Path, default=None)
+    args = p.parse_args()
+    out = args.keep or Path(tempfile.mkdtemp(prefix="prl-bench-lora-"))
+    out.mkdir(parents=True, exist_ok=True)
+    res = {}
+    if not args.skip_cost:
+        res.update(cost(args, out))
+    if not args.skip_learning:
+        res.update(learning(args, out))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""LoRA RL: the adapters' forward is the merged weights' forward (trainer and embedded engine), an adapter
+version is refused whole when it does not fit and its base stays published; and one real run on the
+embedded engine, its adapters over the collective path, its trainer killed mid-run: only the adapters
+train, the checkpoints and versions after step 0 hold them alone, and the restarted trainer replays
+to the same losses."""
+
+import copy
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from prl.model.lora import AdapterBase, adapter_params, apply_lora, is_adapter, merged, wire_state
+from prl.recipe.schema import ModelCfg
+
+GROUPS = ["attention", "mlp", "shared_experts"]
+
+
+def lora_model(arch: str, tmp_path: Path, rank: int = 4, alpha: float = 8.0):
+    """(the base model, a copy with adapters whose B is random: a step-0 adapter would change nothing)."""
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+
+    base = build_model(write_model_dir(ModelCfg(arch=arch, num_layers=2, first_dense_layers=1), tmp_path / arch), seed=0)
+    model = copy.deepcopy(base)
+    targets = apply_lora(model, arch, rank, alpha, 0.0, GROUPS, seed=3)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapter_params(model).items():
+            if name.endswith("lora_B"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return base.eval(), model.eval(), targets
+
+
+def published(model, scale: float) -> dict[str, torch.Tensor]:
+    return wire_state({k: v.detach().clone() for k, v in adapter_params(model).items()}, scale)
+
+
+IDS = torch.tensor([[5, 9, 3, 14, 7, 22, 8, 11, 4, 6]])
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3_moe"])
+def test_the_adapters_forward_is_the_merged_weights_forward(arch, tmp_path):
+    base, model, targets = lora_model(arch, tmp_path)
+    assert any(".self_attn." in t for t in targets) and any(".mlp." in t for t in targets)
+    assert not any("kv_b_proj" in t or "indexer" in t or "experts." in t.split("mlp.")[-1][:8] for t in targets)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(adapter_params(model))
+    with torch.no_grad():
+        lora_logits = model(IDS).logits
+        base.load_state_dict(merged(base.state_dict(), published(model, 8.0 / 4)), strict=False)
+        merged_logits = base(IDS).logits
+    torch.testing.assert_close(lora_logits, merged_logits, atol=2e-5, rtol=1e-5)
+
+
+def test_a_fresh_adapter_changes_nothing(tmp_path):
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+
+    base = build_model(write_model_dir(ModelCfg(num_layers=2), tmp_path / "m"), seed=0).eval()
+    model = copy.deepcopy(base)
+    apply_lora(model, "glm_moe_dsa", 8, 32.0, 0.0, GROUPS)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, base(IDS).logits)
+
+
+def write_versions(root: Path, base_state: dict, adapter: dict) -> None:
+    from prl.model.weights import write_weights
+
+    write_weights(root / "v0", base_state, {"version": 0, "format": "memory"})
+    write_weights(root / "v1", adapter, {"version": 1, "format": "memory", "adapter": {"base": 0, "rank": 4}})
+
+
+def test_the_engine_serves_base_plus_adapter_and_refuses_one_that_does_not_fit(tmp_path):
+    """v0 whole, v1 the adapters alone: the engine's model after v1 gives the adapters' forward; an adapter of
+    the wrong shape, one with no base to merge into, or one with a NaN is refused before anything is touched."""
+    from prl.inference.engine import WeightLoadError, prepare_weights
+    from prl.model.weights import write_weights
+
+    base, model, _ = lora_model("glm_moe_dsa", tmp_path)
+    engine_model = copy.deepcopy(base)
+    root = tmp_path / "weights"
+    adapter = published(model, 2.0)
+    write_versions(root, base.state_dict(), adapter)
+    source = AdapterBase(lambda v: root / f"v{v}")
+    policy = prepare_weights(engine_model, root / "v1", source)
+    assert set(policy.state) == {k.replace(".lora_A", ".weight") for k in adapter if k.endswith("lora_A")}
+    policy.load_into(engine_model)
+    with torch.no_grad():
+        torch.testing.assert_close(engine_model(IDS).logits, model(IDS).logits, atol=2e-5, rtol=1e-5)
+        served = engine_model(IDS).logits
+    name = next(k for k in adapter if k.endswith("lora_B"))
+    bad = {"shape": {**adapter, name: adapter[name][:, :2]},
+           "nan": {**adapter, name: adapter[name] * float("nan")}}
+    for why, state in bad.items():
+        write_weights(root / "v2", state, {"version": 2, "format": "memory", "adapter": {"base": 0, "rank": 4}})
+        with pytest.raises(WeightLoadError, match="adapter refused"):
+            prepare_weights(engine_model, root / "v2", AdapterBase(lambda v: root / f"v{v}"))
+    write_weights(root / "v3", adapter, {"version": 3, "format": "memory", "adapter": {"base": 9, "rank": 4}})
+    with pytest.raises(WeightLoadError, match="base v9"):
+        prepare_weights(engine_model, root / "v3", AdapterBase(lambda v: root / f"v{v}"))
+    with torch.no_grad():
+        assert torch.equal(engine_model(IDS).logits, served)
+
+
+def test_pruning_keeps_the_base_of_the_adapters_it_keeps(tmp_path):
+    from prl.model.weights import prune_versions, published_versions, write_weights
+
+    t = {"w": torch.zeros(2)}
+    write_weights(tmp_path / "v0", t, {"version": 0})
+    for v in range(1, 6):
+        write_weights(tmp_path / f"v{v}", t, {"version": v, "adapter": {"base": 0, "rank": 1}})
+    prune_versions(tmp_path, 2)
+    assert published_versions(tmp_path) == [0, 4, 5]
+
+
+# ---------------------------------------------------------------- one real run
+LORA = ROOT / "recipes" / "reverse-tiny-lora.toml"
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """reverse-tiny-lora, 40 steps, adapters over the collective path, full-format checkpoints every 4 steps;
+    its trainer SIGKILLed three steps past a checkpoint."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_faults import finish, start, three_steps_past_a_checkpoint, trainer_rank, wait_for
+
+    tmp = tmp_path_factory.mktemp("lora")
+    proc = start(tmp, "--set", 'trainer.weight_transfer="collective"', "--set", 'trainer.checkpoint_format="full"',
+                 "--set", "trainer.keep_weights=2", recipe=LORA)
+    run_dir = tmp / "reverse-tiny-lora"
+    wait_for(run_dir, proc, three_steps_past_a_checkpoint(6))
+    os.kill(trainer_rank(run_dir), signal.SIGKILL)
+    finish(proc, run_dir)  # every step once, rewards up, nothing left running
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_killed_lora_trainer_replays_its_steps_to_the_same_losses(killed_run):
+    from test_faults import check_trainer_restart
+
+    check_trainer_restart(killed_run)
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_travel(killed_run):
+    """Checkpoints after step 0 hold the adapters and an optimizer over them alone; versions after v0 are the
+    adapters (sent over the collective), v0 is the step-0 base and survives pruning."""
+    from safetensors.torch import load_file
+
+    from prl.model.weights import read_weights
+
+    ckpts = killed_run / "checkpoints"
+    base = load_file(str(ckpts / "step_0" / "model.safetensors"))
+    last = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))
+    saved = load_file(str(ckpts / f"step_{last}" / "model.safetensors"))
+    adapters = {k: v for k, v in saved.items() if is_adapter(k)}
+    assert adapters and not any(map(is_adapter, base))
+    assert all(torch.equal(v, base[k]) for k, v in saved.items() if k not in adapters)  # buffers (router bias)
+    optim = torch.load(ckpts / f"step_{last}" / "optim.pt", weights_only=False)
+    assert len(optim["state"]) == len(adapters)
+    assert json.loads((ckpts / f"step_{last}" / "MANIFEST.json").read_text())["lora"]["rank"] == 8
+    v0, m0 = read_weights(killed_run / "weights" / "v0")
+    assert "adapter" not in m0 and all(torch.equal(v0[k], base[k]) for k in base)
+    versions = sorted(int(p.name[1:]) for p in (killed_run / "weights").glob("v*"))
+    assert versions[0] == 0 and len(versions) == 3  # the base, then the newest keep_weights = 2
+    state, manifest = read_weights(killed_run / "weights" / f"v{versions[-1]}")
+    assert manifest["adapter"] == {"base": 0, "rank": 8} and set(state) == set(adapters)
+    sent = [e for e in map(json.loads, (killed_run / "metrics.jsonl").read_text().splitlines())
+            if e["kind"] == "weights_sent" and e["version"] > 0]
+    assert sent and all(e["error"] is None and e["servers"] == 1 for e in sent[-5:])
+    assert max(e["bytes"] for e in sent) < sum(v.numel() * 4 for v in base.values()) / 10
