@@ -1,7 +1,7 @@
 """LoRA RL against full fine-tuning, side by side in one invocation: what a step costs and what RL learns.
 
     .venv/bin/python bench/lora.py [--rl-seconds 90] [--cost-seconds 45] [--lrs 3e-3,1e-2,3e-2] [--seeds 1]
-        [--skip-learning] [--skip-cost] [--keep DIR]
+        [--skip-learning] [--skip-cost] [--skip-serving] [--keep DIR]
 
 Learning: recipes/reverse-tiny.toml (full fine-tuning, its trainer.lr 1e-3) and recipes/reverse-tiny-lora.toml
 (rank 8, alpha 32) at each learning rate of `--lrs` (LoRA wants about 10x full fine-tuning's), every run given
@@ -16,6 +16,12 @@ trainer never holds a full optimizer), weights over the collective path, `--cost
 bytes a version sends (`weights_sent`), the trainer's publish_s (the update, sender side), fwd_bwd_s (median),
 and the trainer rank's peak RSS (`trainer_step.peak_rss_mb`, the process's high-water mark). The JSON line's
 `lora_over_full_<figure>` are LoRA's over full's for bytes, update_s, step_s and peak_mem.
+
+Serving (in this process, no servers): how the embedded engine takes an adapter. Unmerged, every target runs
+its base GEMM plus two thin ones on every forward; merged on load, an update costs one `W + B' @ A` per target
+(`prl.model.lora.AdapterBase.apply`, the base's targets cached) and forwards cost the base's. On reverse-tiny's
+model and the larger one: the forward of a 64 x 16 batch, base (= merged) and unmerged (median of 20), and one
+merge; `unmerged_over_merged_forward` and `merge_over_forward` per model.
 
 Ends with one JSON line of the headline figures.
 """
@@ -62,7 +68,7 @@ def learning(args, out: Path) -> dict:
 
 def cost_of(name: str, recipe: Path, seconds: float, out: Path) -> dict:
     fig = one(recipe, name, BIG, seconds, out)
-    evs = read_events(out / name / "metrics.jsonl")
+    evs, _ = read_events(out / name / "metrics.jsonl")
     steps = [e for e in evs if e["kind"] == "trainer_step" and e.get("stage") == "rl"][1:]
     sent = [e for e in evs if e["kind"] == "weights_sent" and e.get("version", 0) > 0 and not e.get("error")]
     got = {"bytes": statistics.median(e["bytes"] for e in sent) if sent else None,
@@ -85,6 +91,56 @@ def cost(args, out: Path) -> dict:
     return res
 
 
+def timed(fn, reps: int = 20) -> float:
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def serving_of(name: str, cfg: dict, tmp: Path) -> dict:
+    """Forward with the adapters unmerged vs merged into the weights, and one merge, on one model."""
+    import copy
+
+    import torch
+
+    from prl.model.build import build_model
+    from prl.model.lora import AdapterBase, adapter_params, apply_lora, wire_state
+    from prl.model.tiny import write_model_dir
+    from prl.model.weights import write_weights
+    from prl.recipe.schema import ModelCfg
+
+    torch.set_num_threads(1)
+    base = build_model(write_model_dir(ModelCfg(**cfg), tmp / name), seed=0).eval()
+    lora = copy.deepcopy(base)
+    apply_lora(lora, "glm_moe_dsa", 8, 32.0, 0.0, ["attention", "mlp", "shared_experts"])
+    adapter = wire_state({k: v.detach() for k, v in adapter_params(lora).items()}, 4.0)
+    write_weights(tmp / name / "v0", base.state_dict(), {"version": 0})
+    merge = AdapterBase(lambda v: tmp / name / f"v{v}")
+    meta = {"adapter": {"base": 0}}
+    merge.apply(adapter, meta)  # the base's targets read once, as a server does on its first adapter
+    ids = torch.randint(3, 20, (64, 16))
+    with torch.no_grad():
+        merged_s, unmerged_s = timed(lambda: base(ids)), timed(lambda: lora(ids))
+    merge_s = timed(lambda: merge.apply(adapter, meta), reps=5)
+    return {f"{name}_merged_forward_s": round(merged_s, 5), f"{name}_unmerged_forward_s": round(unmerged_s, 5),
+            f"{name}_merge_s": round(merge_s, 5), f"{name}_unmerged_over_merged_forward": round(unmerged_s / merged_s, 3),
+            f"{name}_merge_over_forward": round(merge_s / merged_s, 3)}
+
+
+def serving(out: Path) -> dict:
+    tiny = {"hidden_size": 128, "expert_dim": 128, "dense_dim": 256, "num_layers": 3, "head_dim": 32}
+    big = {"hidden_size": 512, "expert_dim": 512, "dense_dim": 1024, "num_layers": 4, "head_dim": 32, "num_experts": 16}
+    res = {**serving_of("tiny", tiny, out), **serving_of("big", big, out)}
+    print(json.dumps({"run": "serving", **res}), file=sys.stderr, flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rl-seconds", type=float, default=90.0)
@@ -93,11 +149,12 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--skip-learning", action="store_true")
     p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--keep", type=Path, default=None)
     args = p.parse_args()
     out = args.keep or Path(tempfile.mkdtemp(prefix="prl-bench-lora-"))
     out.mkdir(parents=True, exist_ok=True)
-    res = {}
+    res = {} if args.skip_serving else serving(out)
     if not args.skip_cost:
         res.update(cost(args, out))
     if not args.skip_learning:

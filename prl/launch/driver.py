@@ -82,9 +82,18 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
     console.print()
     console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
     console.print(plan_summary(recipe), markup=False, highlight=False)
+    if recipe.trainer.lora.enabled:
+        console.print(lora_line(recipe), markup=False, highlight=False)
     for item in recipe.not_built():
         console.print(f"prl run would refuse: {item}", style="yellow", markup=False, highlight=False)
     return 0
+
+
+def lora_line(recipe: Recipe) -> str:
+    lora = recipe.trainer.lora
+    return (f"# LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.targets)}: weights v0 is the base, whole; "
+            f"every later version is the adapters alone, which each {recipe.inference.backend} server merges into its "
+            f"copy of the base's target weights (served merged: no backend is sent unmerged adapters)")
 
 
 def refuse_not_built(recipe: Recipe) -> None:
