@@ -261,14 +261,38 @@ def ckpt_export(
     out: Path = typer.Option(..., "--out", help="the Hugging Face folder to write"),
     step: str = typer.Option("latest", "--step", help="a checkpoint step, or 'latest'"),
     fp8: bool = typer.Option(False, "--fp8", help="block-FP8 weights (DeepSeek-V3 / GLM-5-FP8 layout)"),
+    merged: bool = typer.Option(False, "--merged", help="a LoRA checkpoint: its base with the adapters merged in, a "
+                                                        "whole model (without: a PEFT adapter folder)"),
 ):
-    """Write a checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer)."""
+    """Write a checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer); a LoRA checkpoint as
+    a PEFT adapter folder (adapter_config.json, adapter_model.safetensors), or merged with --merged."""
     from prl.trainer.export import ExportError, export
 
     try:
-        path = export(run_dir, step, out, fp8=fp8)
+        path = export(run_dir, step, out, fp8=fp8, merged=merged)
     except ExportError as e:
         raise fail("ckpt export", str(e)) from None
+    if (path / "adapter_config.json").is_file():
+        console.print(f"wrote {path}: a PEFT LoRA adapter; its base is `prl ckpt export {run_dir} --step 0`, the "
+                      f"merged model `prl ckpt export {run_dir} --step {step} --merged`", markup=False)
+        return
+    console.print(f"wrote {path}", markup=False)
+
+
+@ckpt_app.command("merge")
+def ckpt_merge(
+    adapter: Path = typer.Argument(..., help="a PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)"),
+    base: Path = typer.Argument(..., help="the Hugging Face folder of its base model"),
+    out: Path = typer.Option(..., "--out", help="the merged Hugging Face folder to write"),
+):
+    """Merge a PEFT LoRA adapter into its base model's weights (W + lora_alpha / r * B @ A): a whole Hugging
+    Face folder, every other file of BASE copied."""
+    from prl.model.peft_adapter import AdapterError, merge_adapter
+
+    try:
+        path = merge_adapter(adapter, base, out)
+    except AdapterError as e:
+        raise fail("ckpt merge", str(e)) from None
     console.print(f"wrote {path}", markup=False)
 
 

@@ -1,6 +1,6 @@
 """`prl eval`: a recipe's eval sets on a run's checkpoint or on a model folder, outside any run.
 
-The weights become a model folder (a checkpoint is exported as `prl ckpt export` writes it), the
+The weights become a model folder (a checkpoint is exported as `prl ckpt export --merged` writes it), the
 recipe's inference processes start on it (embedded engine or vLLM, as the recipe says; sandbox
 workers where the environment runs code), and the sets run through the same pool, environment and
 runner as inside a run (`prl.orchestrator.evals`), every example at once, with the same seeds. The
@@ -34,7 +34,7 @@ def checkpoint_model(run_dir: Path, step: str, out: Path) -> tuple[Path, int]:
         number = int(path.name.rpartition("_")[2])
         if out.exists():
             shutil.rmtree(out)
-        export(run_dir, str(number), out)
+        export(run_dir, str(number), out, merged=True)  # a LoRA checkpoint: its adapters merged into the base
     except ExportError as e:
         raise EvalError(str(e)) from None
     return out, number

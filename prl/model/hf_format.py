@@ -27,6 +27,13 @@ def to_checkpoint_format(model, state: dict[str, torch.Tensor]) -> dict[str, tor
     return {k: v.contiguous() for k, v in revert_weight_conversion(model, dict(state)).items()}
 
 
+def checkpoint_name(model, name: str) -> str:
+    """The checkpoint name of `model`'s in-memory tensor `name`, one transformers converts on its own (a dense
+    weight: usually the same name)."""
+    (out,) = to_checkpoint_format(model, {name: torch.empty(0)})
+    return out
+
+
 def meta_model_of(model_dir: str | Path):
     """The folder's model built from its config.json on the meta device (no memory used)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,10 +1,12 @@
-"""`prl ckpt export`: a verified checkpoint -> a Hugging Face folder that from_pretrained loads."""
+"""`prl ckpt export`: a verified checkpoint -> a Hugging Face folder that from_pretrained loads; a LoRA checkpoint
+(adapters alone) -> a PEFT adapter folder, or merged into its base (the run's step 0) a whole Hugging Face folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prl.model.weights import WEIGHTS_PREFIX, CorruptWeightsError, sealed
+from prl.model.lora import is_adapter
+from prl.model.weights import MANIFEST, WEIGHTS_PREFIX, CorruptWeightsError, sealed
 
 
 class ExportError(RuntimeError):
@@ -26,20 +28,40 @@ def find_checkpoint(run_dir: Path, step: str) -> Path:
     return root / (f"step_{int(step)}" if int(step) in full else f"{WEIGHTS_PREFIX}{int(step)}")
 
 
-def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
+def export(run_dir: Path, step: str, out: Path, fp8: bool = False, merged: bool = False) -> Path:
+    """The checkpoint of `step` as a Hugging Face folder. A LoRA checkpoint (the adapters alone): a PEFT adapter
+    folder, or with `merged` its base (the run's step-0 checkpoint) with the adapters merged in; `merged` on a
+    checkpoint of every weight changes nothing."""
+    run_dir = Path(run_dir)
+    path = find_checkpoint(run_dir, step)
+    state, manifest = read_checkpoint(path)
+    lora = manifest.get("lora")
+    if lora and not merged:
+        if fp8:
+            raise ExportError(f"{path}: --fp8 writes a whole model and this LoRA checkpoint holds adapters: add --merged")
+        return export_adapter(run_dir, path, {k: v for k, v in state.items() if is_adapter(k)}, lora, Path(out))
+    if lora:
+        state = merged_state(path, state, lora)
+    return write_hf(run_dir / "model", path, state, Path(out), fp8)
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict]:
+    from prl.trainer.checkpoint import read_model_state
+
+    try:
+        return read_model_state(path)
+    except CorruptWeightsError as e:
+        raise ExportError(str(e)) from None
+
+
+def write_hf(model_dir: Path, path: Path, state: dict, out: Path, fp8: bool) -> Path:
+    """Every weight of a checkpoint (in-memory names) as a Hugging Face folder of the run's model, with its
+    tokenizer and MTP draft layers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prl.model.build import load_tokenizer
     from prl.model.mtp_weights import copy_draft_layers
-    from prl.trainer.checkpoint import read_model_state
 
-    run_dir = Path(run_dir)
-    model_dir = run_dir / "model"
-    path = find_checkpoint(run_dir, step)
-    try:
-        state, _ = read_model_state(path)
-    except CorruptWeightsError as e:
-        raise ExportError(str(e)) from None
     config = AutoConfig.from_pretrained(model_dir)
     if hasattr(config, "quantization_config"):  # the run's vLLM FP8 serving layout: not what is written here
         del config.quantization_config
@@ -47,7 +69,6 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ExportError(f"{path}: does not match {model_dir}/config.json (missing {missing[:3]}, extra {unexpected[:3]})")
-    out = Path(out)
     if fp8:
         write_fp8(model, out)
     else:
@@ -55,6 +76,60 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False) -> Path:
     load_tokenizer(model_dir).save_pretrained(out)
     copy_draft_layers(model_dir, out)  # MTP layers: not trained, kept so the export still drafts
     return out
+
+
+def merged_state(path: Path, state: dict, lora: dict) -> dict:
+    """Every weight of the LoRA checkpoint at `path` (`state`: its adapters and buffers): its base's (the
+    checkpoint its manifest names, the run's step 0), each target's as `W + alpha / rank * B @ A`."""
+    from prl.model.lora import check_adapter, merged, wire_state
+
+    adapter = {k: v for k, v in state.items() if is_adapter(k)}
+    buffers = {k: v for k, v in state.items() if k not in adapter}  # e.g. a router's bias: the checkpoint's own
+    base_path = path.parent / str(lora.get("base", "step_0"))
+    if not (base_path / MANIFEST).is_file():
+        raise ExportError(f"{path} holds LoRA adapters alone and its base {base_path} (the run's step-0 "
+                          f"checkpoint) is missing: the merged model cannot be written")
+    base, manifest = read_checkpoint(base_path)
+    problems = check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()})
+    if manifest.get("lora") or problems:
+        raise ExportError(f"{base_path} is not the base of the adapters in {path}: {'; '.join(problems[:3]) or 'it holds adapters too'}")
+    return {**base, **buffers, **merged(base, wire_state(adapter, lora["alpha"] / lora["rank"]))}
+
+
+def export_adapter(run_dir: Path, path: Path, adapter: dict, lora: dict, out: Path) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT folder, named by Hugging Face checkpoint module paths."""
+    import torch
+
+    from prl.model.hf_format import checkpoint_name, meta_model_of
+    from prl.model.lora import check_adapter, target_of
+    from prl.model.peft_adapter import AdapterError, adapter_config, peft_targets, write_adapter
+
+    skeleton = meta_model_of(run_dir / "model")
+    problems = check_adapter(adapter, {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
+    if problems:
+        raise ExportError(f"{path}: does not match {run_dir / 'model'}/config.json: {'; '.join(problems[:3])}")
+    tensors = {}
+    for name, t in adapter.items():
+        target = target_of(name)
+        stem = checkpoint_name(skeleton, target).removesuffix(".weight")
+        tensors[stem + name[len(target) - len(".weight"):]] = t
+    adapted = {target_of(k).removesuffix(".weight") for k in adapter}
+    linears = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        targets = peft_targets(adapted, linears)
+    except AdapterError as e:
+        raise ExportError(f"{path}: {e}") from None
+    return write_adapter(out, tensors, adapter_config(lora["rank"], lora["alpha"], lora_dropout(run_dir), targets))
+
+
+def lora_dropout(run_dir: Path) -> float:
+    """The run's `trainer.lora.dropout` (PEFT's config records it; it changes no weight)."""
+    import json
+
+    try:
+        return float(json.loads((run_dir / "recipe.json").read_text())["trainer"]["lora"]["dropout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
 
 
 def write_fp8(model, out: Path) -> None:

@@ -99,12 +99,12 @@ def adapter_part(model, part: dict[str, torch.Tensor], hf_format: bool, scale: f
     part = wire_state(part, scale)
     if not hf_format:
         return part
-    from prl.model.hf_format import to_checkpoint_format
+    from prl.model.hf_format import checkpoint_name
 
     out = {}
     for name, t in part.items():
         target = target_of(name)
-        (hf,) = to_checkpoint_format(model, {target: torch.empty(0)})  # a dense target keeps one name
+        hf = checkpoint_name(model, target)  # a dense target keeps one name
         out[hf.removesuffix(".weight") + name[len(target) - len(".weight"):]] = t
     return out
 
