@@ -493,3 +493,132 @@ def test_what_run_refuses_the_plan_marks_planned():
         assert any(item.startswith(REFUSED_AS[m]) for m in used if m in REFUSED_AS), item
     for m in used & {"fp8_serving", "wide_ep", "fp8_kv", "mtp", "collective_weights"}:
         assert any(item.startswith(REFUSED_AS[m]) for item in refused), m
+
+
+# ---- LoRA: adapters on a frozen base (prl.sizing.lora, prl.sizing.compare) ----
+
+from prl.sizing import compare, lora  # noqa: E402
+from prl.sizing.report import format_plan  # noqa: E402
+
+LORA = ROOT / "recipes/glm5-131k-lora.toml"
+# GLM-5 adapters a rank: attention (q_a 6144->2048, q_b 2048->64x256, kv_a 6144->576, o 64x256->6144) in 78
+# layers, 3 dense MLPs (6144 <-> 12288), 75 shared experts (6144 <-> 2048)
+GLM5_ADAPTERS = 78 * (6144 + 2048 + 2048 + 16384 + 6144 + 576 + 16384 + 6144) + 3 * 3 * (6144 + 12288) + \
+    75 * 3 * (6144 + 2048)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"{c.arch}-{c.num_layers}x{c.num_experts}")
+def test_lora_adapter_counts_match_the_trainer(cfg, tmp_path):
+    """What prl.model.lora adds to a built model, group by group, is what the plan counts."""
+    from prl.model.families import FAMILIES
+    from prl.model.lora import adapter_params, apply_lora
+    from prl.recipe.schema import LoraCfg
+
+    groups = list(FAMILIES[cfg.arch].lora_groups)
+    for group in groups:
+        model, config = built(cfg, tmp_path)
+        if not lora.target_shapes(config, count(config))[group]:
+            continue  # no such layers in this model (a tiny model without dense layers)
+        apply_lora(model, config["model_type"], 4, 8.0, 0.0, [group])
+        planned = lora.adapters(config, count(config), LoraCfg(rank=4, targets=[group]))
+        assert sum(planned) == sum(p.numel() for p in adapter_params(model).values()), group
+
+
+def test_lora_counts_glm5_adapters_and_routed_experts_opt_in():
+    from prl.recipe.schema import LoraCfg
+
+    assert lora.adapters(GLM5, GLM5_COUNTS, LoraCfg(rank=32)) == (32 * GLM5_ADAPTERS, 0)
+    routed = lora.adapters(GLM5, GLM5_COUNTS, LoraCfg(rank=8, targets=["routed_experts"]))
+    # A [E, r, in], B [E, out, r] on each layer's stacked gate_up_proj [256, 2 x 2048, 6144] and down_proj
+    assert routed == (0, 75 * 256 * 8 * ((6144 + 2 * 2048) + (2048 + 6144)))
+
+
+def test_lora_trainer_memory_on_the_flagship():
+    """Full fine-tuning keeps 16 B a parameter; LoRA keeps the base in FP8 (+ a 128x128 block's scale) where
+    trainer.fp8 makes the GEMM FP8, else bf16, and 16 B an adapter parameter; activations are unchanged."""
+    full = trainer.trainer_memory(flagship(), GLM5, GLM5_COUNTS, 128)
+    r = flagship("trainer.lora.rank=32")
+    low = trainer.trainer_memory(r, GLM5, GLM5_COUNTS, 128)
+    n, f8, fp8_dense = GLM5_COUNTS, 1 + 4 / 128 ** 2, trainer.fp8_dense(GLM5, GLM5_COUNTS)
+    weights = n.routed / 128 * f8 + (fp8_dense * f8 + (n.dense - fp8_dense) * 2) / 128 + n.buffers * 4
+    adapters = 32 * GLM5_ADAPTERS * 16 / 128 + n.largest_layer * 2 * 2 + 32 * GLM5_ADAPTERS / 78 * 4
+    weights_full = n.routed / 128 * 16 + n.dense / 128 * 16 + n.buffers * 4 + n.largest_layer * (2 * 2 + 4)
+    assert sum(full.values()) - sum(low.values()) == pytest.approx(weights_full - weights - adapters)
+    assert 85e9 < sum(full.values()) - sum(low.values()) < 90e9
+    shared = [k for k in full if k.startswith(("activations", "expert", "logprob", "DSA", "CP"))]
+    assert shared and all(low[k] == full[k] for k in shared)
+    as_built = trainer.trainer_memory(r, GLM5, GLM5_COUNTS, 128, as_built=True)  # the base in fp32, as today
+    assert sum(as_built.values()) - sum(low.values()) == pytest.approx(
+        n.routed / 128 * (4 - f8) + (n.dense * 4 - fp8_dense * f8 - (n.dense - fp8_dense) * 2) / 128)
+
+
+def test_lora_weight_update_is_the_adapters_in_fp32():
+    r, full = flagship("trainer.lora.rank=32"), flagship()
+    own = layouts.recipe_layout(r)
+    adapters = 32 * GLM5_ADAPTERS * 4  # fp32 on the wire, every inference host all of them
+    assert rollout.weights_moved(r, GLM5, GLM5_COUNTS, own) == 12 * adapters
+    ratio = rollout.weights_moved(full, GLM5, GLM5_COUNTS, own) / rollout.weights_moved(r, GLM5, GLM5_COUNTS, own)
+    assert 100 < ratio < 120
+    merge = 4 * 32 * lora.adapted(GLM5, GLM5_COUNTS, r.trainer.lora)[0] / (989e12 * 0.35) + \
+        2 * lora.adapted(GLM5, GLM5_COUNTS, r.trainer.lora)[0] * (1 + 4 / 128 ** 2) / 4.8e12
+    receive = adapters / (8 * 50e9) + adapters / 450e9
+    assert rollout.weight_update_seconds(r, GLM5, GLM5_COUNTS, own, 128) == pytest.approx(receive + merge)
+
+
+def test_lora_gemms_drop_the_base_weight_gradients():
+    """With checkpointing a frozen weight costs 6 of full fine-tuning's 8 FLOPs a parameter and token (no
+    weight gradient); the adapters train in full, in bf16."""
+    w = workload.workload(flagship())
+    full = trainer.compute_seconds(flagship(), GLM5, GLM5_COUNTS, w, 128)
+    low = trainer.compute_seconds(flagship("trainer.lora.rank=32"), GLM5, GLM5_COUNTS, w, 128)
+    for key in ("GEMMs in FP8 (experts at the busiest EP rank)", "GEMMs in bf16 (router, indexer, kv_a, head)"):
+        assert low[key] == pytest.approx(full[key] * 3 / 4)
+    assert low["sparse attention"] == full["sparse attention"]
+    assert low["GEMMs of the LoRA adapters (bf16)"] == pytest.approx(
+        2 * 32 * GLM5_ADAPTERS * 512 * w.mean * 4 / (128 * 989e12 * 0.35))
+    comm = trainer.comm_seconds(flagship("trainer.lora.rank=32"), GLM5, GLM5_COUNTS, w, 128)
+    assert comm["FSDP gathers + reduce-scatters"] == pytest.approx(
+        (GLM5_COUNTS.dense * 2 * 2 + 32 * GLM5_ADAPTERS * 4) / 128 * 127 / 50e9)
+
+
+def test_lora_fewest_trainer_hosts():
+    """The flagship's 28 hosts, cp = 16 kept (an even number of trainer hosts): full fine-tuning needs
+    ep = 128 (16 hosts); LoRA fits 2 (ep = 16, the base in FP8), 4 with the base in fp32 as built."""
+    plan = make_plan(flagship("trainer.lora.rank=32"))
+    few = plan.lora.fewest
+    assert (few["full"].trainer_hosts, few["full"].ep) == (16, 128)
+    assert (few["lora"].trainer_hosts, few["lora"].ep) == (2, 16)
+    assert (few["as built"].trainer_hosts, few["as built"].ep) == (4, 32)
+    usable = 141 * 0.9 * GB
+    assert all(s.memory <= usable for s in few.values())
+    assert compare.split(lora.without_lora(flagship()), GLM5, GLM5_COUNTS, None, 14, 28).memory > usable
+    assert compare.at_hosts(flagship(), GLM5, 3) is None, "24 ranks do not divide into cp = 16"
+    assert plan.lora.best.step <= plan.lora.own.step
+
+
+def test_the_lora_recipe_frees_trainer_hosts_and_plans_under_5_minutes():
+    r = load_recipe(LORA)
+    plan = make_plan(r)
+    assert not plan.problems, plan.problems
+    assert r.trainer_hosts() == 12 and len(r.placement.inference) == 16 and r.trainer.lora.rank == 32
+    assert plan.time[STEP] <= 5 * 60
+    assert plan.lora.best.trainer_hosts == 12, "the recipe's split is the plan's shortest step"
+    assert plan.best is not None and plan.best.layout == plan.rollout.layout
+    assert not r.not_built(), "prl run refuses nothing of it"
+    assert "lora_vllm" in plan.uses["rollout weight update"] and "lora_base_dtype" in \
+        plan.uses["frozen base, routed experts (1.00 B/param over ep)"]
+    assert plan.flight["rl.max_async_level needed"] <= r.rl.max_async_level
+    assert plan.flight["rl.max_off_policy_steps needed"] <= r.rl.max_off_policy_steps
+
+
+def test_lora_refusals_are_planned_mechanisms_and_the_flagship_prints_no_lora():
+    """What `prl run` refuses of a LoRA recipe (routed experts, FP8 serving) the plan marks planned."""
+    r = flagship("trainer.lora.rank=32", "trainer.lora.targets=['attention', 'routed_experts']")
+    plan, refused = make_plan(r), r.not_built()
+    used = {name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] == PLANNED}
+    assert len(refused) == 2 and {"lora_routed", "lora_fp8_serving"} <= used
+    for item in refused:
+        assert any(item.startswith(REFUSED_AS[m]) for m in used if m in REFUSED_AS), item
+    text = format_plan(r, plan)
+    assert "with LoRA (rank 32, alpha 32; attention, routed_experts)" in text and "shortest step" in text
+    assert "LoRA" not in format_plan(flagship(), make_plan(flagship()))

@@ -4,9 +4,10 @@ The terms live in their own modules, each a small function with a hand-checked t
 `trainer` (trainer memory and step), `layouts` (serving layouts and one inference GPU's memory),
 `kv` (KV bytes per token and where they live), `decode` (one decode step: bytes read, FLOPs,
 exchanges, MTP), `rollout` (a layout's rollout per step, the weight update, trajectory latency),
-`workload` (lengths, turns, environment tokens; Little's law and the staleness window), and
-`mechanisms` (built or planned, marked beside every term). Every assumption is a `[plan]` key,
-printed with the result. The orchestrator runs ahead, so a step takes about max(trainer, rollout).
+`workload` (lengths, turns, environment tokens; Little's law and the staleness window), `lora`
+(adapters on a frozen base: memory, GEMMs, the weight update), `compare` (LoRA against full
+fine-tuning, and the split of the hosts), and `mechanisms` (built or planned, marked beside every
+term). Every assumption is a `[plan]` key, printed with the result. The orchestrator runs ahead, so a step takes about max(trainer, rollout).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prl.recipe.schema import Recipe
+from prl.sizing import lora
 from prl.sizing import trainer as tr
+from prl.sizing.compare import LoraComparison, compare
 from prl.sizing.layouts import Layout, candidates, describe, recipe_layout, weight_bytes
 from prl.sizing.params import Counts, count
 from prl.sizing.rollout import Rollout, collective, evaluate, weight_send_seconds, weights_moved
@@ -62,6 +65,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # printed after the step times
+    lora: LoraComparison | None = None  # with trainer.lora: LoRA against full fine-tuning
 
 
 def serving_uses(recipe: Recipe, c: dict, layout: Layout) -> tuple[str, ...]:
@@ -93,14 +97,14 @@ def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
     """Trainer memory and time, each term with the mechanisms it uses."""
     n, world, par, pl = plan.counts, plan.world, recipe.trainer.parallel, recipe.plan
     plan.trainer = tr.trainer_memory(recipe, c, n, world)
-    plan.uses.update({k: ("checkpointing", "fused_dsa") if k.startswith(("activations", "DSA")) else ()
-                      for k in plan.trainer})
+    plan.uses.update({k: (("checkpointing", "fused_dsa") if k.startswith(("activations", "DSA")) else ())
+                      + lora.term_uses(recipe, k) for k in plan.trainer})
     compute = tr.compute_seconds(recipe, c, n, w, world)
     comm = tr.comm_seconds(recipe, c, n, w, world)
     comm["weight send to the servers"] = weight_send_seconds(recipe, c, n, plan.rollout.layout, world)
     for k, v in {**compute, **comm}.items():
         plan.time[f"trainer {k}"] = v
-        plan.uses[f"trainer {k}"] = trainer_uses(recipe, k)
+        plan.uses[f"trainer {k}"] = trainer_uses(recipe, k) + lora.term_uses(recipe, k)
     plan.time["trainer step"] = tr.overlapped(sum(compute.values()), sum(comm.values()), pl.overlap_comm,
                                               tr.micro_batches(recipe, w, world))
     plan.uses["trainer step"] = sum((plan.uses[f"trainer {k}"] for k in {**compute, **comm}), ()) + \
@@ -122,17 +126,25 @@ def rollout_terms(plan: Plan, recipe: Recipe, c: dict) -> None:
     plan.uses.update({k: serving for k in r.memory})
     for k, v in r.times.items():
         plan.time[f"rollout {k}"] = v
-        plan.uses[f"rollout {k}"] = weights if k == "weight update" else serving
-    wb = weight_bytes(recipe)
-    plan.details.append(f"weight update: {weights_moved(recipe, c, plan.counts, r.layout) / 1e12:.2f} TB a step into "
-                        f"the inference hosts (the model is {plan.counts.total * wb / 1e12:.2f} TB at {wb:.0f} B a "
-                        f"parameter; non-expert weights go to every host, redundant expert slots too), "
-                        f"{'collectively from every trainer GPU' if collective(recipe) else 'files over HTTP from trainer rank 0'}"
-                        f" at plan.network_gb_s = {recipe.plan.network_gb_s:g} GB/s a GPU")
+        plan.uses[f"rollout {k}"] = weights + lora.term_uses(recipe, k) if k == "weight update" else serving
+    plan.details.append(update_detail(recipe, c, plan.counts, r.layout))
     plan.time["rollout step"] = r.seconds
-    plan.uses["rollout step"] = serving + weights
+    plan.uses["rollout step"] = serving + weights + lora.term_uses(recipe, "weight update")
     plan.time[STEP] = max(plan.time["trainer step"], r.seconds)
     plan.uses[STEP] = ("async",) + plan.uses["trainer step"] + plan.uses["rollout step"]
+
+
+def update_detail(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> str:
+    moved, wb = weights_moved(recipe, c, n, layout), weight_bytes(recipe)
+    how = (f"{'collectively from every trainer GPU' if collective(recipe) else 'files over HTTP from trainer rank 0'}"
+           f" at plan.network_gb_s = {recipe.plan.network_gb_s:g} GB/s a GPU")
+    if recipe.trainer.lora.enabled:
+        return (f"weight update: {moved / 1e9:.2f} GB a step into the inference hosts: the LoRA adapters alone, fp32 "
+                f"on the wire, every host all of them ({n.total * wb / 1e12:.2f} TB, the whole model, at v0 only), "
+                f"{how}; each GPU merges them into its weights")
+    return (f"weight update: {moved / 1e12:.2f} TB a step into the inference hosts (the model is "
+            f"{n.total * wb / 1e12:.2f} TB at {wb:.0f} B a parameter; non-expert weights go to every host, redundant "
+            f"expert slots too), {how}")
 
 
 def flight_terms(plan: Plan, recipe: Recipe) -> None:
@@ -187,6 +199,8 @@ def make_plan(recipe: Recipe) -> Plan:
     rollout_terms(plan, recipe, c)
     flight_terms(plan, recipe)
     memory_problems(plan, recipe)
+    if recipe.trainer.lora.enabled:
+        plan.lora = compare(recipe, c, n, w, plan.world, plan.rollout.layout)
     if plan.best is not None and plan.best.layout.name != plan.rollout.layout.name:
         plan.notes.append(f"the recipe serves with {plan.rollout.layout.name}; {plan.best.layout.name} is faster "
                           f"({plan.best.seconds / 60:.2f} against {plan.rollout.seconds / 60:.2f} min of rollout a step)")

@@ -83,13 +83,14 @@ def describe(gpus: int, dp: int, hosts: int) -> str:
     return f"DP{dp}{tp} + EP{gpus} " + ("per host" if hosts == 1 else f"over {hosts} hosts")
 
 
-def candidates(recipe: Recipe) -> list[Layout]:
+def candidates(recipe: Recipe, count: int = 0) -> list[Layout]:
     """TP per host, DP attention + EP within a host, and wide EP over every divisor of the inference
-    hosts (P/D variants are added by the planner for the best of these). Empty without GPU hosts."""
+    hosts (`count`, or the recipe's; P/D variants are added by the planner for the best of these).
+    Empty without GPU hosts."""
     if recipe.cluster is None:
         return []
     p, hosts = recipe.placement_or_default(), recipe.cluster.hosts_by_id()
-    g, count = hosts[p.inference[0]].gpus, len(p.inference)
+    g, count = hosts[p.inference[0]].gpus, count or len(p.inference)
     if not g:
         return []
     out = [Layout(describe(g, 1, 1), count, 1, g, 1, True)]

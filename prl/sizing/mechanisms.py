@@ -50,6 +50,20 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "node_dedup": (GPU, "node-level deduplication of the trainer's expert dispatch (trainer.parallel.ep_node_dedup: "
                         "once to each node, then to its ranks); tested on gloo, its speed needs GPUs"),
     "overlap": (PLANNED, "trainer compute/communication overlap"),
+    "lora_trainer": (GPU, "LoRA in the trainer (trainer.lora, prl.model.lora): target linears gain fp32 A/B, the base "
+                          "is frozen, Adam runs over the adapters alone, the KL reference is the base with its adapters "
+                          "off, and after v0 a version holds the adapters alone (fp32); the embedded engine merges "
+                          "them. Written against FSDP2 + EP + CP, with a CPU recipe (recipes/reverse-tiny-lora.toml); "
+                          "no test in tests/ covers it yet, and its speed needs GPUs"),
+    "lora_base_dtype": (PLANNED, "the frozen base held at trainer.dtype (block FP8 where trainer.fp8): the trainer "
+                                 "keeps it in fp32 today (FSDP2's master weights, 4 B a parameter; `prl plan` prints "
+                                 "what that needs beside the planned figure)"),
+    "lora_vllm": (PLANNED, "vLLM servers taking an adapter version (merged into the served weights, or vLLM's LoRA "
+                           "API): vLLM's weight loader takes whole versions only"),
+    "lora_fp8_serving": (PLANNED, "an adapter merged into block-FP8 served weights (re-quantised per step): `prl run` "
+                                  "refuses trainer.lora with inference.fp8"),
+    "lora_routed": (PLANNED, "adapters on the stacked routed experts (A [E, r, in], B [E, out, r]): `prl run` "
+                             "refuses trainer.lora.targets 'routed_experts'"),
     "checkpointing": (BUILT, "activation checkpointing per decoder layer"),
     "async": (BUILT, "asynchronous rollouts bounded by rl.max_async_level and rl.max_off_policy_steps"),
 }
@@ -57,7 +71,8 @@ MECHANISMS: dict[str, tuple[str, str]] = {
 
 # the recipe key whose `not_built()` refusal names each planned mechanism a recipe can ask for
 REFUSED_AS = {"fp8_serving": "inference.fp8", "fp8_kv": "inference.kv_cache_dtype",
-              "mtp": "inference.mtp_tokens"}
+              "mtp": "inference.mtp_tokens", "lora_fp8_serving": "trainer.lora with inference.fp8",
+              "lora_routed": "trainer.lora.targets"}
 
 
 def status(*names: str) -> str:

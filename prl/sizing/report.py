@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prl.recipe.schema import Recipe
+from prl.sizing.compare import Split
 from prl.sizing.estimate import GB, Plan, minutes
 from prl.sizing.mechanisms import BUILT, MECHANISMS, mark
 from prl.sizing.rollout import Rollout
@@ -57,7 +58,8 @@ def layout_lines(recipe: Recipe, plan: Plan) -> list[str]:
         tag = "  <- recommended" if r is plan.best else ""
         tag += "  (the recipe's)" if r.layout == plan.rollout.layout else ""
         lines.append(f"  {r.layout.name:48} {r.layout.engines + r.layout.prefill_hosts:>7} {r.fits:>9.1f} "
-                     f"{r.held * r.layout.replicas:>9.0f} {r.tokens_per_gpu:>9.0f} {minutes(r.seconds):>10}{tag}")
+                     f"{r.held * r.layout.replicas:>9.0f} {r.tokens_per_gpu:>9.0f} "
+                     f"{minutes(r.seconds) if r.fits >= 1 else 'no room':>10}{tag}")
     return lines
 
 
@@ -83,6 +85,41 @@ def flight_lines(plan: Plan) -> list[str]:
             f"{f['rl.max_off_policy_steps needed']:.0f} (the p99 trajectory's age)"]
 
 
+def split_line(label: str, s: Split | None) -> str:
+    if s is None:
+        return f"    {label}: none of this recipe's host counts"
+    timed = f"; trainer step {minutes(s.trainer)}, rollout {minutes(s.rollout)} ({s.layout}), step " \
+        f"{minutes(s.step)}" if s.trainer else ""
+    return f"    {label}: {s.trainer_hosts} trainer hosts (ep = {s.ep}), {s.memory / GB:.1f} GB a trainer GPU{timed}"
+
+
+def lora_lines(recipe: Recipe, plan: Plan) -> list[str]:
+    """LoRA against full fine-tuning (`prl.sizing.compare`)."""
+    cmp, lo = plan.lora, recipe.trainer.lora
+    if cmp is None:
+        return []
+    m, u = cmp.memory, cmp.update
+    lines = [f"with LoRA (rank {lo.rank}, alpha {lo.alpha:g}; {', '.join(lo.targets)}): {cmp.adapters / 1e9:.3f} B "
+             f"adapter parameters on {cmp.adapted / 1e9:.1f} B base parameters; against full fine-tuning on the "
+             f"same {plan.world} trainer GPUs:",
+             f"  trainer GPU memory {m['lora'] / GB:.1f} GB against {m['full'] / GB:.1f} GB (frozen base, Adam over "
+             f"the adapters alone); with the base in fp32, as the trainer holds it today, {m['as built'] / GB:.1f} GB",
+             f"  weight update {u['lora'] / GB:.2f} GB a step against {u['full'] / GB:,.0f} GB (1/{u['full'] / max(u['lora'], 1.0):,.0f}; "
+             f"adapters in fp32 on the wire), {minutes(cmp.update_s['lora'])} against {minutes(cmp.update_s['full'])}",
+             f"  trainer GEMMs {minutes(cmp.gemms['lora'])} against {minutes(cmp.gemms['full'])} (no weight gradients "
+             f"for the frozen base: computed, not measured); trainer step {minutes(cmp.trainer['lora'])} against "
+             f"{minutes(cmp.trainer['full'])}"]
+    if not cmp.fewest:
+        return lines
+    lines.append("  host split (the other hosts serving in their fastest layout at what its KV holds):")
+    lines += [split_line(label, s) for label, s in (
+        ("fewest that fit, LoRA", cmp.fewest["lora"]), ("fewest that fit, LoRA as built (fp32 base)",
+                                                        cmp.fewest["as built"]),
+        ("fewest that fit, full fine-tuning", cmp.fewest["full"]), ("the recipe's", cmp.own),
+        ("the shortest step", cmp.best))]
+    return lines
+
+
 def mechanism_lines(plan: Plan) -> list[str]:
     used = sorted({name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] != BUILT})
     return ["mechanisms the plan counts and prl does not have yet, or has untested on GPU:"] + \
@@ -106,7 +143,7 @@ def format_plan(recipe: Recipe, plan: Plan) -> str:
     lines.append("step time:")
     lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}{assumes(k)}" for k, v in plan.time.items()]
     lines += [f"  {x}" for x in plan.details]
-    lines += flight_lines(plan) + mechanism_lines(plan)
+    lines += lora_lines(recipe, plan) + flight_lines(plan) + mechanism_lines(plan)
     lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "
                  + ", ".join(f"{k} = {v}" for k, v in recipe.plan.model_dump().items()))
     lines += [f"NOTE: {x}" for x in plan.notes]

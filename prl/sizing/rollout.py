@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prl.recipe.schema import Recipe
-from prl.sizing import kv
+from prl.sizing import kv, lora
 from prl.sizing.decode import Step, decode_step
-from prl.sizing.layouts import Layout, kv_capacity, serving_weights
+from prl.sizing.layouts import Layout, experts_per_gpu, kv_capacity, serving_weights
 from prl.sizing.params import Counts
 from prl.sizing.workload import Workload, async_cap
 
@@ -74,7 +74,12 @@ def kv_transfer_seconds(recipe: Recipe, c: dict, w: Workload, layout: Layout) ->
 
 def host_bytes(recipe: Recipe, c: dict, n: Counts, layout: Layout) -> tuple[float, float]:
     """(bytes one host of an engine needs, of them replicated on every GPU of the host) for a new
-    version: under DP attention the non-expert weights are the same on every GPU of a host."""
+    version: under DP attention the non-expert weights are the same on every GPU of a host. Under LoRA
+    a version is the adapters alone (`prl.sizing.lora`), wanted by every GPU of the host but the routed
+    experts' (each GPU its own experts')."""
+    if recipe.trainer.lora.enabled:
+        adapters, shared = lora.host_update_bytes(recipe, c, n, experts_per_gpu(c, layout) * layout.per_host)
+        return adapters, shared if layout.per_host > 1 else 0.0
     per_gpu = serving_weights(recipe, c, n, layout)
     whole = sum(per_gpu.values())
     shared = sum(v for k, v in per_gpu.items() if not k.startswith("routed")) if layout.dp > 1 else 0.0
@@ -107,12 +112,13 @@ def weight_send_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trai
 def weight_update_seconds(recipe: Recipe, c: dict, n: Counts, layout: Layout, trainer_gpus: int) -> float:
     """Moving a step's new weights into the servers (paused meanwhile): every host receives its own
     bytes once over all its GPUs' links, replicated tensors then spread over NVLink, and no faster
-    than the trainer sends."""
+    than the trainer sends; under LoRA each GPU then merges the adapters into its weights."""
     pl = recipe.plan
     receive = 0.0
     for lay, _ in pools(layout):
         host, shared = host_bytes(recipe, c, n, lay)
-        receive = max(receive, host / (lay.per_host * pl.network_gb_s * 1e9) + shared / (pl.nvlink_gb_s * 1e9))
+        merge = lora.merge_seconds(recipe, c, n, lay.tp, experts_per_gpu(c, lay)) if recipe.trainer.lora.enabled else 0
+        receive = max(receive, host / (lay.per_host * pl.network_gb_s * 1e9) + shared / (pl.nvlink_gb_s * 1e9) + merge)
     return max(receive, weight_send_seconds(recipe, c, n, layout, trainer_gpus))
 
 

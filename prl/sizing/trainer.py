@@ -14,13 +14,17 @@ FP8 peak with trainer.fp8, the busiest EP rank's experts at plan.expert_imbalanc
 and the indexer (not trained: forward and recompute only; the last context-parallel rank of a
 contiguous split scores (2cp - 1) / cp of the mean, zigzag evens it), all at plan.mfu; the expert
 all-to-all, FSDP and CP collectives and the weight send over NVLink and the network.
+
+Under LoRA (`trainer.lora`) the weights, the GEMMs and FSDP's exchanges change as `prl.sizing.lora`
+says: a frozen base without gradients or Adam, no weight gradients for it (6 of 8 GEMM FLOPs a
+parameter and token with checkpointing), the adapters trained in full.
 """
 
 from __future__ import annotations
 
 from prl.model.families import routed_experts
 from prl.recipe.schema import Recipe
-from prl.sizing import kv
+from prl.sizing import kv, lora
 from prl.sizing.params import Counts
 from prl.sizing.workload import Workload
 
@@ -54,7 +58,8 @@ def layer_activation_bytes(c: dict, tokens: float, cb: int) -> float:
     return tokens * per_token * cb
 
 
-def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int) -> dict[str, float]:
+def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int, as_built: bool = False) -> dict[str, float]:
+    """`as_built`: under LoRA, the frozen base in fp32 as the trainer holds it today (`prl.sizing.lora`)."""
     t, par, cb = recipe.trainer, recipe.trainer.parallel, compute_bytes(recipe)
     tokens = t.micro_batch_tokens / par.cp
     layers, h, k = c["num_hidden_layers"], c["hidden_size"], c["num_experts_per_tok"]
@@ -62,17 +67,19 @@ def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int) -> dict[str, 
     acts = layers * tokens * h * cb + act_layer if t.activation_checkpointing else layers * act_layer
     chunk = t.logprob_chunk_tokens or tokens
     rows = tokens * k
-    out = {
+    out = lora.weight_memory(recipe, c, n, world, fp8_dense(c, n), as_built) if t.lora.enabled else {
         "weights+grads+Adam, experts (16 B/param over ep)": n.routed / par.ep * 16,
         "weights+grads+Adam, the rest (16 B/param over all ranks)": n.dense / world * 16 + n.buffers * 4,
         "FSDP working set (2 layers gathered + 1 layer of grads)": n.largest_layer * (2 * cb + 4),
+    }
+    out.update({
         "activations" + (" (checkpointed layers + 1 recomputed)" if t.activation_checkpointing else " (every layer)"): acts,
         "expert all-to-all send buffers (one layer's rows out and back)": 2 * rows * h * cb,
         "expert imbalance (the busiest EP rank's extra routed rows, one layer)":
             (recipe.plan.expert_imbalance - 1) * rows * (3 * h + 4 * c["moe_intermediate_size"]) * cb,
         "logprob chunk (logits, softmax, grad)": chunk * c["vocab_size"] * 4 * 3,
-    }
-    if t.loss.kl_coef:
+    })
+    if t.loss.kl_coef and not t.lora.enabled:  # under LoRA the reference is the base, adapters off
         out["KL reference weights (frozen, sharded as the policy)"] = (n.routed / par.ep + n.dense / world) * cb
     if kv.is_dsa(c):
         block = min(ATTENTION_BLOCK, tokens)
@@ -95,26 +102,29 @@ def sparse_block_bytes(c: dict, queries: float, keys: float, cb: int) -> float:
     return 2 * picks * row * cb + 3 * picks * c["num_attention_heads"] * 4 + keys * row * cb
 
 
-def fp8_active(c: dict, n: Counts) -> float:
-    """Active parameters per token in GEMMs that trainer.fp8 runs in FP8: experts, shared experts, dense
+def fp8_dense(c: dict, n: Counts) -> float:
+    """Parameters outside the routed experts whose GEMMs trainer.fp8 runs in FP8: shared experts, dense
     MLPs and attention projections whose two dimensions are multiples of 128 (not the router, the
     indexer, GLM-5's 576-wide kv_a projection, the head)."""
     h = c["hidden_size"]
     if kv.is_dsa(c):
-        heads, q, lora = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+        heads, q, lora_rank = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
         shapes = [(h, q), (q, heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"])),
-                  (h, lora + c["qk_rope_head_dim"]), (lora, heads * (c["qk_nope_head_dim"] + c["v_head_dim"])),
+                  (h, lora_rank + c["qk_rope_head_dim"]), (lora_rank, heads * (c["qk_nope_head_dim"] + c["v_head_dim"])),
                   (heads * c["v_head_dim"], h)]
     else:
         hd = c.get("head_dim") or h // c["num_attention_heads"]
         q, kvd = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
         shapes = [(h, q), (h, kvd), (h, kvd), (q, h)]
     attn = sum(a * b for a, b in shapes if a % 128 == 0 and b % 128 == 0) * c["num_hidden_layers"]
-    moe = [e > 0 for e in n.experts]
     shared = 3 * h * c["moe_intermediate_size"] * c.get("n_shared_experts", 0) if kv.is_dsa(c) else 0
-    mlp = sum(shared if sparse else 3 * h * c["intermediate_size"] for sparse in moe)
-    routed = sum(moe) * n.top_k * n.expert_size
-    return attn + mlp + routed
+    return attn + sum(shared if e else 3 * h * c["intermediate_size"] for e in n.experts)
+
+
+def fp8_active(c: dict, n: Counts) -> float:
+    """Active parameters per token in GEMMs that trainer.fp8 runs in FP8: `fp8_dense` and the routed
+    experts a token is sent to."""
+    return fp8_dense(c, n) + sum(1 for e in n.experts if e) * n.top_k * n.expert_size
 
 
 def cp_imbalance(cp: int, layout: str) -> float:
@@ -133,15 +143,18 @@ def compute_seconds(recipe: Recipe, c: dict, n: Counts, w: Workload, world: int)
     fp8 = world * pl.fp8_tflops * 1e12 * pl.mfu
     extra = sum(1 for e in n.experts if e) * n.top_k * n.expert_size * (pl.expert_imbalance - 1)
 
-    def flops(params: float) -> float:
-        return 2 * params * tokens * passes
+    def flops(params: float, gemm_passes: int) -> float:
+        return 2 * params * tokens * gemm_passes
 
+    base = lora.backward_passes(recipe, passes)  # LoRA: the frozen base computes no weight gradients
     if t.fp8:
         low = fp8_active(c, n)
-        out = {"GEMMs in FP8 (experts at the busiest EP rank)": flops(low + extra) / fp8,
-               "GEMMs in bf16 (router, indexer, kv_a, head)": flops(n.active - low) / bf16}
+        out = {"GEMMs in FP8 (experts at the busiest EP rank)": flops(low + extra, base) / fp8,
+               "GEMMs in bf16 (router, indexer, kv_a, head)": flops(n.active - low, base) / bf16}
     else:
-        out = {"GEMMs (experts at the busiest EP rank)": flops(n.active + extra) / bf16}
+        out = {"GEMMs (experts at the busiest EP rank)": flops(n.active + extra, base) / bf16}
+    if t.lora.enabled:
+        out["GEMMs of the LoRA adapters (bf16)"] = flops(lora.active_adapters(c, n, t.lora), passes) / bf16
     if kv.is_dsa(c):
         keys = w.token_weighted / 2  # a token's earlier keys, token-weighted
         per_key = 2 * c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
@@ -185,8 +198,12 @@ def comm_seconds(recipe: Recipe, c: dict, n: Counts, w: Workload, world: int) ->
     a2a *= pl.expert_imbalance
     dedup = dedup_factor(max(1, par.ep // per_host), n.top_k) if pl.node_dedup else 1.0
     off = 0.0 if par.ep <= per_host else 1 - per_host / par.ep
+    # FSDP gathers the weights twice (forward, backward) and reduce-scatters fp32 gradients: under LoRA the
+    # adapters' alone
+    shard = n.dense / world * (world - 1) * (2 * cb + (0 if t.lora.enabled else 4))
+    shard += lora.adapters(c, n, t.lora)[0] / world * (world - 1) * 4 if t.lora.enabled else 0
     out = {"expert all-to-all": a2a * off * dedup / net + a2a * (1 - off) / nvl,
-           "FSDP gathers + reduce-scatters": n.dense / world * (world - 1) * (2 * cb + 4) / (net if world > per_host else nvl)}
+           "FSDP gathers + reduce-scatters": shard / (net if world > per_host else nvl)}
     if par.cp > 1 and kv.is_dsa(c):
         per_token = (c["kv_lora_rank"] + c["qk_rope_head_dim"] + c["index_head_dim"]) * cb
         gathered = c["num_hidden_layers"] * tokens / (world / par.cp) * per_token * (par.cp - 1) / par.cp * (passes - 1)
