@@ -13,7 +13,7 @@ Memory of a trainer GPU: the frozen base at trainer.dtype, or block FP8 (1 byte 
 and Adam's two moments (16 B a parameter), routed experts' over ep, the rest over all ranks. No
 gradient or optimizer state for the base; activations as in full fine-tuning; no KL reference copy
 (the reference is the base with its adapters off). As built today the trainer keeps the frozen base
-in fp32 (FSDP2's master weights, 4 B a parameter): `as_built` counts that.
+at trainer.dtype, not yet in FP8: `as_built` counts that.
 
 Compute. A frozen weight's backward still computes the gradient of its input (every layer's, down to
 the first adapter) but not its own. Per parameter and token: forward 2 FLOPs, input gradient 2,
@@ -92,9 +92,10 @@ def active_adapters(c: dict, n: Counts, lora: LoraCfg) -> float:
 def base_bytes(recipe: Recipe, n: Counts, fp8_dense: float, as_built: bool = False) -> tuple[float, float]:
     """(bytes of one frozen routed-expert parameter, bytes of the rest of the frozen base): FP8 + block
     scales where trainer.fp8 runs the GEMM in FP8 (`fp8_dense`: such parameters outside the routed
-    experts), else trainer.dtype; fp32 throughout `as_built` (what the trainer holds today)."""
+    experts), else trainer.dtype; trainer.dtype throughout `as_built` (what the trainer holds today: FP8 base
+    planned)."""
     t = recipe.trainer
-    cb = 4 if as_built or t.dtype == "float32" else 2
+    cb = 4 if t.dtype == "float32" else 2
     if t.fp8 and not as_built:
         f8 = 1 + 4 / kv.FP8_BLOCK ** 2
         return f8, fp8_dense * f8 + (n.dense - fp8_dense) * cb
@@ -107,7 +108,7 @@ def weight_memory(recipe: Recipe, c: dict, n: Counts, world: int, fp8_dense: flo
     par, cb = recipe.trainer.parallel, 2 if recipe.trainer.dtype == "bfloat16" else 4
     expert_b, rest = base_bytes(recipe, n, fp8_dense, as_built)
     dense_a, routed_a = adapters(c, n, recipe.trainer.lora)
-    kind = "fp32, as built" if as_built else ("FP8 where trainer.fp8, else " if recipe.trainer.fp8 else "") + \
+    kind = f"{recipe.trainer.dtype}, as built" if as_built else ("FP8 where trainer.fp8, else " if recipe.trainer.fp8 else "") + \
         recipe.trainer.dtype
     return {
         f"frozen base, routed experts ({expert_b:.2f} B/param over ep)": n.routed / par.ep * expert_b,
@@ -166,7 +167,7 @@ def term_uses(recipe: Recipe, key: str) -> tuple[str, ...]:
     if not t.lora.enabled:
         return ()
     if key.startswith("frozen base"):
-        return uses(recipe) + (() if t.dtype == "float32" and not t.fp8 else ("lora_base_dtype",))
+        return uses(recipe) + (("lora_base_dtype",) if t.fp8 else ())
     if key.startswith(("LoRA", "FSDP", "GEMMs")):
         return uses(recipe)
     if key.startswith("weight"):

@@ -51,13 +51,12 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                         "once to each node, then to its ranks); tested on gloo, its speed needs GPUs"),
     "overlap": (PLANNED, "trainer compute/communication overlap"),
     "lora_trainer": (GPU, "LoRA in the trainer (trainer.lora, prl.model.lora): target linears gain fp32 A/B, the base "
-                          "is frozen, Adam runs over the adapters alone, the KL reference is the base with its adapters "
-                          "off, and after v0 a version holds the adapters alone (fp32); the embedded engine merges "
-                          "them. Written against FSDP2 + EP + CP, with a CPU recipe (recipes/reverse-tiny-lora.toml); "
-                          "no test in tests/ covers it yet, and its speed needs GPUs"),
-    "lora_base_dtype": (PLANNED, "the frozen base held at trainer.dtype (block FP8 where trainer.fp8): the trainer "
-                                 "keeps it in fp32 today (FSDP2's master weights, 4 B a parameter; `prl plan` prints "
-                                 "what that needs beside the planned figure)"),
+                          "is frozen at trainer.dtype, Adam runs over the adapters alone, the KL reference is the base "
+                          "with its adapters off, and after v0 a version holds the adapters alone (fp32), which each "
+                          "server merges. Run and tested on CPU under FSDP2 (tests/test_lora.py, "
+                          "recipes/reverse-tiny-lora.toml); its speed needs GPUs"),
+    "lora_base_dtype": (PLANNED, "the frozen base held in block FP8 where trainer.fp8 (the trainer holds it at "
+                                 "trainer.dtype today; `prl plan` prints what that needs beside the planned figure)"),
     "lora_vllm": (PLANNED, "vLLM servers taking an adapter version (merged into the served weights, or vLLM's LoRA "
                            "API): vLLM's weight loader takes whole versions only"),
     "lora_fp8_serving": (PLANNED, "an adapter merged into block-FP8 served weights (re-quantised per step): `prl run` "

@@ -99,11 +99,12 @@ def lora_lines(recipe: Recipe, plan: Plan) -> list[str]:
     if cmp is None:
         return []
     m, u = cmp.memory, cmp.update
+    plan_dtype = recipe.trainer.dtype
     lines = [f"with LoRA (rank {lo.rank}, alpha {lo.alpha:g}; {', '.join(lo.targets)}): {cmp.adapters / 1e9:.3f} B "
              f"adapter parameters on {cmp.adapted / 1e9:.1f} B base parameters; against full fine-tuning on the "
              f"same {plan.world} trainer GPUs:",
              f"  trainer GPU memory {m['lora'] / GB:.1f} GB against {m['full'] / GB:.1f} GB (frozen base, Adam over "
-             f"the adapters alone); with the base in fp32, as the trainer holds it today, {m['as built'] / GB:.1f} GB",
+             f"the adapters alone); with the base at {plan_dtype} as built (no FP8 base yet), {m['as built'] / GB:.1f} GB",
              f"  weight update {u['lora'] / GB:.2f} GB a step against {u['full'] / GB:,.0f} GB (1/{u['full'] / max(u['lora'], 1.0):,.0f}; "
              f"adapters in fp32 on the wire), {minutes(cmp.update_s['lora'])} against {minutes(cmp.update_s['full'])}",
              f"  trainer GEMMs {minutes(cmp.gemms['lora'])} against {minutes(cmp.gemms['full'])} (no weight gradients "
@@ -113,7 +114,7 @@ def lora_lines(recipe: Recipe, plan: Plan) -> list[str]:
         return lines
     lines.append("  host split (the other hosts serving in their fastest layout at what its KV holds):")
     lines += [split_line(label, s) for label, s in (
-        ("fewest that fit, LoRA", cmp.fewest["lora"]), ("fewest that fit, LoRA as built (fp32 base)",
+        ("fewest that fit, LoRA", cmp.fewest["lora"]), ("fewest that fit, LoRA as built (no FP8 base)",
                                                         cmp.fewest["as built"]),
         ("fewest that fit, full fine-tuning", cmp.fewest["full"]), ("the recipe's", cmp.own),
         ("the shortest step", cmp.best))]

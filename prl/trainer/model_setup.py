@@ -44,6 +44,7 @@ def setup_model(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, dev
     cfg = tcfg.lora
     if lora:
         apply_lora(model, model.config.model_type, cfg.rank, cfg.alpha, cfg.dropout, cfg.targets, seed=seed)
+        frozen_at(model, tcfg.dtype)
     par = Parallel(model, dims, tcfg)
     read = None
     if sharded:
@@ -52,6 +53,15 @@ def setup_model(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, dev
         if lora:
             init_adapters(par.model, seed)
     return TrainedModel(par, replay, report, read)
+
+
+def frozen_at(model, dtype: str) -> None:
+    """LoRA's frozen base held at the compute dtype (bf16: half the fp32 master weights' bytes; it takes no
+    optimizer step, so it needs no fp32 copy); the adapters stay fp32."""
+    if dtype == "bfloat16":
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
 
 
 def setup_reference(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, device: torch.device,
