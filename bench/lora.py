@@ -1,7 +1,7 @@
 """LoRA RL against full fine-tuning, side by side in one invocation: what a step costs and what RL learns.
 
     .venv/bin/python bench/lora.py [--rl-seconds 90] [--cost-seconds 45] [--lrs 3e-3,1e-2,3e-2] [--seeds 1]
-        [--skip-learning] [--skip-cost] [--skip-serving] [--keep DIR]
+        [--targets G1,G2,..] [--skip-learning] [--skip-cost] [--skip-serving] [--keep DIR]
 
 Learning: recipes/reverse-tiny.toml (full fine-tuning, its trainer.lr 1e-3) and recipes/reverse-tiny-lora.toml
 (rank 8, alpha 32) at each learning rate of `--lrs` (LoRA wants about 10x full fine-tuning's), every run given
@@ -52,7 +52,8 @@ BIG = ["model.hidden_size=512", "model.num_layers=4", "model.num_experts=16", "m
 def learning(args, out: Path) -> dict:
     runs = {}
     for seed in range(args.seeds):
-        variants = [("full", FULL, [])] + [(f"lora_lr{lr}", LORA, [f"trainer.lr={lr}"]) for lr in args.lrs]
+        lora_sets = [f"trainer.lora.targets={json.dumps(args.targets)}"] if args.targets else []
+        variants = [("full", FULL, [])] + [(f"lora_lr{lr}", LORA, [f"trainer.lr={lr}", *lora_sets]) for lr in args.lrs]
         for name, recipe, sets in variants:
             fig = one(recipe, f"{name}_s{seed}", [*sets, f"run.seed={seed}"], args.rl_seconds, out)
             print(json.dumps({"run": f"{name}_s{seed}", **{k: fig.get(k) for k in (
@@ -147,6 +148,8 @@ def main() -> None:
     p.add_argument("--cost-seconds", type=float, default=45.0)
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[3e-3, 1e-2, 3e-2])
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--targets", type=lambda s: s.split(","), default=None,
+                   help="trainer.lora.targets of the LoRA runs, comma-separated (default: the recipe's)")
     p.add_argument("--skip-learning", action="store_true")
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-serving", action="store_true")

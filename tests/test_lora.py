@@ -21,14 +21,14 @@ from prl.recipe.schema import ModelCfg
 GROUPS = ["attention", "mlp", "shared_experts"]
 
 
-def lora_model(arch: str, tmp_path: Path, rank: int = 4, alpha: float = 8.0):
+def lora_model(arch: str, tmp_path: Path, rank: int = 4, alpha: float = 8.0, groups=GROUPS):
     """(the base model, a copy with adapters whose B is random: a step-0 adapter would change nothing)."""
     from prl.model.build import build_model
     from prl.model.tiny import write_model_dir
 
     base = build_model(write_model_dir(ModelCfg(arch=arch, num_layers=2, first_dense_layers=1), tmp_path / arch), seed=0)
     model = copy.deepcopy(base)
-    targets = apply_lora(model, arch, rank, alpha, 0.0, GROUPS, seed=3)
+    targets = apply_lora(model, arch, rank, alpha, 0.0, groups, seed=3)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in adapter_params(model).items():
@@ -45,10 +45,13 @@ IDS = torch.tensor([[5, 9, 3, 14, 7, 22, 8, 11, 4, 6]])
 
 
 @pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3_moe"])
-def test_the_adapters_forward_is_the_merged_weights_forward(arch, tmp_path):
-    base, model, targets = lora_model(arch, tmp_path)
+@pytest.mark.parametrize("routed", [False, True])
+def test_the_adapters_forward_is_the_merged_weights_forward(arch, routed, tmp_path):
+    """Dense targets, and the stacked routed experts' per-expert adapters (A [E, r, in], B [E, out, r])."""
+    base, model, targets = lora_model(arch, tmp_path, groups=GROUPS + ["routed_experts"] * routed)
     assert any(".self_attn." in t for t in targets) and any(".mlp." in t for t in targets)
-    assert not any("kv_b_proj" in t or "indexer" in t or "experts." in t.split("mlp.")[-1][:8] for t in targets)
+    assert not any("kv_b_proj" in t or "indexer" in t for t in targets)
+    assert any(t.endswith("mlp.experts") for t in targets) == routed
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(adapter_params(model))
     with torch.no_grad():
         lora_logits = model(IDS).logits

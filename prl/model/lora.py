@@ -8,8 +8,9 @@ is still `X.weight`). `B` starts at zero, so step 0's forward is the base's exac
 On the wire and in a published version an adapter is the pair `X.lora_A`, `X.lora_B` with the scale
 folded into `B` (`B' = scale * B`): a server computes `W = W_base + B' @ A` (`merged`), keeping the base's
 target weights of the version named in the manifest's `adapter.base` (`AdapterBase`). Stacked routed
-experts (`[E, out, in]`) would take `A` `[E, rank, in]` and `B` `[E, out, rank]` and merge per expert
-(`merged` handles both); the trainer does not build them yet (the recipe refuses the group).
+experts (`[E, out, in]`) take `A` `[E, rank, in]` and `B` `[E, out, rank]` per stacked weight, on a child
+module of the experts (`...experts.lora_gate_up_proj.lora_A`), computed per expert on its tokens and merged
+per expert.
 
 Which modules a group names is the model family's business (`prl.model.families.FamilySpec.lora_groups`).
 """
@@ -44,18 +45,43 @@ class _LoraLinear:
         return out + (h @ self.lora_A.to(h.dtype).t() @ self.lora_B.to(h.dtype).t()) * self.lora_scale
 
 
+class _LoraExperts:
+    """Mixed into a stacked routed-experts class (`gate_up_proj [E, 2I, h]`, `down_proj [E, h, I]`): expert e's
+    GEMMs add its own adapter (`lora_gate_up_proj.lora_A[e]` `[r, h]`, `.lora_B[e]` `[2I, r]`; down alike),
+    computed on the tokens routed to it. The loop is transformers' reference one."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            if e >= self.num_experts:  # a dropped slot
+                continue
+            token, slot = torch.where(top_k_index == e)
+            gate, up = self._lora_linear(hidden_states[token], "gate_up_proj", e).chunk(2, dim=-1)
+            y = self._lora_linear(self.act_fn(gate) * up, "down_proj", e) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def _lora_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, getattr(self, name)[e])
+        if not self.lora_on:
+            return y
+        ad = getattr(self, "lora_" + name)
+        h = torch.nn.functional.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return y + (h @ ad.lora_A[e].to(h.dtype).t() @ ad.lora_B[e].to(h.dtype).t()) * self.lora_scale
+
+
 def target_modules(model, model_type: str, groups: list[str]) -> dict[str, torch.nn.Module]:
-    """name -> linear module of every target in `groups` (the family's `lora_groups`; a group the family has
-    no modules for, such as Qwen3-MoE's shared experts, adds none), in module order."""
+    """name -> module of every target in `groups` (the family's `lora_groups`; a group the family has no
+    modules for, such as Qwen3-MoE's shared experts, adds none), in module order: linears, and with
+    "routed_experts" the stacked experts modules."""
     spec = families.spec(model_type, "trainer.lora")
-    patterns = []
-    for g in groups:
-        if g == "routed_experts":
-            raise ValueError("trainer.lora.targets = 'routed_experts': adapters on the stacked routed experts are "
-                             "not built yet")
-        patterns += [re.compile(rf"(^|\.)layers\.\d+\.{re.escape(p)}$") for p in spec.lora_groups.get(g, ())]
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(p.search(n) for p in patterns)}
+    patterns = [re.compile(rf"(^|\.)layers\.\d+\.{re.escape(p)}$") for g in groups for p in spec.lora_groups.get(g, ())]
+    found = {n: m for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and any(p.search(n) for p in patterns)}
+    if "routed_experts" in groups:
+        experts = {id(m) for m in families.modules_of(model, spec.expert_classes)}
+        found.update({n: m for n, m in model.named_modules() if id(m) in experts})
+    return found
 
 
 def apply_lora(model, model_type: str, rank: int, alpha: float, dropout: float, groups: list[str],
@@ -66,14 +92,27 @@ def apply_lora(model, model_type: str, rank: int, alpha: float, dropout: float, 
     if not targets:
         raise ValueError(f"trainer.lora.targets {groups}: no module of this {model_type} model matches")
     model.requires_grad_(False)
-    for name, mod in targets.items():
-        w = mod.weight
-        mod.__class__ = type(f"Lora{type(mod).__name__}", (_LoraLinear, type(mod)), {})
+    for mod in targets.values():
+        mixin = _LoraLinear if isinstance(mod, torch.nn.Linear) else _LoraExperts
+        mod.__class__ = type(f"Lora{type(mod).__name__}", (mixin, type(mod)), {})
         mod.lora_scale, mod.lora_dropout, mod.lora_on = alpha / rank, dropout, True
-        mod.lora_A = torch.nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=torch.float32))
-        mod.lora_B = torch.nn.Parameter(torch.empty(w.shape[0], rank, device=w.device, dtype=torch.float32))
+        if mixin is _LoraLinear:
+            add_pair(mod, mod.weight.shape, rank)
+        else:
+            for name in ("gate_up_proj", "down_proj"):
+                holder = torch.nn.Module()
+                add_pair(holder, getattr(mod, name).shape, rank, device=getattr(mod, name).device)
+                mod.add_module("lora_" + name, holder)
     init_adapters(model, seed)
     return list(targets)
+
+
+def add_pair(mod: torch.nn.Module, shape, rank: int, device=None) -> None:
+    """`lora_A [.., rank, in]` and `lora_B [.., out, rank]` for a weight of `shape` `[.., out, in]` (fp32)."""
+    *lead, out, inp = shape
+    device = device if device is not None else mod.weight.device
+    mod.lora_A = torch.nn.Parameter(torch.empty(*lead, rank, inp, device=device, dtype=torch.float32))
+    mod.lora_B = torch.nn.Parameter(torch.empty(*lead, out, rank, device=device, dtype=torch.float32))
 
 
 @torch.no_grad()
@@ -86,7 +125,7 @@ def init_adapters(model, seed: int) -> None:
         full = torch.zeros(p.shape, dtype=p.dtype)
         if name.endswith(A):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
-            bound = 1 / math.sqrt(p.shape[1])
+            bound = 1 / math.sqrt(p.shape[-1])
             full = torch.rand(p.shape, generator=gen, dtype=torch.float64).mul(2 * bound).sub(bound).to(p.dtype)
         if isinstance(p, DTensor):
             p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None))
@@ -99,7 +138,7 @@ def adapter_params(model) -> dict[str, torch.nn.Parameter]:
 
 
 def lora_modules(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(m, _LoraLinear)]
+    return [m for m in model.modules() if isinstance(m, (_LoraLinear, _LoraExperts))]
 
 
 class adapters_off:
@@ -121,9 +160,15 @@ def is_adapter(name: str) -> bool:
     return name.endswith(SUFFIXES)
 
 
+def stem_of(name: str) -> str:
+    return name.removesuffix(A).removesuffix(B)
+
+
 def target_of(name: str) -> str:
-    """`X.lora_A` / `X.lora_B` -> `X.weight`, the tensor the adapter changes."""
-    return name.removesuffix(A).removesuffix(B) + ".weight"
+    """`X.lora_A` / `X.lora_B` -> `X.weight`, the tensor the adapter changes; a stacked expert weight's
+    (`...experts.lora_gate_up_proj.lora_A`) -> `...experts.gate_up_proj`."""
+    head, _, leaf = stem_of(name).rpartition(".")
+    return f"{head}.{leaf[5:]}" if leaf.startswith("lora_") else f"{stem_of(name)}.weight"
 
 
 def wire_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -135,15 +180,14 @@ def check_adapter(adapter: dict[str, torch.Tensor], shapes: dict[str, tuple[int,
     """What is wrong with an adapter version against the model's tensor shapes (empty: nothing): every
     target known and 2-D or 3-D, A and B paired, shapes `[.., r, in]` and `[.., out, r]`."""
     problems = []
-    for name in sorted({target_of(k) for k in adapter}):
-        stem = name.removesuffix(".weight")
-        a, b, w = adapter.get(stem + A), adapter.get(stem + B), shapes.get(name)
+    for stem in sorted({stem_of(k) for k in adapter}):
+        a, b, w = adapter.get(stem + A), adapter.get(stem + B), shapes.get(target_of(stem + A))
         if w is None or len(w) not in (2, 3):
             problems.append(f"{stem}: no such target weight")
         elif a is None or b is None:
             problems.append(f"{stem}: lora_A and lora_B come in pairs")
         elif (tuple(a.shape[:-2]) != tuple(w[:-2]) or a.shape[-1] != w[-1] or b.shape[-2] != w[-2]
-              or b.shape[-1] != a.shape[-2]):
+              or b.shape[-1] != a.shape[-2] or tuple(b.shape[:-2]) != tuple(w[:-2])):
             problems.append(f"{stem}: A {list(a.shape)} / B {list(b.shape)} do not fit {list(w)}")
     return problems
 
@@ -153,11 +197,10 @@ def merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> d
     """`W_base + B' @ A` for every target of `adapter` (published form, scale folded into B), in fp32, at the
     base tensor's dtype; stacked ([E, out, in]) targets per expert."""
     out = {}
-    for name in sorted({target_of(k) for k in adapter}):
-        stem = name.removesuffix(".weight")
+    for stem in sorted({stem_of(k) for k in adapter}):
+        name = target_of(stem + A)
         w = base[name]
-        delta = torch.matmul(adapter[stem + B].float(), adapter[stem + A].float())
-        out[name] = (w.float() + delta).to(w.dtype)
+        out[name] = (w.float() + torch.matmul(adapter[stem + B].float(), adapter[stem + A].float())).to(w.dtype)
     return out
 
 

@@ -582,8 +582,9 @@ class LoraCfg(Section):
     """Dropout on the adapter's input during training (0: none)."""
     targets: list[str] = ["attention", "mlp", "shared_experts"]
     """Module groups that get adapters, named per model family: "attention" (the attention projections; MLA's
-    kv_b_proj and the DSA indexer stay frozen), "mlp" (dense MLP layers), "shared_experts", "routed_experts" (not
-    built yet: `prl plan` counts it, `prl run` refuses it)."""
+    kv_b_proj and the DSA indexer stay frozen), "mlp" (dense MLP layers), "shared_experts", "routed_experts" (opt-in:
+    per-expert adapters on the stacked experts; built for the embedded engine at trainer.parallel.ep = 1 without
+    trainer.fp8)."""
 
     @field_validator("targets")
     @classmethod
@@ -1110,9 +1111,11 @@ class Recipe(Section):
 
     def lora_not_built(self) -> list[str]:
         lora, out = self.trainer.lora, []
-        if lora.enabled and "routed_experts" in lora.targets:
-            out.append("trainer.lora.targets = 'routed_experts': adapters on the stacked routed experts are not built "
-                       "yet; target 'attention', 'mlp' and 'shared_experts'")
+        routed = lora.enabled and "routed_experts" in lora.targets
+        if routed and (self.trainer.parallel.ep > 1 or self.trainer.fp8 or self.inference.backend != "embedded"):
+            out.append("trainer.lora.targets = 'routed_experts' is built for the embedded engine with "
+                       "trainer.parallel.ep = 1 and no trainer.fp8 only: adapters on experts split over ranks, on FP8 "
+                       "experts or served by vLLM are not built yet; leave 'routed_experts' out")
         if lora.enabled and self.inference.fp8:
             out.append("trainer.lora with inference.fp8: the servers would merge each adapter into block-FP8 weights, "
                        "which is not built yet; serve in bf16 (inference.fp8 = false) or train without LoRA")

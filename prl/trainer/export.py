@@ -108,6 +108,10 @@ def export_adapter(run_dir: Path, path: Path, adapter: dict, lora: dict, out: Pa
     problems = check_adapter(adapter, {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
     if problems:
         raise ExportError(f"{path}: does not match {run_dir / 'model'}/config.json: {'; '.join(problems[:3])}")
+    stacked = sorted({target_of(k) for k in adapter if not target_of(k).endswith(".weight")})
+    if stacked:
+        raise ExportError(f"{path}: adapters on the stacked routed experts ({stacked[0]}, ...) have no PEFT layout; "
+                          f"export the merged model with --merged")
     tensors = {}
     for name, t in adapter.items():
         target = target_of(name)

@@ -104,6 +104,8 @@ def adapter_part(model, part: dict[str, torch.Tensor], hf_format: bool, scale: f
     out = {}
     for name, t in part.items():
         target = target_of(name)
+        if not target.endswith(".weight"):  # refused at validation (`Recipe.lora_not_built`)
+            raise ValueError(f"{target}: stacked-expert adapters are published in memory names only")
         hf = checkpoint_name(model, target)  # a dense target keeps one name
         out[hf.removesuffix(".weight") + name[len(target) - len(".weight"):]] = t
     return out
