@@ -61,8 +61,9 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                            "API): vLLM's weight loader takes whole versions only"),
     "lora_fp8_serving": (PLANNED, "an adapter merged into block-FP8 served weights (re-quantised per step): `prl run` "
                                   "refuses trainer.lora with inference.fp8"),
-    "lora_routed": (PLANNED, "adapters on the stacked routed experts (A [E, r, in], B [E, out, r]): `prl run` "
-                             "refuses trainer.lora.targets 'routed_experts'"),
+    "lora_routed": (PLANNED, "adapters on the stacked routed experts (A [E, r, in], B [E, out, r]) split over ep ranks, "
+                             "on FP8 experts or served by vLLM: built and tested for the embedded engine at ep = 1 "
+                             "only; `prl run` refuses the rest"),
     "checkpointing": (BUILT, "activation checkpointing per decoder layer"),
     "async": (BUILT, "asynchronous rollouts bounded by rl.max_async_level and rl.max_off_policy_steps"),
 }
