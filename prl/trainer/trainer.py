@@ -173,20 +173,11 @@ class Trainer:
     def run(self) -> None:
         self.setup()
         self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-        lora = self.tcfg.lora.enabled
         # under LoRA, step 0 is the base (no adapters, no optimizer): a run resumes from a later checkpoint
-        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", after=0 if lora else -1)
+        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints",
+                               after=0 if self.tcfg.lora.enabled else -1)
         if meta is None:
-            if not (lora and self.base_checkpoint()):
-                self.warm_start()
-            self.data_position, self.data_ahead = 0, []
-            if lora and not self.base_checkpoint():
-                self.checkpoint(0)
-                self.build(lora=True)
-            self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-            start = 0
-            if not lora:
-                self.checkpoint(0)
+            start = self.begin()
         else:
             start, self.data_position, self.data_ahead = meta["step"], meta["data_position"], meta.get("data_ahead", [])
             self.resume_schedule(start)
@@ -210,6 +201,23 @@ class Trainer:
                 self.log_main("trainer", state="waiting for the final evals")
                 self.endpoint.wait_finished()
             self.endpoint.stop()
+
+    def begin(self) -> int:
+        """A run with no checkpoint to resume: the warm start, then the step-0 checkpoint and a fresh optimizer.
+        Under LoRA the step-0 checkpoint is the base, and the model is built again with adapters on it; a LoRA
+        run restarted before its first adapter checkpoint finds its base written (and the model built on it)."""
+        lora = self.tcfg.lora.enabled
+        based = lora and self.base_checkpoint() is not None
+        if not based:
+            self.warm_start()
+        self.data_position, self.data_ahead = 0, []
+        if lora and not based:
+            self.checkpoint(0)
+            self.build(lora=True)
+        self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
+        if not lora:
+            self.checkpoint(0)
+        return 0
 
     def make_reference(self):
         """trainer.loss.kl_coef > 0: the policy RL starts from (the step-0 checkpoint, after the warm start),
