@@ -7,8 +7,8 @@ by handing the call to every worker through vLLM's own `init_weight_transfer_eng
 worker entry that needs no weight-update session), where prl's weight engine (`plugin.py`):
 - join: each worker joins the trainer's group as rank `first + its worker rank`;
 - receive: starts the stager's thread, which takes the version off the wire, checks it as a fetched
-  folder is checked (every name and shape of the served checkpoint, finite values) and marks it
-  ready. The middleware then waits for "ready" in the staging status (`prl.backends.vllm.staging`)
+  folder is checked (every name and shape of the served checkpoint, finite values; a LoRA adapter
+  version merged into its base, `PrlWeightEngine.merge`) and marks it ready. The middleware then waits for "ready" in the staging status (`prl.backends.vllm.staging`)
   and answers. When the orchestrator then asks for that version, the stager already holds it and
   the usual pause/load/resume runs; a failed receive leaves the old version serving and the
   orchestrator's stage reads the folder instead.
@@ -22,7 +22,7 @@ import math
 import os
 
 from prl.backends.vllm.launch import replica_tp
-from prl.transport.collective import GroupInfo, Wire, WireError, local_device
+from prl.transport.collective import GroupInfo, Wire, WireError, adapter_entries, local_device
 
 MEMBERS = "/weights/collective/members"
 JOIN = "/weights/collective/join"
@@ -43,11 +43,11 @@ def receive_read(engine, wire: Wire):
     def read(version: int) -> dict:
         try:
             share = engine.expected_share()
-            tensors, meta = wire.receive({k: (list(s), math.prod(s) * 4) for k, s in share.items()})
+            wanted = {k: (list(s), math.prod(s) * 4) for k, s in share.items()}
+            tensors, meta = wire.receive({**wanted, **adapter_entries(share)})
             if int(meta.get("version", -1)) != version or meta.get("format") != "hf":
                 raise WireError(f"the wire carried v{meta.get('version')} ({meta.get('format')}), not v{version} (hf)")
-            engine.check(f"v{version} from the collective", tensors, share)
-            return tensors
+            return engine.staged(f"v{version} from the collective", tensors, meta, share)
         except BaseException:
             wire.close()  # drops the group now: on gloo the sender fails at once (NCCL: at its timeout)
             engine.wire = None

@@ -18,6 +18,12 @@ Rules:
   client runs it once per server, after the first version, when the server started on dummy weights;
 - a worker keeps the version the orchestrator asked to stage and the newest it received
   (`prl.backends.vllm.staging`); the client loads the newest one every worker staged whole;
+- a LoRA adapter version (manifest `adapter`: `X.lora_A`, `X.lora_B` with the scale in B) is checked
+  against the checkpoint's shapes, merged into a kept copy of its base's target weights
+  (`prl.model.lora.AdapterBase`, read once from the base's folder) and loaded as a partial state: the
+  targets and their fused siblings (vLLM loads q/k/v into one `qkv_proj`: a layer loaded in part would
+  be rebuilt with the rest uninitialised), every other layer keeps its weights. A worker that does not
+  hold the base (restarted, or serving another whole version) loads the base whole under the targets;
 - anything wrong is raised before a tensor is touched, marked `REJECTED`: vLLM answers the update
   with an error and the old version keeps serving; an error after the reload began is not marked
   (the client then keeps the server paused: a half-loaded model is never served).
@@ -27,7 +33,10 @@ This module imports vLLM; nothing else in prl does.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +78,16 @@ class PrlUpdateInfo(WeightTransferUpdateInfo):
     action: str = "load"  # "stage" | "load"
 
 
+class Merged(dict):
+    """A LoRA adapter version as the weights it makes (`W_base + B' @ A` per target, fused siblings from the
+    base): `base` the version it applies to, `targets` the weights the adapter changed, `whole` whether it
+    holds every tensor of the checkpoint (completed with the base) or only those (a partial load)."""
+
+    def __init__(self, tensors: dict, base: int, targets: set[str], whole: bool = False):
+        super().__init__(tensors)
+        self.base, self.targets, self.whole = base, targets, whole
+
+
 class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
     init_info_cls = PrlInitInfo
     update_info_cls = PrlUpdateInfo
@@ -94,6 +113,12 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         # one status file per worker of the server (every replica's): "ready" means all of them staged
         self.stager = Stager(self.read, status_dir(self.cfg), self.member, world * dp)
         self.loaded: int | None = None  # the version this worker serves (set by a load)
+        from prl.model.lora import AdapterBase
+
+        self.adapter_base = AdapterBase(self.source.fetch)  # LoRA: the base's target weights, read once
+        self.merge_lock = threading.Lock()  # staging threads share it
+        self.holds_base: int | None = None  # the whole version this worker's weights are, adapters' targets aside
+        self.merged: set[str] = set()  # the target weights an adapter changed on this worker
 
     def init_transfer_engine(self, init_info: PrlInitInfo) -> None:
         """Runs in vLLM's engine loop: a join waits for the group to form (the trainer and every server
@@ -130,7 +155,7 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
             if info.action == "stage":
                 self.stager.start(info.version, pin=True)
                 return
-            state = self.draft() if info.action == "draft" else self.stager.result(info.version)
+            state = self.draft() if info.action == "draft" else self.completed(self.stager.result(info.version))
         except StreamedOnly as e:  # not a bad version: this worker missed the stream (the client takes it out)
             raise ValueError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - every refusal before touching the model is marked
@@ -138,6 +163,9 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         self.load(state)
         if info.action != "draft":
             self.loaded = info.version
+            merged = isinstance(state, Merged)
+            self.holds_base = state.base if merged else info.version
+            self.merged = state.targets if merged else set()
 
     def draft(self) -> dict[str, torch.Tensor]:
         """`draft` (in vLLM's draft session, `self.model` is the drafter): the model folder's MTP layer,
@@ -161,8 +189,52 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
             raise ValueError(f"{path} holds v{manifest.get('version')}, not v{version}")
         if manifest.get("format") != "hf":
             raise ValueError(f"{path}: not published in Hugging Face checkpoint format (trainer not set up for vLLM)")
-        self.check(path, state)
-        return state
+        return self.staged(path, state, manifest)
+
+    def staged(self, where, state: dict[str, torch.Tensor], meta: dict, expected: dict | None = None) -> dict:
+        """A version as received, checked: a whole one against `expected` (default: the checkpoint); a LoRA
+        adapter version merged into its base (`Merged`)."""
+        if not meta.get("adapter"):
+            self.check(where, state, expected)
+            return state
+        return self.completed(self.merge(where, state, meta, expected))
+
+    def merge(self, where, adapter: dict[str, torch.Tensor], meta: dict, expected: dict | None = None) -> Merged:
+        """An adapter version checked (`prl.model.lora.check_adapter`: known targets, paired, shapes) and merged
+        into its base's target weights, with the base's values of their fused siblings; the result checked
+        against the checkpoint's shapes of those weights."""
+        from prl.model.lora import check_adapter, target_of
+
+        expected = expected if expected is not None else self.expected()
+        problems = check_adapter(adapter, expected) if adapter else ["no adapter tensors"]
+        nonfinite = nonfinite_names(adapter)
+        if problems or nonfinite:
+            raise ValueError(f"{where}: adapter refused: {'; '.join(problems[:3]) or f'non-finite {nonfinite[:5]}'}")
+        base = int(meta["adapter"]["base"])
+        with self.merge_lock:
+            state = self.adapter_base.apply(adapter, meta)
+            siblings = fused_siblings(set(state), expected, packed_modules(self.model)) - set(state)
+            state.update(self.adapter_base.targets(base, siblings))
+        self.check(where, state, {k: expected[k] for k in state})
+        return Merged(state, base, {target_of(k) for k in adapter})
+
+    def completed(self, state: dict) -> dict:
+        """What loading `state` takes on this worker: a partial adapter state over the base it holds (with
+        the base's values of targets an earlier adapter changed and this one does not), else the base
+        whole under the merged targets (a restarted worker, or one that serves another whole version)."""
+        if not isinstance(state, Merged) or state.whole:
+            return state
+        if self.holds_base != state.base:
+            whole = self.read(state.base)
+            if isinstance(whole, Merged):
+                raise ValueError(f"v{state.base}, an adapter's base, is an adapter version itself")
+            return Merged({**whole, **state}, state.base, state.targets, whole=True)
+        restore = self.merged - set(state)
+        if not restore:
+            return state
+        with self.merge_lock:
+            old = self.adapter_base.targets(state.base, restore)
+        return Merged({**old, **state}, state.base, state.targets)
 
     def check(self, path, state: dict[str, torch.Tensor], expected: dict | None = None) -> None:
         """`state` holds exactly `expected` (default: the whole checkpoint), shapes included, all finite."""
@@ -199,12 +271,48 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
         return {k: v for k, v in self.expected().items() if (m := EXPERT.search(k)) is None or int(m.group(1)) in local}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        """vLLM's layerwise reload. A partial state (a LoRA adapter's targets) loads the layers it holds
+        whole; the reload puts every layer that got no weights back as it was (vLLM warns for each: quiet
+        here), and only MoE layers that got weights are re-packed (a packed layer must not be packed twice)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        partial = isinstance(state, Merged) and not state.whole
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(state.items()))
-        finalize_layerwise_reload(self.model, self.model_config)
-        repack_cpu_experts(self.model)
+        with quiet_untouched_layers() if partial else contextlib.nullcontext():
+            self.model.load_weights(iter(state.items()))
+            finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model, set(state) if partial else None)
+
+
+def packed_modules(model) -> dict[str, list[str]]:
+    """vLLM's fused layers of `model`: fused name -> the checkpoint modules loaded into it (q/k/v -> qkv_proj)."""
+    return dict(getattr(model, "packed_modules_mapping", None) or {})
+
+
+def fused_siblings(names: set[str], expected: dict, packed: dict[str, list[str]]) -> set[str]:
+    """Every checkpoint tensor (weights, biases) of the modules vLLM loads into the same layer as one of `names`."""
+    groups = [tuple(g) for g in packed.values()]
+    stems = set()
+    for name in names:
+        parent, _, leaf = name.rsplit(".", 1)[0].rpartition(".")
+        stems |= {f"{parent}.{m}" for m in next((g for g in groups if leaf in g), (leaf,))}
+    return {k for k in expected if k.rsplit(".", 1)[0] in stems}
+
+
+@contextlib.contextmanager
+def quiet_untouched_layers():
+    """Drops vLLM's "Failed to load weights" warning of its layerwise reload (one per layer a partial load
+    leaves as it was) while the block runs."""
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def local_experts(model) -> set[int] | None:
@@ -223,20 +331,22 @@ def worker_rank() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
-def repack_cpu_experts(model) -> int:
+def repack_cpu_experts(model, loaded: set[str] | None = None) -> int:
     """vLLM 0.32 on CPU: a weight update leaves MoE expert weights unpacked.
 
     At startup the CPU experts kernel prepacks `w13_weight`/`w2_weight` into its grouped-GEMM layout
     (`fused_experts.process_weights_after_loading`); on a reload, the unquantized MoE method copies
     the new raw weights into the same storage but runs that hook only on the first load, so the
     kernel then reads raw weights as if packed (wrong outputs, found by prl's logprob test). Re-run
-    the hook after every reload on CPU; a MoE layer of an unknown shape fails loudly."""
+    the hook after every reload on CPU; a MoE layer of an unknown shape fails loudly. `loaded`: the
+    names a partial load held; only MoE layers with a weight among them are re-packed (None: all)."""
     import vllm
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return 0
-    moe = [(n, m) for n, m in model.named_modules() if hasattr(m, "w13_weight")]
+    moe = [(n, m) for n, m in model.named_modules() if hasattr(m, "w13_weight")
+           and (loaded is None or any(k.startswith(n + ".") for k in loaded))]
     if moe and not vllm.__version__.startswith(REPACK_VERSIONS):
         raise RuntimeError(f"prl's CPU expert re-pack after a weight update is written for vLLM {REPACK_VERSIONS}, "
                            f"this is {vllm.__version__}: check whether its reload still leaves experts unpacked "
