@@ -86,16 +86,29 @@ def test_the_engine_serves_base_plus_adapter_and_refuses_one_that_does_not_fit(t
 
     base, model, _ = lora_model("glm_moe_dsa", tmp_path)
     engine_model = copy.deepcopy(base)
+    with torch.no_grad():  # a server started on other weights (restarted mid-run): it is sent the whole base
+        for p in engine_model.parameters():
+            p.add_(0.01)
     root = tmp_path / "weights"
     adapter = published(model, 2.0)
     write_versions(root, base.state_dict(), adapter)
     source = AdapterBase(lambda v: root / f"v{v}")
     policy = prepare_weights(engine_model, root / "v1", source)
-    assert set(policy.state) == {k.replace(".lora_A", ".weight") for k in adapter if k.endswith("lora_A")}
+    targets = {k.replace(".lora_A", ".weight") for k in adapter if k.endswith("lora_A")}
+    assert set(policy.state) == set(base.state_dict())  # the whole base under the merged targets
     policy.load_into(engine_model)
     with torch.no_grad():
         torch.testing.assert_close(engine_model(IDS).logits, model(IDS).logits, atol=2e-5, rtol=1e-5)
         served = engine_model(IDS).logits
+    # an adapter leaving out a target the last one changed: that target goes back to the base
+    fewer = {k: v for k, v in adapter.items() if ".layers.0." not in k}
+    write_weights(root / "v2", fewer, {"version": 2, "format": "memory", "adapter": {"base": 0, "rank": 4}})
+    policy = prepare_weights(engine_model, root / "v2", source)
+    assert set(policy.state) == targets  # the engine holds the base now: the targets alone
+    policy.load_into(engine_model)
+    base_state = base.state_dict()
+    assert all(torch.equal(engine_model.state_dict()[k], base_state[k]) for k in base_state if ".layers.0." in k)
+    served = engine_model(IDS).logits.detach()
     name = next(k for k in adapter if k.endswith("lora_B"))
     bad = {"shape": {**adapter, name: adapter[name][:, :2]},
            "nan": {**adapter, name: adapter[name] * float("nan")}}

@@ -616,10 +616,23 @@ def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str
     if problems or nonfinite or base is None:
         raise WeightLoadError(f"{where}: adapter refused: {problems[:3] or nonfinite[:3] or 'no base to merge into'}")
     try:
-        state = base.apply(raw, meta)
+        state = with_base(model, base, int(meta["adapter"]["base"]), base.apply(raw, meta))
     except Exception as e:  # noqa: BLE001 - a missing or damaged base: refused, the old version serving
         raise WeightLoadError(f"{where}: adapter's base v{meta['adapter'].get('base')}: {type(e).__name__}: {e}") from None
-    return Policy({k: v.to(expected[k].dtype) for k, v in state.items()}, {}, version)
+    adapted = frozenset(base.targets_of(raw))
+    return Policy({k: v.to(expected[k].dtype) for k, v in state.items()}, {}, version,
+                  base=(int(meta["adapter"]["base"]), adapted))
+
+
+def with_base(model, base, version: int, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged targets, plus what the model needs besides to be base + adapter: the whole base where the
+    model does not hold it (a server restarted mid-run, or serving another whole version), else the base's
+    values of targets an earlier adapter changed and this one leaves out."""
+    held = getattr(model, "prl_base", None)  # (base version, targets an adapter changed), set by `load_into`
+    if held is None or held[0] != version:
+        return {**base.whole(version), **merged}
+    stale = set(held[1]) - set(merged)
+    return {**base.targets(version, stale), **merged} if stale else merged
 
 
 class WeightLoadError(RuntimeError):
@@ -633,6 +646,7 @@ class Policy:
     state: dict[str, torch.Tensor]
     scales: dict[str, torch.Tensor]
     version: int
+    base: tuple[int, frozenset] | None = None  # an adapter version: (its base, the targets it changes)
 
     @torch.no_grad()
     def load_into(self, model) -> None:
@@ -651,6 +665,7 @@ class Policy:
                     continue
                 t = dequantize_entry(t, self.scales[name])
             params[name].copy_(t)
+        model.prl_base = self.base or (self.version, frozenset())  # any whole version can be a LoRA base
 
 
 def prepare_weights(model, path, base=None) -> Policy:

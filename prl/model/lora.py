@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -213,8 +214,13 @@ class AdapterBase:
         self.fetch = fetch
         self.version: int | None = None
         self.tensors: dict[str, torch.Tensor] = {}
+        self.lock = threading.Lock()  # a server's folder reads and its collective receives share it
 
     def targets(self, version: int, names: set[str]) -> dict[str, torch.Tensor]:
+        with self.lock:
+            return self._targets(version, names)
+
+    def _targets(self, version: int, names: set[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         from prl.model.weights import verify_dir
@@ -235,6 +241,19 @@ class AdapterBase:
         if missing:
             raise ValueError(f"base v{version}: no tensors {sorted(missing)[:5]} for the adapter's targets")
         return {k: self.tensors[k] for k in names}
+
+    def whole(self, version: int) -> dict[str, torch.Tensor]:
+        """Every tensor of the base version (not kept: a server needs it whole once, after a restart)."""
+        from prl.model.weights import read_weights
+
+        state, manifest = read_weights(Path(self.fetch(version)))
+        if manifest.get("adapter"):
+            raise ValueError(f"v{version}, the base of an adapter, is an adapter version itself")
+        return state
+
+    @staticmethod
+    def targets_of(adapter: dict[str, torch.Tensor]) -> set[str]:
+        return {target_of(k) for k in adapter}
 
     def apply(self, adapter: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         """The merged target weights of an adapter version (`meta`: its manifest, `adapter.base` its base)."""
