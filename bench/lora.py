@@ -1,7 +1,7 @@
 """LoRA RL against full fine-tuning, side by side in one invocation: what a step costs and what RL learns.
 
     .venv/bin/python bench/lora.py [--rl-seconds 90] [--cost-seconds 45] [--lrs 3e-3,1e-2,3e-2] [--seeds 1]
-        [--targets G1,G2,..] [--skip-learning] [--skip-cost] [--skip-serving] [--keep DIR]
+        [--targets G1,G2,..] [--rank R] [--alpha A] [--skip-learning] [--skip-cost] [--skip-serving] [--keep DIR]
 
 Learning: recipes/reverse-tiny.toml (full fine-tuning, its trainer.lr 1e-3) and recipes/reverse-tiny-lora.toml
 (rank 8, alpha 32) at each learning rate of `--lrs` (LoRA wants about 10x full fine-tuning's), every run given
@@ -53,6 +53,7 @@ def learning(args, out: Path) -> dict:
     runs = {}
     for seed in range(args.seeds):
         lora_sets = [f"trainer.lora.targets={json.dumps(args.targets)}"] if args.targets else []
+        lora_sets += [f"trainer.lora.{k}={getattr(args, k)}" for k in ("rank", "alpha") if getattr(args, k)]
         variants = [("full", FULL, [])] + [(f"lora_lr{lr}", LORA, [f"trainer.lr={lr}", *lora_sets]) for lr in args.lrs]
         for name, recipe, sets in variants:
             fig = one(recipe, f"{name}_s{seed}", [*sets, f"run.seed={seed}"], args.rl_seconds, out)
@@ -150,6 +151,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--targets", type=lambda s: s.split(","), default=None,
                    help="trainer.lora.targets of the LoRA runs, comma-separated (default: the recipe's)")
+    p.add_argument("--rank", type=int, default=None, help="trainer.lora.rank of the LoRA runs (default: the recipe's)")
+    p.add_argument("--alpha", type=float, default=None, help="trainer.lora.alpha of the LoRA runs")
     p.add_argument("--skip-learning", action="store_true")
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-serving", action="store_true")

@@ -190,3 +190,80 @@ def test_only_the_adapters_train_and_travel(killed_run):
             if e["kind"] == "weights_sent" and e["version"] > 0]
     assert sent and all(e["error"] is None and e["servers"] == 1 for e in sent[-5:])
     assert max(e["bytes"] for e in sent) < sum(v.numel() * 4 for v in base.values()) / 10
+
+
+# ---------------------------------------------------------------- an adapter's sender killed mid-version
+def adapter_for(run_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Adapters (published form) for the served model of `run_dir`, B drawn from `seed`."""
+    from prl.model.build import build_model
+
+    model = build_model(run_dir / "model", seed=0)
+    apply_lora(model, "glm_moe_dsa", 4, 8.0, 0.0, GROUPS, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapter_params(model).items():
+            if name.endswith("lora_B"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return published(model, 2.0)
+
+
+def send_adapter(sink, version: int, adapter: dict, stop_after: int | None = None) -> None:
+    from prl.trainer.publish import buckets
+
+    sink.begin(version)
+    for b, names in enumerate(buckets(list(adapter))):
+        sink.put({n: adapter[n] for n in names})
+        if b + 1 == stop_after:
+            print(len(names), flush=True)
+            __import__("time").sleep(600)  # killed here, mid-version
+    sink.seal({"version": version, "format": "memory", "adapter": {"base": 0, "rank": 4}})
+
+
+ADAPTER_SENDER = """
+import sys
+sys.path.insert(0, sys.argv[4])
+from pathlib import Path
+from test_collective import sink_for
+from test_lora import adapter_for, send_adapter
+run_dir = Path(sys.argv[1])
+send_adapter(sink_for(run_dir, sys.argv[2], sys.argv[3]), 2, adapter_for(run_dir, 2), stop_after=1)
+"""
+
+
+def test_an_adapter_senders_death_mid_version_leaves_the_last_adapter_serving(tmp_path):
+    """Base v0 whole, adapter v1 over the collective (served, merged); v2's sender killed after its first
+    bucket: v2 is refused, v1 keeps serving."""
+    import subprocess
+    import time
+
+    from conftest import start_server
+    from prl.model.weights import write_weights
+    from prl.recipe.schema import Recipe
+    from test_collective import greedy, sink_for, state_for
+
+    proc, cfg, client = start_server(tmp_path, Recipe.model_validate({}))
+    url, secret = f"http://{cfg.host}:{cfg.port}", cfg.secret()
+    try:
+        write_weights(tmp_path / "weights" / "v0", state_for(tmp_path, 0), {"version": 0, "format": "memory"})
+        assert client.post("/update_weights", json={"version": 0}).status_code == 200
+        base_lp = greedy(client)
+        sink = sink_for(tmp_path, url, secret)
+        send_adapter(sink, 1, adapter_for(tmp_path, 1))
+        assert sink.last.error is None and sink.last.servers == 1, sink.last
+        assert client.post("/update_weights", json={"version": 1}).json()["source"] == "collective"
+        v1_lp = greedy(client)
+        assert v1_lp != base_lp
+        sender = subprocess.Popen([sys.executable, "-c", ADAPTER_SENDER, str(tmp_path), url, secret,
+                                   os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)
+        sent = int(sender.stdout.readline())
+        while client.get("/metrics").json()["collective_receiving"] < sent:  # the server holds part of v2
+            assert sender.poll() is None
+            time.sleep(0.05)
+        sender.kill()
+        sender.wait()
+        r = client.post("/update_weights", json={"version": 2})
+        assert r.status_code == 409 and "still serving v1" in r.json()["detail"]
+        assert greedy(client) == v1_lp
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
