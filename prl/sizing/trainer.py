@@ -59,7 +59,8 @@ def layer_activation_bytes(c: dict, tokens: float, cb: int) -> float:
 
 
 def trainer_memory(recipe: Recipe, c: dict, n: Counts, world: int, as_built: bool = False) -> dict[str, float]:
-    """`as_built`: under LoRA, the frozen base in fp32 as the trainer holds it today (`prl.sizing.lora`)."""
+    """`as_built`: under LoRA, the frozen base at trainer.dtype as the trainer holds it (no FP8 base yet;
+    `prl.sizing.lora`)."""
     t, par, cb = recipe.trainer, recipe.trainer.parallel, compute_bytes(recipe)
     tokens = t.micro_batch_tokens / par.cp
     layers, h, k = c["num_hidden_layers"], c["hidden_size"], c["num_experts_per_tok"]
