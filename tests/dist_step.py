@@ -6,10 +6,12 @@ computed it next to the sample's own (the engine's, with `--samples`), gathered 
 each rank's logprob of every token it holds, per micro-batch (`rows`: [rank][micro-batch]).
 
     torchrun --nproc-per-node N tests/dist_step.py MODEL_DIR OUT.pt '{"parallel": {"ep": 2}, ...}' [--replay]
-        [--samples SAMPLES.pt] [--cp-adapter] [--count] [--reference]
+        [--samples SAMPLES.pt] [--cp-adapter] [--count] [--reference] [--lora]
 
 `--reference`: a frozen reference policy (the tiny model at another seed, parallelized as the policy)
-for trainer.loss.kl_coef.
+for trainer.loss.kl_coef. `--lora`: rank-4 adapters on the attention, dense MLP and shared experts (B drawn
+from a fixed seed, so both A and B get gradients), the base frozen; with `--reference` the reference is the
+base (the policy with its adapters off), as in a LoRA run.
 """
 
 import json
@@ -124,6 +126,17 @@ def optimizer_step(par: Parallel, tcfg: TrainerCfg) -> tuple[dict, float]:
     return trainer.par.grads, norm
 
 
+def with_adapters(model) -> None:
+    from prl.model.lora import adapter_params, apply_lora
+
+    apply_lora(model, model.config.model_type, 4, 8.0, 0.0, ["attention", "mlp", "shared_experts"], seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in adapter_params(model).items():
+            if name.endswith("lora_B"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noqa: C901
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -133,6 +146,8 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
         from prl.model.fp8 import apply_fp8
 
         apply_fp8(model)
+    if "--lora" in sys.argv:
+        with_adapters(model)
     rp = Replay(model, replay=True) if replay else None
     cfg = model.config
     layers = len(routers(model))
@@ -151,7 +166,9 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     record_logprobs(seen, rows)
     before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     reference = None
-    if "--reference" in sys.argv:
+    if "--reference" in sys.argv and "--lora" in sys.argv:
+        reference = par.model
+    elif "--reference" in sys.argv:
         reference = Parallel(build_model(model_dir, seed=1), dims, tcfg).model.requires_grad_(False)
     stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq, reference=reference)
     if counts is not None:

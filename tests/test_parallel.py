@@ -89,6 +89,29 @@ def test_objectives_and_the_kl_reference_match_one_rank(model_dir, tmp_path):
     assert_same_step(one, two, "gspo + entropy + KL to the reference, ep=2 on 2 ranks")
 
 
+def test_lora_under_expert_parallelism_matches_one_rank_and_moves_only_the_adapters(model_dir, tmp_path):
+    """LoRA with a KL term to its base (the policy, adapters off): on one rank and under ep = 2 + FSDP on two,
+    the same loss and KL, the same gradients, which only the adapters have, and after the optimizer step the
+    same adapters, and every other weight as it was."""
+    from prl.model.lora import is_adapter
+
+    tcfg = {"loss": {"kl_coef": 0.5}}
+    one = step(model_dir, tmp_path, 1, {"logprob_chunk_tokens": 0, **tcfg}, False, "--reference", "--lora")
+    two = step(model_dir, tmp_path, 2, {"parallel": {"ep": 2}, **tcfg}, False, "--reference", "--lora")
+    adapters = {n for n in one["params"] if is_adapter(n)}
+    assert adapters and one["stats"]["kl_ref"] > 0
+    for run in (one, two):
+        assert set(run["grads"]) == adapters and set(run["moved"]) == adapters
+    assert two["stats"]["loss_sum"] == pytest.approx(one["stats"]["loss_sum"], rel=1e-5)
+    assert two["stats"]["kl_ref"] == pytest.approx(one["stats"]["kl_ref"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name in adapters:
+        torch.testing.assert_close(two["grads"][name], one["grads"][name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(two["params"][name], one["params"][name], rtol=0, atol=5e-5)
+    for name, w in one["params"].items():
+        torch.testing.assert_close(two["params"][name], w, rtol=0, atol=5e-5)
+
+
 def test_fp8_expert_stacks_split_over_expert_parallel_ranks(model_dir, tmp_path):
     """trainer.fp8 with ep = 2: each rank runs its slice of an FP8 stack through the same block-FP8
     GEMMs as one rank. Forward and the gradients flowing back through the experts use tiles along each
