@@ -271,3 +271,13 @@ def test_an_adapter_senders_death_mid_version_leaves_the_last_adapter_serving(tm
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
+
+
+def test_a_recipe_whose_lora_targets_select_nothing_is_refused_by_name():
+    from prl.recipe.schema import Recipe
+
+    with pytest.raises(ValueError, match="trainer.lora.targets .* has no module in these groups"):
+        Recipe.model_validate({"model": {"arch": "qwen3_moe"}, "trainer": {"lora": {"rank": 4, "targets": ["shared_experts"]}}})
+    with pytest.raises(ValueError, match="a non-empty list of distinct groups"):
+        Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["attention", "attention"]}}})
+    assert Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["routed_experts"]}}}).not_built() == []

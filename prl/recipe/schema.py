@@ -1096,6 +1096,20 @@ class Recipe(Section):
                              f"known: {sorted(known)}")
         return self
 
+    @model_validator(mode="after")
+    def _lora_targets(self):
+        """A tiny model's LoRA targets select some module (a pretrained folder's: checked when the trainer loads it)."""
+        lora, m = self.trainer.lora, self.model
+        if not lora.enabled or m.path is not None:
+            return self
+        groups = families.FAMILIES[m.arch].lora_groups
+        present = {"attention": True, "mlp": m.first_dense_layers > 0, "shared_experts": bool(groups.get("shared_experts")),
+                   "routed_experts": m.first_dense_layers < m.num_layers}
+        if not any(present[g] for g in lora.targets):
+            raise ValueError(f"trainer.lora.targets = {lora.targets}: model.arch {m.arch!r} (model.first_dense_layers = "
+                             f"{m.first_dense_layers}) has no module in these groups; add 'attention'")
+        return self
+
     def not_built(self) -> list[str]:
         """Valid settings whose implementation does not exist yet: `prl plan` and `--dry-run` take
         them (the flagship plan needs them), `prl run` refuses them before starting anything."""
