@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from objectives import one  # noqa: E402  (the windowed `prl run`)
+from weight_transfer import best  # noqa: E402  (median of timed calls)
 
 from prl.metrics import read_events  # noqa: E402
 
@@ -119,15 +120,9 @@ def cost(args, out: Path) -> dict:
 
 
 def timed(fn, reps: int = 20) -> float:
-    import time
-
+    """The median of `reps` calls after one warm-up call."""
     fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return best(fn, reps)
 
 
 def serving_of(name: str, cfg: dict, tmp: Path) -> dict:

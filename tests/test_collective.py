@@ -103,18 +103,24 @@ SENDER = textwrap.dedent("""
 """)
 
 
-def test_a_sender_killed_mid_version_leaves_the_old_version_serving(server):
-    client, run_dir, url, secret = server
-    send(sink_for(run_dir, url, secret), 6, state_for(run_dir, 6))
-    assert client.post("/update_weights", json={"version": 6}).json()["source"] == "collective"
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(run_dir), url, secret, os.path.dirname(__file__)],
+def kill_sender_mid_version(client, script: str, run_dir, url: str, secret: str) -> None:
+    """Run a sender `script` (it prints how many tensors it sent, then sleeps) and SIGKILL it once the server
+    holds part of its version."""
+    sender = subprocess.Popen([sys.executable, "-c", script, str(run_dir), url, secret, os.path.dirname(__file__)],
                               stdout=subprocess.PIPE, text=True)
     sent = int(sender.stdout.readline())
-    while client.get("/metrics").json()["collective_receiving"] < sent:  # the server holds part of v7
+    while client.get("/metrics").json()["collective_receiving"] < sent:  # the server holds part of it
         assert sender.poll() is None
         time.sleep(0.1)
     sender.kill()
     sender.wait()
+
+
+def test_a_sender_killed_mid_version_leaves_the_old_version_serving(server):
+    client, run_dir, url, secret = server
+    send(sink_for(run_dir, url, secret), 6, state_for(run_dir, 6))
+    assert client.post("/update_weights", json={"version": 6}).json()["source"] == "collective"
+    kill_sender_mid_version(client, SENDER, run_dir, url, secret)
     r = client.post("/update_weights", json={"version": 7})  # waits for the broken receive; no folder either
     assert r.status_code == 409 and "still serving v6" in r.json()["detail"]
     m = client.get("/metrics").json()

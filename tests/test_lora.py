@@ -112,7 +112,7 @@ def test_the_engine_serves_base_plus_adapter_and_refuses_one_that_does_not_fit(t
     name = next(k for k in adapter if k.endswith("lora_B"))
     bad = {"shape": {**adapter, name: adapter[name][:, :2]},
            "nan": {**adapter, name: adapter[name] * float("nan")}}
-    for why, state in bad.items():
+    for state in bad.values():
         write_weights(root / "v2", state, {"version": 2, "format": "memory", "adapter": {"base": 0, "rank": 4}})
         with pytest.raises(WeightLoadError, match="adapter refused"):
             prepare_weights(engine_model, root / "v2", AdapterBase(lambda v: root / f"v{v}"))
@@ -237,13 +237,10 @@ send_adapter(sink_for(run_dir, sys.argv[2], sys.argv[3]), 2, adapter_for(run_dir
 def test_an_adapter_senders_death_mid_version_leaves_the_last_adapter_serving(tmp_path):
     """Base v0 whole, adapter v1 over the collective (served, merged); v2's sender killed after its first
     bucket: v2 is refused, v1 keeps serving."""
-    import subprocess
-    import time
-
     from conftest import start_server
     from prl.model.weights import write_weights
     from prl.recipe.schema import Recipe
-    from test_collective import greedy, sink_for, state_for
+    from test_collective import greedy, kill_sender_mid_version, sink_for, state_for
 
     proc, cfg, client = start_server(tmp_path, Recipe.model_validate({}))
     url, secret = f"http://{cfg.host}:{cfg.port}", cfg.secret()
@@ -257,14 +254,7 @@ def test_an_adapter_senders_death_mid_version_leaves_the_last_adapter_serving(tm
         assert client.post("/update_weights", json={"version": 1}).json()["source"] == "collective"
         v1_lp = greedy(client)
         assert v1_lp != base_lp
-        sender = subprocess.Popen([sys.executable, "-c", ADAPTER_SENDER, str(tmp_path), url, secret,
-                                   os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)
-        sent = int(sender.stdout.readline())
-        while client.get("/metrics").json()["collective_receiving"] < sent:  # the server holds part of v2
-            assert sender.poll() is None
-            time.sleep(0.05)
-        sender.kill()
-        sender.wait()
+        kill_sender_mid_version(client, ADAPTER_SENDER, tmp_path, url, secret)
         r = client.post("/update_weights", json={"version": 2})
         assert r.status_code == 409 and "still serving v1" in r.json()["detail"]
         assert greedy(client) == v1_lp

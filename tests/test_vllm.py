@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 PROMPT = [1, 5, 9, 22, 7, 30, 4, 12, 17]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm")
+def serving(root):
+    """A vLLM server on a tiny pretrained Qwen3-MoE folder under `root`, served once it answers; stopped after,
+    its processes checked gone (a module fixture's body)."""
     folder = make_pretrained(root / "qwen3-tiny", shard="300KB")
     srv = start_server(root, folder)
     try:
@@ -33,6 +33,11 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
     assert not group_alive(srv.proc.pid), "vLLM left processes behind"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("vllm"))
 
 
 def make(srv):

@@ -12,10 +12,9 @@ import shutil
 import pytest
 import torch
 
-from test_pretrained import make_pretrained
 from test_vllm import PROMPT, call, collective_sink, hf_model, perturbed_state, publish, reference_logprobs, req, \
-    wait_served
-from vllm_rig import group_alive, needs_vllm, start_server
+    serving
+from vllm_rig import needs_vllm
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 RANK, ALPHA = 4, 8.0
@@ -24,17 +23,7 @@ GROUPS = ["attention", "mlp"]  # q/k/v (one qkv_proj in vLLM), o; layer 0's dens
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-lora")
-    folder = make_pretrained(root / "qwen3-tiny", shard="300KB")
-    srv = start_server(root, folder)
-    try:
-        wait_served(srv)
-    except Exception:
-        srv.stop()
-        raise
-    yield srv
-    srv.stop()
-    assert not group_alive(srv.proc.pid), "vLLM left processes behind"
+    yield from serving(tmp_path_factory.mktemp("vllm-lora"))
 
 
 @pytest.fixture(scope="module")

@@ -608,7 +608,7 @@ def top_p_filter(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, meta: dict, base) -> Policy:
     """An adapter version as the target weights it makes: `W_base + B' @ A`, each checked as a full version's."""
-    from prl.model.lora import check_adapter
+    from prl.model.lora import check_adapter, target_of
 
     expected = model.state_dict()
     problems = check_adapter(raw, {k: tuple(v.shape) for k, v in expected.items()}) if raw else ["no tensors"]
@@ -619,7 +619,7 @@ def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str
         state = with_base(model, base, int(meta["adapter"]["base"]), base.apply(raw, meta))
     except Exception as e:  # noqa: BLE001 - a missing or damaged base: refused, the old version serving
         raise WeightLoadError(f"{where}: adapter's base v{meta['adapter'].get('base')}: {type(e).__name__}: {e}") from None
-    adapted = frozenset(base.targets_of(raw))
+    adapted = frozenset(target_of(k) for k in raw)
     return Policy({k: v.to(expected[k].dtype) for k, v in state.items()}, {}, version,
                   base=(int(meta["adapter"]["base"]), adapted))
 

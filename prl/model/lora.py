@@ -251,10 +251,6 @@ class AdapterBase:
             raise ValueError(f"v{version}, the base of an adapter, is an adapter version itself")
         return state
 
-    @staticmethod
-    def targets_of(adapter: dict[str, torch.Tensor]) -> set[str]:
-        return {target_of(k) for k in adapter}
-
     def apply(self, adapter: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         """The merged target weights of an adapter version (`meta`: its manifest, `adapter.base` its base)."""
         base = self.targets(int(meta["adapter"]["base"]), {target_of(k) for k in adapter})

@@ -191,7 +191,7 @@ def adapter_bases(root: Path, versions: list[int]) -> set[int]:
 
 
 def prune_versions(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` versions, and the base any of those is an adapter of (LoRA). Each
+    """Remove all but the newest `keep` versions and the base any of those is an adapter of (LoRA). Each
     leaves its name first (an atomic rename), so a process stopped mid-way never leaves a sealed folder with
     files missing; leftovers of an earlier interrupted prune go too."""
     versions = published_versions(root)
