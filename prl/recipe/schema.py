@@ -512,6 +512,14 @@ class ParallelCfg(Section):
     ep_ranks_per_node: int = Field(0, ge=0)
     """Ep ranks per node for the dedup (consecutive ranks share a node); 0: trainer.nproc, the ranks of one trainer
     host. Set it to simulate nodes on one machine (4 ranks as 2 nodes of 2: ep_ranks_per_node = 2)."""
+    overlap: bool = True
+    """Hide exchanges behind compute (prl/trainer/overlap.py): each MoE layer's tokens go through the experts in
+    `overlap_chunks` chunks, one chunk's all-to-all in flight while another's experts run (forward and backward), and
+    context parallelism's gather flies while the attention computes its queries. false: each exchange waited for as
+    soon as it is issued. Same values either way (to fp32 rounding). The node dedup's two hops stay serial."""
+    overlap_chunks: int = Field(4, ge=2, le=64)
+    """With overlap: token chunks per MoE layer; more hide more of the first dispatch and the last combine, each costs
+    one more exchange per layer and direction."""
 
     @model_validator(mode="after")
     def _positive(self):

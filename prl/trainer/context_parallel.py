@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from prl.model import families
-from prl.model.dsa import index_scores, indexer_parts, rotate_interleaved, stable_topk
+from prl.model.dsa import index_scores, indexer_keys, indexer_queries, rotate_interleaved, stable_topk
 from prl.model.mla import absorbed_weights
+from prl.trainer.overlap import Exchange, Flight, issue, land
 from prl.transport.batch import MicroBatch, cp_multiple, pad_row, shard_positions, shard_sequence
 from prl.transport.trees import has_branches, sample_ids
 
@@ -50,6 +51,7 @@ class Sequence:
     size: int
     rank: int
     layout: str = "zigzag"
+    overlap: bool = True  # the gather in flight while the queries are computed (else landed at once)
     segments: torch.Tensor | None = None  # [T] sample id per row token
     positions: torch.Tensor | None = None  # [S] row index of each local token
     order: torch.Tensor | None = None  # [T] gathered index of each row token (None: gathered in row order)
@@ -63,7 +65,7 @@ class Sequence:
         return (seg[q][:, None] == seg[None, : self.keys]) & (k[None, :] <= q[:, None])
 
 
-def install(model, group, size: int, rank: int, layout: str = "zigzag") -> Sequence:
+def install(model, group, size: int, rank: int, layout: str = "zigzag", overlap: bool = True) -> Sequence:
     """Swap the model's attention (its family spec's `attention_class`) for the adapter over `group`."""
     fam = families.spec(model.config.model_type, "trainer.parallel.cp > 1")
     attns = families.modules_of(model, fam.attention_class)
@@ -71,7 +73,7 @@ def install(model, group, size: int, rank: int, layout: str = "zigzag") -> Seque
         raise NotImplementedError(f"trainer.parallel.cp > 1: {type(model).__name__} has no "
                                   f"{fam.attention_class or 'attention prl can split'}; context parallelism is built "
                                   f"for {families.with_feature('cp')} (GLM-5's DSA attention) only")
-    seq = Sequence(group, size, rank, layout)
+    seq = Sequence(group, size, rank, layout, overlap)
     for a in attns:
         if not isinstance(a, ContextParallelAttention):
             a.__class__ = type(f"CP{type(a).__name__}", (ContextParallelAttention, type(a)), {})
@@ -104,35 +106,38 @@ def query_blocks(positions: list[int], block: int, chunks: int = 1) -> list[tupl
             for c in range(0, len(positions), per) for a in range(c, c + per, block)]
 
 
-class _GatherRows(torch.autograd.Function):
+class GatherRows(Exchange):
     """All-gather of row slices along dim 0; backward: each rank's slice of the summed gradients
     (reduce-scatter; gloo has none, so there an all-reduce and a slice). Written here on public
     collectives: torch's autograd all_gather falls back, on gloo, to scatters that name group
     ranks as global ranks and fail on any group not starting at rank 0."""
 
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.rank, ctx.rows = group, size, rank, local.shape[0]
-        parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts)
+    def __init__(self, seq: Sequence, rows: int):
+        self.seq, self.rows, self.eager = seq, rows, not seq.overlap
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            out = grad.new_empty(ctx.rows, *grad.shape[1:])
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        else:
-            dist.all_reduce(grad, group=ctx.group)
-            out = grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-        return out, None, None, None
+    def forward(self, local: torch.Tensor) -> Flight:
+        parts = [torch.empty_like(local) for _ in range(self.seq.size)]
+        work = dist.all_gather(parts, local.contiguous(), group=self.seq.group, async_op=True)
+        return Flight(work, lambda: torch.cat(parts), keep=local)
+
+    def backward(self, grad: torch.Tensor) -> Flight:
+        seq = self.seq
+        if dist.get_backend(seq.group) == "nccl":
+            out = grad.new_empty(self.rows, *grad.shape[1:])
+            return Flight(dist.reduce_scatter_tensor(out, grad, group=seq.group, async_op=True), lambda: out, keep=grad)
+        work = dist.all_reduce(grad, group=seq.group, async_op=True)
+        return Flight(work, lambda: grad[seq.rank * self.rows:(seq.rank + 1) * self.rows])
 
 
-def gather(local_BSF: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The one collective of a layer: every rank's [1, S, F] part -> [1, T, F] in row order, cut
-    after the last key a local query may see; differentiable."""
-    every = local_BSF if seq.size == 1 else _GatherRows.apply(local_BSF[0], seq.group, seq.size, seq.rank)[None]
+def gather_issue(local_BSF: torch.Tensor, seq: Sequence):
+    """The one collective of a layer, started: every rank's [1, S, F] part toward every rank."""
+    return issue(local_BSF[0], GatherRows(seq, local_BSF.shape[1])) if seq.size > 1 else (local_BSF, None)
+
+
+def gather_land(flight, seq: Sequence) -> torch.Tensor:
+    """What `gather_issue` started, landed: [1, T, F] in row order, cut after the last key a local query
+    may see; differentiable."""
+    every = flight[0] if flight[1] is None else land(*flight)[None]
     if seq.order is not None:
         every = every[:, seq.order]
     return every[:, : seq.keys]
@@ -195,16 +200,20 @@ class ContextParallelAttention:
             raise RuntimeError("context-parallel attention runs inside prl's training step only (one packed row)")
         B, S = hidden_states.shape[:2]
         cos, sin = position_embeddings
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-        q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
-        q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        # the keys first: their gather flies while the queries are computed
         kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1).view(B, S, -1)
         parts = [self.kv_a_layernorm(kv_pass), k_rot]
         if self.indexer is not None:
-            iq, ik, iw = indexer_parts(self.indexer, hidden_states, q_resid, cos, sin)
-            parts.append(ik.to(k_rot.dtype))
-        every = gather(torch.cat(parts, dim=-1), seq)  # [1, keys, kv_lora + rope (+ indexer key)]
+            parts.append(indexer_keys(self.indexer, hidden_states, cos, sin).to(k_rot.dtype))
+        flight = gather_issue(torch.cat(parts, dim=-1), seq)
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_rot = rotate_interleaved(q_rot, cos, sin, 1)
+        if self.indexer is not None:
+            iq, iw = indexer_queries(self.indexer, hidden_states, q_resid, cos, sin)
+        every = gather_land(flight, seq)  # [1, keys, kv_lora + rope (+ indexer key)]
         allowed = seq.allowed()
         if self.indexer is not None:
             topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, seq.blocks)
@@ -213,7 +222,7 @@ class ContextParallelAttention:
         else:
             raise ValueError("shared DSA layers need the top-k indices of a previous full indexer layer")
         rank = self.kv_lora_rank
-        out = attend_sparse(self, q_pass, rotate_interleaved(q_rot, cos, sin, 1), every[0, :, :rank],
+        out = attend_sparse(self, q_pass, q_rot, every[0, :, :rank],
                             every[0, :, rank: rank + self.qk_rope_head_dim], topk, allowed, seq.blocks)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None, topk
 

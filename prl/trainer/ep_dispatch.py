@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from prl.model.fp8 import BLOCK, E4M3, Quantized, dequantize, quantize_tiles
+from prl.trainer.overlap import Exchange, Flight, exchange, timed
 
 TRAFFIC: Counter = Counter()
 
@@ -49,6 +50,7 @@ class Comm:
     nodes: tuple[int, ...]  # the node of each ep rank (global rank // ranks per node)
     fp8: bool = False  # rows toward the experts in block FP8
     dedup: bool = False  # node-level deduplication
+    chunks: int = 1  # token chunks pipelined through the experts (1: serial; `prl.trainer.expert_parallel`)
 
     @property
     def per_node(self) -> int:
@@ -79,45 +81,51 @@ def route_of(dest: torch.Tensor, comm: Comm) -> Route:
     """The route of rows sorted by destination ep rank `dest`: counts exchanged (one int64 per peer)."""
     send = torch.bincount(dest, minlength=comm.size)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=comm.group)
+    timed(lambda: dist.all_to_all_single(recv, send, group=comm.group))
     count(comm, [1] * comm.size, send.element_size(), "meta", "forward")
     return Route(comm, send.tolist(), recv.tolist())
 
 
 def pack(rows_RD: torch.Tensor) -> torch.Tensor:
     """[R, D] -> uint8 [R, D + 4 ceil(D/128)]: E4M3 values, then the fp32 scales of the 1x128 tiles."""
+    if rows_RD.shape[0] == 0:  # a chunk with no row for anyone (its shape still names the row size)
+        return torch.empty(0, rows_RD.shape[1] + 4 * math.ceil(rows_RD.shape[1] / BLOCK), dtype=torch.uint8,
+                           device=rows_RD.device)
     q = quantize_tiles(rows_RD)
     return torch.cat([q.q.view(torch.uint8), q.scale.contiguous().view(torch.uint8)], dim=1)
 
 
 def unpack(buf: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    if buf.shape[0] == 0:
+        return torch.empty(0, d, dtype=dtype, device=buf.device)
     scale = buf[:, d:].contiguous().view(torch.float32)
     q = buf[:, :d].contiguous().view(E4M3)
     assert scale.shape[1] == math.ceil(d / BLOCK)
     return dequantize(Quantized(q, scale, (1, BLOCK))).to(dtype)
 
 
-def wire(rows: torch.Tensor, route: Route, fp8: bool, what: str, phase: str) -> torch.Tensor:
-    """One all-to-all of rows along `route` (not differentiable), counted."""
+def wire(rows: torch.Tensor, route: Route, fp8: bool, what: str, phase: str) -> Flight:
+    """One all-to-all of rows along `route` (not differentiable), counted, in flight."""
     payload = pack(rows) if fp8 else rows.contiguous()
     out = payload.new_empty(sum(route.recv), *payload.shape[1:])
-    dist.all_to_all_single(out, payload, route.recv, route.send, group=route.comm.group)
+    work = dist.all_to_all_single(out, payload, route.recv, route.send, group=route.comm.group, async_op=True)
     count(route.comm, route.send, payload.element_size() * math.prod(payload.shape[1:]), what, phase)
-    return unpack(out, rows.shape[1], rows.dtype) if fp8 else out
+    d, dtype = rows.shape[1], rows.dtype
+    return Flight(work, (lambda: unpack(out, d, dtype)) if fp8 else (lambda: out), keep=payload)
 
 
-class _Send(torch.autograd.Function):
-    """`wire` forward, the reverse `wire` backward; FP8 whichever of the two goes toward the experts."""
+class RowExchange(Exchange):
+    """Rows along a route forward, the reverse route backward; FP8 whichever way goes toward the experts."""
 
-    @staticmethod
-    def forward(ctx, rows, route: Route, to_experts: bool, meta: bool):
-        ctx.route, ctx.to_experts, ctx.meta = route, to_experts, meta
-        return wire(rows, route, *how(route.comm, to_experts, meta), "forward")
+    def __init__(self, route: Route, to_experts: bool = True, meta: bool = False, eager: bool = True):
+        self.route, self.to_experts, self.meta, self.eager = route, to_experts, meta, eager
 
-    @staticmethod
-    def backward(ctx, grad):
-        back = ctx.route.reverse()
-        return wire(grad, back, *how(back.comm, not ctx.to_experts, ctx.meta), "backward"), None, None, None
+    def forward(self, x: torch.Tensor) -> Flight:
+        return wire(x, self.route, *how(self.route.comm, self.to_experts, self.meta), "forward")
+
+    def backward(self, grad: torch.Tensor) -> Flight:
+        back = self.route.reverse()
+        return wire(grad, back, *how(back.comm, not self.to_experts, self.meta), "backward")
 
 
 def how(comm: Comm, to_experts: bool, meta: bool) -> tuple[bool, str]:
@@ -128,12 +136,12 @@ def how(comm: Comm, to_experts: bool, meta: bool) -> tuple[bool, str]:
 
 
 def send(rows: torch.Tensor, route: Route, to_experts: bool = True, meta: bool = False) -> torch.Tensor:
-    """Differentiable all-to-all of rows (`meta`: routing weights, never quantised)."""
-    return _Send.apply(rows, route, to_experts, meta)
+    """Differentiable all-to-all of rows (`meta`: routing weights, never quantised), landed at once."""
+    return exchange(rows, RowExchange(route, to_experts, meta))
 
 
 def send_ints(x: torch.Tensor, route: Route) -> torch.Tensor:
-    return wire(x, route, False, "meta", "forward")
+    return wire(x, route, False, "meta", "forward").land()
 
 
 # ---------------------------------------------------------------- node-level deduplication

@@ -27,17 +27,20 @@ with `ep` = world (the intended layout for a large MoE) there are none. FP8 expe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from prl.model import families
-from prl.trainer.ep_dispatch import Comm, Route, count, node_dedup_forward, send
+from prl.trainer.ep_dispatch import Comm, Route, RowExchange, count, node_dedup_forward
+from prl.trainer.overlap import issue, land, timed
 
 
 def shard_experts(model, ep_mesh: DeviceMesh, per_node: int = 0, fp8: bool = False,
-                  dedup: bool = False) -> list[torch.nn.Parameter]:
+                  dedup: bool = False, chunks: int = 1) -> list[torch.nn.Parameter]:
     """Shard every experts module (the family spec's `expert_classes`, their `stacked_experts`
     tensors on `expert_dim`) over the mesh's `ep` dimension; returns the sharded parameters (FSDP
     must leave them alone). Every rank must hold the same full weights before the call. `per_node`
@@ -48,15 +51,15 @@ def shard_experts(model, ep_mesh: DeviceMesh, per_node: int = 0, fp8: bool = Fal
     if not mods:
         raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
                          f"experts ({', '.join(fam.expert_classes)}) prl can split")
-    comm = make_comm(ep, per_node, fp8, dedup)
+    comm = make_comm(ep, per_node, fp8, dedup, chunks)
     return [p for m in mods for p in split_experts(m, ep, comm, fam.stacked_experts, fam.expert_dim)]
 
 
-def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool) -> Comm:
+def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool, chunks: int = 1) -> Comm:
     """The dispatch over a 1-D `ep` mesh, its ranks on nodes of `per_node` consecutive global ranks."""
     ranks = dist.get_process_group_ranks(ep.get_group())
     nodes = tuple(r // per_node if per_node else 0 for r in ranks)
-    return Comm(ep.get_group(), ep.size(), ep.get_local_rank(), nodes, fp8, dedup)
+    return Comm(ep.get_group(), ep.size(), ep.get_local_rank(), nodes, fp8, dedup, chunks)
 
 
 def split_experts(m, ep: DeviceMesh, comm: Comm, names=("gate_up_proj", "down_proj"),
@@ -84,20 +87,27 @@ class ExpertParallel:
     _prl_num_experts: int
 
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        comm, local_E = self._prl_comm, self._prl_num_experts // self._prl_comm.size
+        comm, E = self._prl_comm, self._prl_num_experts
         if comm.dedup:
-            return node_dedup_forward(self, comm, hidden_TD, ids_TK, weights_TK, local_E)
-        K = ids_TK.shape[1]
-        flat = ids_TK.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        rows_RD = hidden_TD[order // K]  # one row per (token, slot), grouped by expert
-        route, recv_E = expert_route(flat, comm, self._prl_num_experts)
-        got = send(rows_RD, route)
-        local_ids = torch.arange(local_E, device=flat.device).repeat(comm.size).repeat_interleave(recv_E)
-        out = self.local_experts(got, local_ids, local_E)
-        back = send(out, route.reverse(), to_experts=False)
-        weighted = back * weights_TK.reshape(-1)[order, None].to(back.dtype)
-        return torch.zeros_like(hidden_TD).index_add(0, order // K, weighted.to(hidden_TD.dtype))
+            return node_dedup_forward(self, comm, hidden_TD, ids_TK, weights_TK, E // comm.size)
+        parts = [Part.of(hidden_TD, ids, w, first) for first, ids, w in token_chunks(ids_TK, weights_TK, comm.chunks)]
+        routes = expert_routes([p.flat for p in parts], comm, E)
+        eager = len(parts) == 1  # serial: every exchange landed as soon as issued, in backward too
+
+        def dispatch(c: int):
+            return issue(parts[c].rows, RowExchange(routes[c][0], eager=eager))
+
+        sent, back = [dispatch(0)], []
+        for c in range(len(parts)):
+            if c + 1 < len(parts):  # the next chunk travels while this one's experts run
+                sent.append(dispatch(c + 1))
+            out = self.local_experts(land(*sent[c]), routes[c][1], E // comm.size)
+            back.append(issue(out, RowExchange(routes[c][0].reverse(), to_experts=False, eager=eager)))
+        y = torch.zeros_like(hidden_TD)
+        for part, flight in zip(parts, back):
+            got = land(*flight)
+            y = y.index_add(0, part.tokens, (got * part.weights[:, None].to(got.dtype)).to(hidden_TD.dtype))
+        return y
 
     def weighted_local(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Rows that each carry the local expert ids of their slots here (-1: another rank's) and the
@@ -126,16 +136,44 @@ class ExpertParallel:
         return out
 
 
-def expert_route(flat: torch.Tensor, comm: Comm, n_experts: int):
-    """The plain dispatch's route for (token, slot) rows sorted by expert: per-expert counts exchanged
-    (`local_E` int64 per peer); also the rows received per (source rank, local expert)."""
-    local_E = n_experts // comm.size
-    send_E = torch.bincount(flat, minlength=n_experts)
-    recv_E = torch.empty_like(send_E)
-    dist.all_to_all_single(recv_E, send_E, group=comm.group)
-    count(comm, [local_E] * comm.size, send_E.element_size(), "meta", "forward")
-    per_rank = [t.view(comm.size, local_E).sum(1).tolist() for t in (send_E, recv_E)]
-    return Route(comm, *per_rank), recv_E
+@dataclass
+class Part:
+    """One chunk of a micro-batch's tokens as the experts see it: its (token, slot) rows sorted by expert."""
+
+    flat: torch.Tensor  # [R] expert id of each row, unsorted (token-major)
+    rows: torch.Tensor  # [R, D] the rows, sorted by expert
+    tokens: torch.Tensor  # [R] the micro-batch token of each sorted row
+    weights: torch.Tensor  # [R] its routing weight
+
+    @staticmethod
+    def of(hidden_TD: torch.Tensor, ids_tK: torch.Tensor, w_tK: torch.Tensor, first: int) -> "Part":
+        K = ids_tK.shape[1]
+        flat = ids_tK.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        tokens = first + order // K
+        return Part(flat, hidden_TD[tokens], tokens, w_tK.reshape(-1)[order])
+
+
+def token_chunks(ids_TK: torch.Tensor, w_TK: torch.Tensor, n: int):
+    """(first token, ids, weights) of `n` consecutive chunks of the tokens, empty ones too: every rank
+    runs the same exchanges whatever its number of tokens."""
+    T = ids_TK.shape[0]
+    bounds = [T * c // n for c in range(n + 1)]
+    return [(a, ids_TK[a:b], w_TK[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def expert_routes(flats: list[torch.Tensor], comm: Comm, n_experts: int) -> list[tuple[Route, torch.Tensor]]:
+    """The plain dispatch's route of each chunk's rows sorted by expert, from one exchange of the
+    per-expert counts (`local_E` int64 per chunk and peer), and the local expert id of every row each
+    chunk receives (in the order they arrive: by source rank, then expert)."""
+    local_E, n = n_experts // comm.size, len(flats)
+    send = torch.stack([torch.bincount(f, minlength=n_experts).view(comm.size, local_E) for f in flats], dim=1)
+    recv = torch.empty_like(send)  # [peer, chunk, local expert]
+    timed(lambda: dist.all_to_all_single(recv, send.contiguous(), group=comm.group))
+    count(comm, [local_E * n] * comm.size, send.element_size(), "meta", "forward")
+    ids = torch.arange(local_E, device=send.device).repeat(comm.size)
+    return [(Route(comm, send[:, c].sum(1).tolist(), recv[:, c].sum(1).tolist()),
+             ids.repeat_interleave(recv[:, c].reshape(-1))) for c in range(n)]
 
 
 def local(p: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ class Parallel:
         if dims.cp_enabled:
             cp_dim = dims.mesh("cp")["cp"]
             self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank(),
-                                                tcfg.parallel.cp_layout)
+                                                tcfg.parallel.cp_layout, tcfg.parallel.overlap)
         head.install(model)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
@@ -67,7 +67,8 @@ def shard_ep(model, dims: ParallelDims, tcfg: TrainerCfg) -> list[torch.nn.Param
     `ep_ranks_per_node` ranks, else of the ranks torchrun started on this host."""
     par = tcfg.parallel
     per_node = par.ranks_per_node(dims.world, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)))
-    return shard_experts(model, dims.mesh("ep"), per_node, par.ep_dispatch == "fp8", par.ep_node_dedup)
+    return shard_experts(model, dims.mesh("ep"), per_node, par.ep_dispatch == "fp8", par.ep_node_dedup,
+                         par.overlap_chunks if par.overlap else 1)
 
 
 def apply_activation_checkpointing(model) -> None:
