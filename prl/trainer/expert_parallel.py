@@ -52,7 +52,38 @@ def shard_experts(model, ep_mesh: DeviceMesh, per_node: int = 0, fp8: bool = Fal
         raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
                          f"experts ({', '.join(fam.expert_classes)}) prl can split")
     comm = make_comm(ep, per_node, fp8, dedup, chunks)
+    if chunks > 1:
+        ahead_shared(model, mods)
     return [p for m in mods for p in split_experts(m, ep, comm, fam.stacked_experts, fam.expert_dim)]
+
+
+def ahead_shared(model, mods: list) -> None:
+    """Each experts module's sibling `shared_experts` (GLM-5, DeepSeek-V3; Qwen3-MoE has none) made
+    computable ahead, while the routed rows travel (`AheadShared`)."""
+    for name, m in model.named_modules():
+        if any(m is e for e in mods) and "." in name:
+            shared = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "shared_experts", None)
+            if isinstance(shared, torch.nn.Module):
+                if not isinstance(shared, AheadShared):
+                    shared.__class__ = type(f"Ahead{type(shared).__name__}", (AheadShared, type(shared)), {})
+                shared._prl_ahead = None
+                object.__setattr__(m, "_prl_shared", shared)  # a plain attribute: not a submodule of m
+
+
+class AheadShared:
+    """Mixin before a shared-experts MLP: `run_ahead(x_TD)` computes it on the layer's tokens early; the
+    MoE block's own call on the same tokens (a [B, S, D] view of them) then returns that result."""
+
+    _prl_ahead: tuple | None
+
+    def run_ahead(self, x_TD: torch.Tensor) -> None:
+        self._prl_ahead = (x_TD.data_ptr(), x_TD.numel(), super().forward(x_TD))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ahead, self._prl_ahead = self._prl_ahead, None
+        if ahead is not None and ahead[:2] == (x.data_ptr(), x.numel()):
+            return ahead[2].view_as(x)
+        return super().forward(x)
 
 
 def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool, chunks: int = 1) -> Comm:
@@ -97,17 +128,23 @@ class ExpertParallel:
         def dispatch(c: int):
             return issue(parts[c].rows, RowExchange(routes[c][0], eager=eager))
 
+        y = torch.zeros_like(hidden_TD)
+
+        def combine(c: int, flight) -> torch.Tensor:
+            got = land(*flight)
+            return y.index_add(0, parts[c].tokens, (got * parts[c].weights[:, None].to(got.dtype)).to(y.dtype))
+
         sent, back = [dispatch(0)], []
+        if not eager and getattr(self, "_prl_shared", None) is not None:
+            self._prl_shared.run_ahead(hidden_TD)  # the shared experts run while the first rows travel
         for c in range(len(parts)):
             if c + 1 < len(parts):  # the next chunk travels while this one's experts run
                 sent.append(dispatch(c + 1))
             out = self.local_experts(land(*sent[c]), routes[c][1], E // comm.size)
             back.append(issue(out, RowExchange(routes[c][0].reverse(), to_experts=False, eager=eager)))
-        y = torch.zeros_like(hidden_TD)
-        for part, flight in zip(parts, back):
-            got = land(*flight)
-            y = y.index_add(0, part.tokens, (got * part.weights[:, None].to(got.dtype)).to(hidden_TD.dtype))
-        return y
+            if c:  # the previous chunk's outputs came back while this one's experts ran
+                y = combine(c - 1, back[c - 1])
+        return combine(len(parts) - 1, back[-1])
 
     def weighted_local(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Rows that each carry the local expert ids of their slots here (-1: another rank's) and the

@@ -31,6 +31,7 @@ from prl.trainer.publish import publish
 from prl.trainer.ledger import read_ledger, record
 from prl.trainer.loss import USER_FIGURE
 from prl.trainer.model_setup import setup_model
+from prl.trainer.overlap import CLOCK
 from prl.trainer.step import forward_backward
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
@@ -293,6 +294,7 @@ class Trainer:
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
             tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
+            comm_s=stats["comm_s"], exposed_comm_s=stats["exposed_comm_s"],
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **{k: v for k, v in stats.items() if k.startswith(USER_FIGURE)},
@@ -318,10 +320,14 @@ class Trainer:
 
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
+        """The step's forward and backward; its stats gain this rank's seconds of exchanges in flight
+        (`comm_s`) and waited for (`exposed_comm_s`, `prl.trainer.overlap`)."""
         temperature = self.temperature if kind == "rl" else 1.0
-        return forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
-                                norm_constant=self.norm_constant,
-                                reference=self.reference if kind == "rl" else None)
+        CLOCK.reset()
+        stats = forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
+                                 norm_constant=self.norm_constant, reference=self.reference if kind == "rl" else None)
+        stats["comm_s"], stats["exposed_comm_s"] = CLOCK.figures()
+        return stats
 
     def optimizer_step(self, opt, sched) -> float:
         self.par.finish_grads()

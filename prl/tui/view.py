@@ -83,6 +83,9 @@ def metrics_table(s: RunState) -> Table:
     t.add_row("trainer tokens/s", fmt(tr.get("tokens_per_s"), ".0f"))
     t.add_row("step time", f"wait {fmt(tr.get('wait_s'), '.2f')}s  fwd-bwd {fmt(tr.get('fwd_bwd_s'), '.2f')}s"
               f"  publish {fmt(tr.get('publish_s'), '.2f')}s")
+    if tr.get("comm_s"):  # expert or context parallelism: exchanges in the step
+        t.add_row("exchanges", f"{fmt(tr['comm_s'], '.2f')}s in flight, {fmt(tr.get('exposed_comm_s'), '.2f')}s exposed"
+                  f" ({fmt(1 - tr.get('exposed_comm_s', 0) / tr['comm_s'], '.0%')} hidden behind compute)")
     return t
 
 

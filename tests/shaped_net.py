@@ -1,0 +1,73 @@
+"""Hosts joined by a network that behaves like one: each in its own network namespace on a private
+bridge (`sshd_rig.Network`), every port's bandwidth shaped by tc's token bucket (tbf) in both
+directions, so a process's exchanges wait on the wire instead of being a memcpy on the same cores.
+
+`torchrun(link, script, args, nproc)` starts one torchrun per host (`--nnodes` = hosts, rendezvous
+on host 0's address), each rank's gloo on the namespace's interface. Used by tests/test_overlap.py
+and bench/comm_overlap.py; needs root, `ip` and `tc` (iproute2)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sshd_rig import IFNAME, Network
+
+BURST = "64kb"  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
+
+
+def available() -> str | None:
+    """Why a shaped network cannot be built here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    missing = [t for t in ("ip", "tc") if not shutil.which(t)]
+    return f"needs {' and '.join(missing)} (iproute2)" if missing else None
+
+
+class ShapedLink:
+    """`hosts` namespaces on a bridge, each port shaped to `mbit` megabit/s each way."""
+
+    def __init__(self, hosts: int, mbit: float):
+        self.net, self.mbit = Network(), mbit
+        self.places: list[tuple[str, str]] = []
+        try:
+            self.net.up()
+            for i in range(hosts):
+                ns, address = self.net.add_host(i)
+                self.places.append((ns, address))
+                self.shape(["ip", "netns", "exec", ns], IFNAME)  # leaving the host
+                self.shape([], f"prlv{self.net.tag}{i}")  # the bridge's port toward it: arriving
+        except BaseException:
+            self.net.down()
+            raise
+
+    def shape(self, prefix: list[str], dev: str) -> None:
+        subprocess.run([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.mbit}mbit",
+                        "burst", BURST, "latency", "200ms"], check=True, capture_output=True, timeout=10)
+
+    def down(self) -> None:
+        self.net.down()
+
+    def __enter__(self) -> "ShapedLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def torchrun(link: ShapedLink, script: Path, args: list[str], nproc: int = 1, port: int = 29533,
+             env: dict | None = None) -> list[subprocess.Popen]:
+    """One torchrun per host of `link`, `nproc` ranks each; host 0's is first in the list."""
+    master = link.places[0][1]
+    procs = []
+    for i, (ns, _address) in enumerate(link.places):
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(link.places)}",
+               f"--node-rank={i}", f"--nproc-per-node={nproc}", f"--master-addr={master}", f"--master-port={port}",
+               str(script), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": IFNAME},
+                                      cwd=script.parent))
+    return procs
