@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from dist_step import full
+from dist_step import GradsWhenFinished, full
 
 from prl.model.build import build_model
 from prl.model.families import routed_experts
@@ -62,16 +62,17 @@ class Case:
         dist.barrier()
         CLOCK.reset()
         t = time.perf_counter()
-        stats = forward_backward(self.par.model, None, mbs, "rl", self.tcfg, 1.0, torch.device("cpu"), None)
+        stats = forward_backward(self.par.model, None, mbs, "rl", self.tcfg, 1.0, torch.device("cpu"), self.par.seq)
         comm, exposed = CLOCK.figures()
-        grads = {n: full(p.grad).detach().clone() for n, p in self.par.model.named_parameters() if p.grad is not None}
+        # the first step keeps its finished gradients (collectives: that step is the warm-up, not measured)
+        self.trainer.par = GradsWhenFinished(self.par) if self.first is None else self.par
         norm = Trainer.optimizer_step(self.trainer, self.opt, self.sched)
         dist.barrier()
         for key, v in (("step_s", time.perf_counter() - t), ("comm_s", comm), ("exposed_comm_s", exposed)):
             self.seen[key].append(v)
         if self.first is None:
             params = {n: full(p).detach().clone() for n, p in self.par.model.named_parameters()}
-            self.first = {"stats": stats, "grads": grads, "grad_norm": norm, "params": params,
+            self.first = {"stats": stats, "grads": self.trainer.par.grads, "grad_norm": norm, "params": params,
                           "moved": sorted(n for n, p in params.items() if not torch.equal(p, before[n]))}
 
 
