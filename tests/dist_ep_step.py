@@ -25,7 +25,9 @@ from prl.transport.batch import pack
 
 
 def one_step(model_dir: str, parallel: dict) -> dict:
-    tcfg = TrainerCfg.model_validate({"parallel": {"ep": 4, "ep_ranks_per_node": 2, **parallel}})
+    """`parallel`: the case's trainer.parallel keys, and `activation_checkpointing` if it sets it."""
+    top = {k: parallel.pop(k) for k in ("activation_checkpointing",) if k in parallel}
+    tcfg = TrainerCfg.model_validate({"parallel": {"ep": 4, "ep_ranks_per_node": 2, **parallel}, **top})
     model = build_model(model_dir, seed=0)
     data = samples(len(routers(model)), routed_experts(model.config.to_dict()), model.config.num_experts_per_tok)
     dims = tcfg.parallel.dims(dist.get_world_size()).build_meshes("cpu")

@@ -159,14 +159,26 @@ def steps(model_dir: Path, tmp: Path, cases: dict[str, dict]) -> dict[str, dict]
 def test_a_training_step_with_node_dedup_and_fp8_dispatch(model_dir, tmp_path):
     """ep = 4 over 2 nodes of 2: dedup gives plain's step (loss, every gradient, the weights after
     AdamW) and sends fewer rows across nodes; FP8 dispatch gives it within the FP8 bound, and differs
-    (the rows did travel in FP8)."""
+    (the rows did travel in FP8). Each with its exchanges overlapped (the default) gives the step with
+    them serial, activation checkpointing (the exchanges run again in backward) too."""
     from test_parallel import assert_same_step
 
-    run = steps(model_dir, tmp_path, {"plain": {}, "dedup": {"ep_node_dedup": True}, "fp8": {"ep_dispatch": "fp8"}})
+    serial = {"overlap": False}
+    run = steps(model_dir, tmp_path, {
+        "plain": {}, "dedup": {"ep_node_dedup": True}, "fp8": {"ep_dispatch": "fp8"},
+        "plain serial": serial, "dedup serial": {"ep_node_dedup": True, **serial},
+        "fp8 serial": {"ep_dispatch": "fp8", **serial}, "checkpointed": {"activation_checkpointing": True},
+        "checkpointed serial": {"activation_checkpointing": True, **serial},
+        "fp8 dedup checkpointed": {"ep_dispatch": "fp8", "ep_node_dedup": True, "activation_checkpointing": True},
+        "fp8 dedup checkpointed serial": {"ep_dispatch": "fp8", "ep_node_dedup": True, "activation_checkpointing": True,
+                                          **serial}})
+    for name in ("plain", "dedup", "fp8", "checkpointed", "fp8 dedup checkpointed"):
+        assert_same_step(run[f"{name} serial"], run[name], f"{name}: overlapped against serial")
     plain, fp8 = run["plain"], run["fp8"]
     assert_same_step(plain, run["dedup"], "node dedup against plain")
+    assert_same_step(plain, run["checkpointed"], "activation checkpointing against none")
     net = {k: sum(t.get((p, "to_experts", "net"), 0) for t in run[k]["traffic"] for p in ("forward", "backward"))
-           for k in run}
+           for k in ("plain", "dedup", "fp8")}
     assert 0 < net["dedup"] < net["plain"], net
     # hidden 128 in fp32: a row of 512 B, in FP8 128 + 4 B. The rows differ a little: the second layer's
     # router sees the first layer's FP8-perturbed output

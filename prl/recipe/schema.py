@@ -913,6 +913,9 @@ class PlacementCfg(Section):
         return max(1, h.gpus // self.gpus_per_server)
 
 
+OVERLAP_EFFICIENCY = 0.75  # bench/comm_overlap.py's overlap_efficiency (docs/benchmarks.md)
+
+
 class PlanCfg(Section):
     """The assumptions of `prl plan` (defaults: H200 GPUs, 400 Gb/s per GPU between hosts)."""
 
@@ -961,8 +964,18 @@ class PlanCfg(Section):
     node_dedup: bool = False
     """Count node-level deduplication of the trainer's dispatch (trainer.parallel.ep_node_dedup; built, its speed needs
     GPUs)."""
-    overlap_comm: bool = False
-    """Count the trainer's communication as hidden behind compute (planned)."""
+    overlap_efficiency: float = Field(OVERLAP_EFFICIENCY, ge=0, le=1)
+    """With trainer.parallel.overlap: the share of min(compute, exchanges) hidden, the exchanges being the expert
+    all-to-all and CP's gathers (FSDP's gathers and the weight send are counted whole). The default is the lower of
+    bench/comm_overlap.py's two layouts, measured over shaped links on CPUs (docs/benchmarks.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone(cls, data):
+        if isinstance(data, dict) and "overlap_comm" in data:
+            raise ValueError("plan.overlap_comm is gone: prl plan counts overlap where trainer.parallel.overlap is on "
+                             "(the default) with the measured plan.overlap_efficiency; remove the key")
+        return data
 
 
 class Recipe(Section):

@@ -69,10 +69,10 @@ def at_hosts(recipe: Recipe, c: dict, hosts: int) -> Recipe | None:
 
 def trainer_seconds(recipe: Recipe, c: dict, n: Counts, w: Workload, world: int, layout: Layout) -> float:
     """The trainer's step as `prl plan` counts it: compute, communication and the weight send, overlapped
-    as plan.overlap_comm says."""
+    as trainer.parallel.overlap and plan.overlap_efficiency say."""
     compute = tr.compute_seconds(recipe, c, n, w, world)
-    comm = sum(tr.comm_seconds(recipe, c, n, w, world).values()) + weight_send_seconds(recipe, c, n, layout, world)
-    return tr.overlapped(sum(compute.values()), comm, recipe.plan.overlap_comm, tr.micro_batches(recipe, w, world))
+    comm = {**tr.comm_seconds(recipe, c, n, w, world), "weight send": weight_send_seconds(recipe, c, n, layout, world)}
+    return tr.overlapped(sum(compute.values()), comm, tr.overlap_efficiency(recipe))
 
 
 def fastest_rollout(recipe: Recipe, c: dict, n: Counts, w: Workload, hosts: int, world: int) -> Rollout | None:

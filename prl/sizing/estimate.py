@@ -95,7 +95,7 @@ def trainer_uses(recipe: Recipe, key: str) -> tuple[str, ...]:
 
 def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
     """Trainer memory and time, each term with the mechanisms it uses."""
-    n, world, par, pl = plan.counts, plan.world, recipe.trainer.parallel, recipe.plan
+    n, world, par = plan.counts, plan.world, recipe.trainer.parallel
     plan.trainer = tr.trainer_memory(recipe, c, n, world)
     plan.uses.update({k: (("checkpointing", "fused_dsa") if k.startswith(("activations", "DSA")) else ())
                       + lora.term_uses(recipe, k) for k in plan.trainer})
@@ -105,10 +105,9 @@ def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
     for k, v in {**compute, **comm}.items():
         plan.time[f"trainer {k}"] = v
         plan.uses[f"trainer {k}"] = trainer_uses(recipe, k) + lora.term_uses(recipe, k)
-    plan.time["trainer step"] = tr.overlapped(sum(compute.values()), sum(comm.values()), pl.overlap_comm,
-                                              tr.micro_batches(recipe, w, world))
+    plan.time["trainer step"] = tr.overlapped(sum(compute.values()), comm, tr.overlap_efficiency(recipe))
     plan.uses["trainer step"] = sum((plan.uses[f"trainer {k}"] for k in {**compute, **comm}), ()) + \
-        (("overlap",) if pl.overlap_comm else ())
+        (("overlap",) if par.overlap else ())
     layout = getattr(par, "cp_layout", "contiguous")
     idx = next((v for k, v in compute.items() if k.startswith("indexer")), 0.0) / tr.cp_imbalance(par.cp, layout)
     if par.cp > 1 and idx:

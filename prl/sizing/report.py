@@ -15,7 +15,7 @@ ASSUMES = {
     "trainer sparse attention": "gpu_tflops, mfu, lengths", "trainer indexer": "gpu_tflops, mfu, lengths",
     "trainer expert all-to-all": "network_gb_s, nvlink_gb_s, expert_imbalance, fp8_dispatch, node_dedup",
     "trainer FSDP": "network_gb_s", "trainer CP": "nvlink_gb_s, network_gb_s", "trainer weight send": "network_gb_s",
-    "trainer step": "overlap_comm",
+    "trainer step": "overlap_efficiency",
     "rollout decode": "hbm_tb_s, decode_efficiency, mfu, mtp_acceptance, expert_imbalance, network_gb_s, "
                       "collective_latency_us, lengths",
     "rollout prefill": "fp8_tflops, mfu, prompt_tokens, env_tokens_per_turn",

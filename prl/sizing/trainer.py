@@ -218,9 +218,16 @@ def micro_batches(recipe: Recipe, w: Workload, world: int) -> float:
     return w.batch * w.mean / (recipe.trainer.micro_batch_tokens * world / par.cp)
 
 
-def overlapped(compute: float, comm: float, overlap: bool, micro: float) -> float:
-    """A step's time: compute plus communication, or with overlap (planned) the longer of the two plus
-    one micro-batch's share of the shorter (the pipeline's fill and drain)."""
-    if not overlap:
-        return compute + comm
-    return max(compute, comm) + min(compute, comm) / max(micro, 1.0)
+HIDDEN = ("expert all-to-all", "CP all-gathers")  # the exchanges trainer.parallel.overlap puts behind compute
+
+
+def overlapped(compute: float, comm: dict[str, float], efficiency: float) -> float:
+    """A step's time: compute plus communication, less `efficiency` x min(compute, the exchanges the
+    trainer overlaps: `HIDDEN`) where trainer.parallel.overlap is on (else pass 0)."""
+    hideable = sum(v for k, v in comm.items() if k.startswith(HIDDEN))
+    return compute + sum(comm.values()) - efficiency * min(compute, hideable)
+
+
+def overlap_efficiency(recipe: Recipe) -> float:
+    """The measured efficiency the plan counts, 0 where the trainer's overlap is off."""
+    return recipe.plan.overlap_efficiency if recipe.trainer.parallel.overlap else 0.0

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from prl.model.fp8 import BLOCK, E4M3, Quantized, dequantize, quantize_tiles
-from prl.trainer.overlap import Exchange, Flight, exchange, timed
+from prl.trainer.overlap import Exchange, Flight, exchange, issue, land, timed
 
 TRAFFIC: Counter = Counter()
 
@@ -145,21 +145,22 @@ def send_ints(x: torch.Tensor, route: Route) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- node-level deduplication
-def hop(x_RD, ids_RK, w_RK, dest_RK, comm: Comm):
-    """Each row once to every ep rank named in its `dest_RK` (-1: none), with the expert ids and
-    weights of the slots bound there (the others -1 and 0). Returns the source row of each copy
-    sent, the route, and what arrived: rows, ids, weights."""
-    R = x_RD.shape[0]
-    hit = torch.zeros(comm.size, R, dtype=torch.bool, device=x_RD.device)
+def hop(ids_RK, w_RK, dest_RK, comm: Comm):
+    """Where each row goes: once to every ep rank named in its `dest_RK` (-1: none), with the expert ids
+    and weights of the slots bound there (the others -1 and 0). Returns the source row of each copy
+    sent, the route, and what arrives with the rows: ids and weights (exchanged here; the rows, the
+    large part, are the caller's to send)."""
+    R = ids_RK.shape[0]
+    hit = torch.zeros(comm.size, R, dtype=torch.bool, device=ids_RK.device)
     valid = dest_RK >= 0
-    rows = torch.arange(R, device=x_RD.device)[:, None].expand_as(dest_RK)
+    rows = torch.arange(R, device=ids_RK.device)[:, None].expand_as(dest_RK)
     hit[dest_RK[valid], rows[valid]] = True
     dest, row = hit.nonzero().unbind(1)  # by destination, then row
     keep = dest_RK[row] == dest[:, None]
     route = route_of(dest, comm)
     ids = torch.where(keep, ids_RK[row], -1).to(torch.int32)
     w = torch.where(keep, w_RK[row], torch.zeros((), dtype=w_RK.dtype, device=w_RK.device))
-    return row, route, send(x_RD[row], route), send_ints(ids, route).long(), send(w, route, meta=True)
+    return row, route, send_ints(ids, route).long(), send(w, route, meta=True)
 
 
 def owners(ids_RK: torch.Tensor, local_E: int) -> torch.Tensor:
@@ -167,14 +168,59 @@ def owners(ids_RK: torch.Tensor, local_E: int) -> torch.Tensor:
     return torch.where(ids_RK >= 0, ids_RK // local_E, -1)
 
 
+def token_chunks(ids_TK: torch.Tensor, w_TK: torch.Tensor, n: int):
+    """(first token, ids, weights) of `n` consecutive chunks of the tokens, empty ones too: every rank
+    runs the same exchanges whatever its number of tokens."""
+    T = ids_TK.shape[0]
+    bounds = [T * c // n for c in range(n + 1)]
+    return [(a, ids_TK[a:b], w_TK[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def interleave(jobs: list, window: int) -> list:
+    """Run generator `jobs` `window` at a time, each advanced to its next `yield` (a point where it
+    would wait for an exchange it has issued) in turn; returns what each returned. The order depends
+    on nothing but the jobs' count, so every rank issues the same exchanges in the same order."""
+    results, active, started = [None] * len(jobs), [], 0
+    while started < len(jobs) or active:
+        while len(active) < window and started < len(jobs):
+            active.append(started)
+            started += 1
+        for j in list(active):
+            try:
+                next(jobs[j])
+            except StopIteration as done:
+                results[j] = done.value
+                active.remove(j)
+    return results
+
+
 def node_dedup_forward(experts, comm: Comm, x_TD, ids_TK, w_TK, local_E: int) -> torch.Tensor:
     """Dispatch across nodes once per (token, node), then inside the node once per (token, rank);
-    `experts.weighted_local(x, ids, w)` runs this rank's experts and sums each row's weighted slots."""
-    owner = owners(ids_TK.long(), local_E)
+    `experts.weighted_local(x, ids, w)` runs this rank's experts and sums each row's weighted slots.
+    With `comm.chunks` > 1 the tokens go in chunks, two at a time: one's rows travel while the other's
+    experts run."""
+    eager = comm.chunks == 1
+    jobs = [dedup_chunk(experts, comm, x_TD[a: a + ids.shape[0]], ids, w, local_E, eager)
+            for a, ids, w in token_chunks(ids_TK, w_TK, comm.chunks)]
+    return torch.cat(interleave(jobs, 1 if eager else 2))
+
+
+def dedup_chunk(experts, comm: Comm, x_tD, ids_tK, w_tK, local_E: int, eager: bool):
+    """One chunk of `node_dedup_forward`, yielding while its rows travel."""
+    owner = owners(ids_tK.long(), local_E)
     per = comm.per_node
     rail = torch.where(owner >= 0, owner // per * per + comm.rank % per, -1)  # the rail peer on the owner's node
-    tok, r1, x1, ids1, w1 = hop(x_TD, ids_TK.long(), w_TK, rail, comm)
-    got, r2, x2, ids2, w2 = hop(x1, ids1, w1, owners(ids1, local_E), comm)
-    y2 = experts.weighted_local(x2, ids2 - comm.rank * local_E, w2)
-    y1 = torch.zeros_like(x1).index_add(0, got, send(y2, r2.reverse(), to_experts=False))
-    return torch.zeros_like(x_TD).index_add(0, tok, send(y1, r1.reverse(), to_experts=False).to(x_TD.dtype))
+    tok, r1, ids1, w1 = hop(ids_tK.long(), w_tK, rail, comm)
+    sent = issue(x_tD[tok], RowExchange(r1, eager=eager))
+    got, r2, ids2, w2 = hop(ids1, w1, owners(ids1, local_E), comm)
+    yield
+    x1 = land(*sent)
+    sent = issue(x1[got], RowExchange(r2, eager=eager))
+    yield
+    y2 = experts.weighted_local(land(*sent), ids2 - comm.rank * local_E, w2)
+    sent = issue(y2, RowExchange(r2.reverse(), to_experts=False, eager=eager))
+    yield
+    y1 = torch.zeros_like(x1).index_add(0, got, land(*sent))
+    sent = issue(y1, RowExchange(r1.reverse(), to_experts=False, eager=eager))
+    yield
+    return torch.zeros_like(x_tD).index_add(0, tok, land(*sent).to(x_tD.dtype))

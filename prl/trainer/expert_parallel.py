@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from prl.model import families
-from prl.trainer.ep_dispatch import Comm, Route, RowExchange, count, node_dedup_forward
+from prl.trainer.ep_dispatch import Comm, Route, RowExchange, count, node_dedup_forward, token_chunks
 from prl.trainer.overlap import issue, land, timed
 
 
@@ -189,14 +189,6 @@ class Part:
         order = torch.argsort(flat, stable=True)
         tokens = first + order // K
         return Part(flat, hidden_TD[tokens], tokens, w_tK.reshape(-1)[order])
-
-
-def token_chunks(ids_TK: torch.Tensor, w_TK: torch.Tensor, n: int):
-    """(first token, ids, weights) of `n` consecutive chunks of the tokens, empty ones too: every rank
-    runs the same exchanges whatever its number of tokens."""
-    T = ids_TK.shape[0]
-    bounds = [T * c // n for c in range(n + 1)]
-    return [(a, ids_TK[a:b], w_TK[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def expert_routes(flats: list[torch.Tensor], comm: Comm, n_experts: int) -> list[tuple[Route, torch.Tensor]]:
