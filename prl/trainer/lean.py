@@ -81,12 +81,18 @@ class LeanCausalLM:
 
 
 class LeanLayer:
-    """Mixin placed before a transformers decoder layer class: `forward` is the family's lean layer;
-    `lean_layers` runs the model's layers through their calls (FSDP's hooks, checkpointing)."""
+    """Mixin placed before a transformers decoder layer class: called with positional arguments only (by
+    `lean_layers`, which runs the model's layers through their calls: FSDP's hooks, checkpointing) it is the
+    family's lean layer; called as the model's forward calls it (keywords), the layer's own forward."""
+
+    def forward(self, h, *args, **kwargs):
+        if kwargs:
+            return super().forward(h, *args, **kwargs)
+        return self.lean(h, *args)
 
 
 class LeanQwen3MoeLayer(LeanLayer):
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def lean(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return lf.qwen3_moe_layer(self, h, (cos, sin), bias)
 
     @staticmethod
@@ -100,7 +106,7 @@ class LeanQwen3MoeLayer(LeanLayer):
 
 
 class LeanGlmMoeDsaLayer(LeanLayer):
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def lean(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 positions: torch.Tensor, topk: torch.Tensor | None):
         return lf.glm_moe_dsa_layer(self, h, (cos, sin), mask, positions, topk)
 
