@@ -3,7 +3,8 @@
 What a `prl run` step costs with nothing else on the cores: the ceiling of the run's samples/s (the
 trainer cannot train faster than this), and the profile of where a step's time goes. The model and
 trainer settings are reverse-tiny's (its GLM-5 model, one rank, one thread, fp32, shared prompts);
-the batch is one the run trained (`--batch RUN_DIR/rollouts/step_000007.pt`, `--model` its folder) or,
+the batch is one the run trained (`--batch RUN_DIR/rollouts/step_000007.pt`, `--model` its folder,
+`--recipe RUN_DIR/recipe.json` its trainer settings) or,
 without one, 16 reverse prompts x 8 completions of 4 to 12 tokens with random routes (`--r3`).
 
     .venv/bin/python bench/trainer_step.py [--steps 20] [--compare] [--profile] [--batch PT --model DIR] [--r3]
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from prl.recipe.load import load_recipe
-from prl.recipe.schema import TrainerCfg
+from prl.recipe.schema import Recipe, TrainerCfg
 from prl.trainer.model_setup import setup_model
 from prl.trainer.step import forward_backward
 from prl.transport.batch import Sample, TrainBatch, pack
@@ -55,8 +56,9 @@ def reverse_batch(model_dir: Path, r3: bool, layers: int, experts: int, k: int) 
     return pack(samples, 1, 4096, share_prompts=True)[0]
 
 
-def trainer(model_dir: Path, lean: bool, r3: bool):
-    tcfg = TrainerCfg.model_validate({"lean_forward": lean, "router_replay": r3})
+def trainer(model_dir: Path, lean: bool, r3: bool, base: TrainerCfg | None = None):
+    """The trainer's model, its replay and its optimizer, as a one-rank trainer of `base`'s settings holds them."""
+    tcfg = (base or TrainerCfg()).model_copy(update={"lean_forward": lean, "router_replay": r3 or bool(base and base.router_replay)})
     dims = tcfg.parallel.dims(1)
     dims.build_meshes("cpu")
     built = setup_model(model_dir, tcfg, dims, torch.device("cpu"))
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also time model(...) instead of the lean forward")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of 5 lean steps")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--recipe", type=Path, default=None, help="the trainer settings of a run (RUN_DIR/recipe.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     store = dist.FileStore(tempfile.mktemp(prefix="prl-trainer-step-"), 1)
@@ -94,9 +97,10 @@ def main() -> None:
         from prl.model.tiny import write_model_dir
 
         model_dir = write_model_dir(load_recipe(ROOT / "recipes/reverse-tiny.toml").model, Path(tempfile.mkdtemp()))
-    sides = {"lean": trainer(model_dir, True, args.r3)}
+    base = Recipe.model_validate_json(args.recipe.read_text()).trainer if args.recipe else None
+    sides = {"lean": trainer(model_dir, (base or TrainerCfg()).lean_forward, args.r3, base)}
     if args.compare:
-        sides["model"] = trainer(model_dir, False, args.r3)
+        sides["model"] = trainer(model_dir, False, args.r3, base)
     cfg = sides["lean"][1].par.model.config
     if args.batch:
         batch = TrainBatch.from_dict(torch.load(args.batch, weights_only=True))
