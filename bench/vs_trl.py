@@ -6,7 +6,8 @@ Both sides start from the same weights: reverse-tiny's GLM-5 model after prl's S
 
 - prl: the real `prl run recipes/reverse-tiny.toml` (inference server, orchestrator, torchrun
   trainer, asynchronous as the recipe sets it) with `model.path` = that folder, `sft.steps = 0`, a
-  constant learning rate and no checkpoints; stopped with SIGTERM once `--wall` seconds have passed
+  constant learning rate, no checkpoints and no held-out eval inside the window (TRL's side runs none;
+  `bench/eval_overhead.py` measures what one costs); stopped with SIGTERM once `--wall` seconds have passed
   since the orchestrator received weights version 0.
 - TRL: `GRPOTrainer` (synchronous, `model.generate`) on the same prompts in the same order, prl's
   reward function (`prl.tasks.builtin.edit_similarity`, loaded from its file), 16 prompts x 8
@@ -96,7 +97,8 @@ def warm_start(out: Path) -> Path:
 def run_prl(out: Path, warm: Path, wall: float, name: str = "prl", sets: tuple[str, ...] = ()) -> dict:
     """`prl run` from the warm weights for `wall` seconds after weights version 0 reached the orchestrator."""
     cmd = prl_cmd(out, name, f"model.path={warm}", "sft.steps=0", "rl.max_steps=100000",
-                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0", *sets)
+                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0",
+                  "eval.heldout.every=0", "eval.heldout.at_start=false", *sets)
     run_dir = out / name
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
