@@ -28,8 +28,8 @@ curve is written to `curves.json` in the bench's folder.
 For prl, also its trainer's ceiling: after the runs, `bench/trainer_step.py` times the trainer's
 forward, backward and optimizer alone (one rank, the run's trainer settings, nothing else on the cores)
 on a batch the run trained mid-window; `prl_over_trainer_ceiling` is the run's samples/s over that
-(1: the run trains as fast as its trainer alone could). `prl_trainer_step_gap_s` is the median time
-between two trainer steps of the run, `prl_trainer_fwd_bwd_s`, `_wait_s` and `_publish_s` its parts.
+(1: the run trains as fast as its trainer alone could). `prl_trainer_step_gap_s` is the mean time
+between two trainer steps of the run, `prl_trainer_mean_wait_s`, `_fwd_bwd_s` and `_publish_s` its parts.
 The last line is one JSON object; ratios are named `<a>_over_<b>`.
 
 TRL is not a dependency of prl and is not installed into `.venv` (it would add accelerate,
@@ -159,7 +159,9 @@ def prl_figures(evs: list[dict], t0: float, wall: float, startup: float) -> dict
         "trainer_fwd_bwd_s": statistics.median(e["fwd_bwd_s"] for e in steps),
         "trainer_wait_s": statistics.median(e["wait_s"] for e in steps),
         "trainer_publish_s": statistics.median(e["publish_s"] for e in steps),
-        "trainer_step_gap_s": statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 0.0,
+        # the step's parts as means over the window: they add up to the mean time between two steps
+        "trainer_step_gap_s": (steps[-1]["t"] - steps[0]["t"]) / max(len(steps) - 1, 1),
+        **{f"trainer_mean_{k}": statistics.mean(e[k] for e in steps[1:] or steps) for k in ("wait_s", "fwd_bwd_s", "publish_s")},
         "curve": [(round(e["t"] - t0, 2), e["reward"]) for e in orch],
     }
 

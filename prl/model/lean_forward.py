@@ -10,6 +10,9 @@ leaf modules (projections, routers, experts, embedding, rotary, head), so what p
 (FP8 linears, R3's capture hooks on the routers) still applies; only HF's plain experts on the CPU
 are computed here, with the grouped product their own forward uses.
 
+The trainer's forward runs the same layer functions (`qwen3_moe_layer`, `glm_moe_dsa_layer`) with
+gradients and without a cache, through the model's own module calls (`prl.trainer.lean`).
+
 Qwen3-MoE and GLM-5 have one (`FamilySpec.lean_forward`, `FORWARDS`): Qwen3-MoE's attention is
 computed here; GLM-5 calls its attention module as it is (prl's latent decode, `prl.model.mla`, with
 the DSA indexer) with one boolean mask. Equality with the model's forward is tested, FP8 layers
