@@ -6,7 +6,8 @@ Both sides start from the same weights: reverse-tiny's GLM-5 model after prl's S
 
 - prl: the real `prl run recipes/reverse-tiny.toml` (inference server, orchestrator, torchrun
   trainer, asynchronous as the recipe sets it) with `model.path` = that folder, `sft.steps = 0`, a
-  constant learning rate and no checkpoints; stopped with SIGTERM once `--wall` seconds have passed
+  constant learning rate, no checkpoints and no held-out eval inside the window (TRL's side runs none;
+  `bench/eval_overhead.py` measures what one costs); stopped with SIGTERM once `--wall` seconds have passed
   since the orchestrator received weights version 0.
 - TRL: `GRPOTrainer` (synchronous, `model.generate`) on the same prompts in the same order, prl's
   reward function (`prl.tasks.builtin.edit_similarity`, loaded from its file), 16 prompts x 8
@@ -24,6 +25,11 @@ torch threads (default 2: the cores prl's server and trainer use, one thread eac
 2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
 it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
 curve is written to `curves.json` in the bench's folder.
+For prl, also its trainer's ceiling: after the runs, `bench/trainer_step.py` times the trainer's
+forward, backward and optimizer alone (one rank, the run's trainer settings, nothing else on the cores)
+on a batch the run trained mid-window; `prl_over_trainer_ceiling` is the run's samples/s over that
+(1: the run trains as fast as its trainer alone could). `prl_trainer_step_gap_s` is the mean time
+between two trainer steps of the run, `prl_trainer_mean_wait_s`, `_fwd_bwd_s` and `_publish_s` its parts.
 The last line is one JSON object; ratios are named `<a>_over_<b>`.
 
 TRL is not a dependency of prl and is not installed into `.venv` (it would add accelerate,
@@ -49,6 +55,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -90,7 +97,8 @@ def warm_start(out: Path) -> Path:
 def run_prl(out: Path, warm: Path, wall: float, name: str = "prl", sets: tuple[str, ...] = ()) -> dict:
     """`prl run` from the warm weights for `wall` seconds after weights version 0 reached the orchestrator."""
     cmd = prl_cmd(out, name, f"model.path={warm}", "sft.steps=0", "rl.max_steps=100000",
-                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0", *sets)
+                  "trainer.schedule=constant", f"trainer.lr={LR}", "trainer.checkpoint_every=0",
+                  "eval.heldout.every=0", "eval.heldout.at_start=false", *sets)
     run_dir = out / name
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -103,6 +111,8 @@ def run_prl(out: Path, warm: Path, wall: float, name: str = "prl", sets: tuple[s
         elif time.time() > t0 + wall + 1:
             proc.send_signal(signal.SIGTERM)  # the driver stops every process of the run
             break
+        elif time.time() > t0 + wall / 2 and not (out / f"{name}_batch.pt").exists():
+            keep_batch(run_dir, out / f"{name}_batch.pt")
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
@@ -111,6 +121,28 @@ def run_prl(out: Path, warm: Path, wall: float, name: str = "prl", sets: tuple[s
     if t0 is None:
         raise SystemExit(f"prl run never started RL:\n{proc.stdout.read()[-3000:]}")
     return prl_figures(read_events(run_dir), t0, wall, t0 - start)
+
+
+def keep_batch(run_dir: Path, dest: Path) -> None:
+    """A copy of the latest batch the trainer received (mid-window: a batch of the run's trained policy)."""
+    batches = sorted((run_dir / "rollouts").glob("step_*.pt"))
+    if batches:
+        shutil.copyfile(batches[-1], dest)
+
+
+def trainer_ceiling(out: Path, warm: Path, name: str, steps: int = 20) -> dict:
+    """The run's trainer alone on a batch it trained (`bench/trainer_step.py`: forward, backward and
+    optimizer on one rank with the run's trainer settings, nothing else on the cores): samples/s."""
+    batch = out / f"{name}_batch.pt"
+    if not batch.exists():
+        raise SystemExit(f"{name}: no batch kept for the trainer's ceiling")
+    p = subprocess.run([sys.executable, str(ROOT / "bench/trainer_step.py"), "--batch", str(batch), "--model", str(warm),
+                        "--recipe", str(out / name / "recipe.json"), "--steps", str(steps)],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if p.returncode:
+        raise SystemExit(f"trainer ceiling failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"trainer_ceiling_samples_per_s": r["lean_samples_per_s"], "trainer_ceiling_step_s": r["lean_step_s"]}
 
 
 def prl_figures(evs: list[dict], t0: float, wall: float, startup: float) -> dict:
@@ -126,6 +158,10 @@ def prl_figures(evs: list[dict], t0: float, wall: float, startup: float) -> dict
         "startup_s": startup,
         "trainer_fwd_bwd_s": statistics.median(e["fwd_bwd_s"] for e in steps),
         "trainer_wait_s": statistics.median(e["wait_s"] for e in steps),
+        "trainer_publish_s": statistics.median(e["publish_s"] for e in steps),
+        # the step's parts as means over the window: they add up to the mean time between two steps
+        "trainer_step_gap_s": (steps[-1]["t"] - steps[0]["t"]) / max(len(steps) - 1, 1),
+        **{f"trainer_mean_{k}": statistics.mean(e[k] for e in steps[1:] or steps) for k in ("wait_s", "fwd_bwd_s", "publish_s")},
         "curve": [(round(e["t"] - t0, 2), e["reward"]) for e in orch],
     }
 
@@ -237,6 +273,8 @@ def main() -> None:
         sides["prl_compiled"] = run_prl(out, warm, args.wall, "prl_compiled", ("inference.compile=true",))
     if args.sync:
         sides["prl_sync"] = run_prl(out, warm, args.wall, "prl_sync", ("rl.max_async_level=0",))
+    for name in list(sides):  # the trainer alone on one of the run's batches, after the runs: nothing else on the cores
+        sides[name].update(trainer_ceiling(out, warm, name))
     sides["trl"] = trl = run_trl(out, warm, args)
     for r in sides.values():
         r["reward_late"] = late_reward(r["curve"], args.wall)
@@ -250,6 +288,7 @@ def main() -> None:
         if name != "trl":
             report.update({
                 f"samples_per_s_{name}_over_trl": round(r["samples_per_s"] / trl["samples_per_s"], 3),
+                f"{name}_over_trainer_ceiling": round(r["samples_per_s"] / r["trainer_ceiling_samples_per_s"], 3),
                 f"reward_at_wall_{name}_over_trl": round(r["reward_at_wall"] / trl["reward_at_wall"], 3),
                 f"reward_late_{name}_over_trl": round(r["reward_late"] / trl["reward_late"], 3),
                 f"reward_gain_{name}_over_trl": round((r["reward_at_wall"] - r["reward_start"])

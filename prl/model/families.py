@@ -48,7 +48,7 @@ class FamilySpec:
     attention_class: str | None = None  # the context-parallel adapter's target, `prl.trainer.context_parallel`
     indexer_class: str | None = None  # the DSA indexer (sparse attention), swapped for the stable top-k
     latent_decode: bool = False  # attention_class is MLA: the engine decodes in its latent space, `prl.model.mla`
-    lean_forward: bool = False  # the engine's forwards skip transformers' per-call machinery, `prl.model.lean_forward`
+    lean_forward: bool = False  # the engine's and trainer's forwards skip transformers' per-call machinery, `prl.model.lean_forward`
     # the Hugging Face name map prl applies itself (sharded loading: stacked experts from per-expert
     # tensors); publishing in checkpoint names uses transformers' own reverse conversion
     stacked_experts: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(STACKED_EXPERTS))

@@ -10,6 +10,9 @@ leaf modules (projections, routers, experts, embedding, rotary, head), so what p
 (FP8 linears, R3's capture hooks on the routers) still applies; only HF's plain experts on the CPU
 are computed here, with the grouped product their own forward uses.
 
+The trainer's forward runs the same layer functions (`qwen3_moe_layer`, `glm_moe_dsa_layer`) with
+gradients and without a cache, through the model's own module calls (`prl.trainer.lean`).
+
 Qwen3-MoE and GLM-5 have one (`FamilySpec.lean_forward`, `FORWARDS`): Qwen3-MoE's attention is
 computed here; GLM-5 calls its attention module as it is (prl's latent decode, `prl.model.mla`, with
 the DSA indexer) with one boolean mask. Equality with the model's forward is tested, FP8 layers
@@ -31,15 +34,20 @@ def forward_for(model):
     cache)`: the S new tokens of each row after the P the cache holds (None: a new cache), `mask` True
     at real tokens (rows right-aligned); each layer's keys and values appended to the cache. None where
     no lean forward fits the model."""
+    return functools.partial(FORWARDS[model.config.model_type], model) if fits(model) else None
+
+
+def fits(model) -> bool:
+    """Whether the lean forwards (the engine's, `prl.trainer.lean`'s) compute what the model's forward does."""
     cfg = model.config
     fam = FAMILIES.get(cfg.model_type)
     if fam is None or not fam.lean_forward or cfg.model_type not in FORWARDS:
-        return None
+        return False
     if getattr(cfg, "use_sliding_window", False) or any("sliding" in t for t in getattr(cfg, "layer_types", None) or ()):
-        return None  # sliding-window layers keep another cache layout
-    if cfg.model_type == "glm_moe_dsa" and cfg._attn_implementation not in ("sdpa", "eager"):
-        return None  # its attention module takes the mask of another implementation (flash, flex) another way
-    return functools.partial(FORWARDS[cfg.model_type], model)
+        return False  # sliding-window layers keep another cache layout and mask
+    # the attention (computed here for Qwen3-MoE, GLM-5's module as it is) takes a mask as sdpa and eager do;
+    # flash and flex take theirs another way
+    return cfg._attn_implementation in ("sdpa", "eager")
 
 
 def rms_norm(mod, x: torch.Tensor) -> torch.Tensor:
@@ -80,30 +88,43 @@ def qwen3_moe_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, 
     if cache is None:
         cache = DynamicCache(config=model.config)
     h = m.embed_tokens(ids)  # [B, S, H]
-    cos, sin = m.rotary_emb(h, positions)  # [B, S, D]
-    half = cos.shape[-1] // 2
-    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half's sign, so x.roll(half) replaces it
-    rope = cos[:, None], sin[:, None]  # [B, 1, S, D]: broadcast over heads
+    rope = qwen3_rope(m, h, positions)
     if model.config._attn_implementation == "sdpa":  # the kernel transformers' forward runs, for its rounding
         bias = visible(mask.to(h.device), ids.shape[1])[:, None]  # [B, 1, S, T] bool
     else:
         bias = attention_bias(mask.to(h.device), ids.shape[1])
     for i, layer in enumerate(m.layers):
-        h = h + attend(layer.self_attn, rms_norm(layer.input_layernorm, h), rope, bias, cache.layers[i])
-        h = h + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+        h = qwen3_moe_layer(layer, h, rope, bias, cache.layers[i])
     return linear(model.lm_head, rms_norm(m.norm, h)), cache
 
 
-def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
-    """One layer's GQA attention of S new tokens per row; their keys and values appended to `kv`. `bias`:
-    a bool mask (the model runs sdpa: so does this, for the same rounding) or an additive one (products)."""
+def qwen3_rope(m, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, 1, S, D] of Qwen3-MoE's rotary embedding, broadcast over heads, sin signed so that
+    `x.roll(D // 2)` replaces rotate_half."""
+    cos, sin = m.rotary_emb(h, positions)  # [B, S, D]
+    half = cos.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+    return cos[:, None], sin[:, None]
+
+
+def qwen3_moe_layer(layer, h: torch.Tensor, rope, bias: torch.Tensor, kv=None) -> torch.Tensor:
+    """One Qwen3-MoE decoder layer (the engine's with its cache layer `kv`, the trainer's without)."""
+    h = h + attend(layer.self_attn, rms_norm(layer.input_layernorm, h), rope, bias, kv)
+    return h + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+
+
+def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv=None) -> torch.Tensor:
+    """One layer's GQA attention of S new tokens per row; their keys and values appended to `kv` (None: these
+    tokens' own keys and values alone). `bias`: a bool mask (the model runs sdpa: so does this, for the same
+    rounding) or an additive one [B, 1, 1, S, T] (products)."""
     B, S, D = x.shape[0], x.shape[1], a.head_dim
     cos, sin = rope
     q = rms_norm(a.q_norm, linear(a.q_proj, x).view(B, S, -1, D)).transpose(1, 2)  # [B, heads, S, D]
     k = rms_norm(a.k_norm, linear(a.k_proj, x).view(B, S, -1, D)).transpose(1, 2)  # [B, kv heads, S, D]
     q = q * cos + q.roll(D // 2, -1) * sin
     k = k * cos + k.roll(D // 2, -1) * sin
-    keys, values = kv.update(k, linear(a.v_proj, x).view(B, S, -1, D).transpose(1, 2))  # [B, kv heads, T, D]
+    v = linear(a.v_proj, x).view(B, S, -1, D).transpose(1, 2)
+    keys, values = (k, v) if kv is None else kv.update(k, v)  # [B, kv heads, T, D]
     groups = q.shape[1] // keys.shape[1]  # query heads per K/V head (transformers' repeat_kv order)
     if bias.dtype == torch.bool:  # sdpa over K/V repeated per query head, as transformers' sdpa path on a CPU
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=a.scaling, enable_gqa=True)
@@ -116,10 +137,10 @@ def attend(a, x: torch.Tensor, rope, bias: torch.Tensor, kv) -> torch.Tensor:
 
 
 def mlp(block, x: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE's MLP: a dense one as it is, an MoE block's routed experts."""
+    """Qwen3-MoE's MLP: a dense one's three products, an MoE block's routed experts."""
     experts = getattr(block, "experts", None)
     if experts is None:
-        return block(x)
+        return dense_mlp(block, x)
     return routed(block, x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
@@ -150,14 +171,25 @@ def glm_moe_dsa_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache
         seen = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
     topk = None  # a shared DSA layer reuses the previous indexer layer's selection
     for layer in m.layers:
-        out, _, topk = layer.self_attn(rms_norm(layer.input_layernorm, h), rope, seen, cache, positions, topk)
-        h = h + out
-        x = rms_norm(layer.post_attention_layernorm, h)
-        if getattr(layer.mlp, "experts", None) is None:
-            h = h + layer.mlp(x)
-        else:
-            h = h + (routed(layer.mlp, x.reshape(-1, x.shape[-1])).view(x.shape) + layer.mlp.shared_experts(x))
+        h, topk = glm_moe_dsa_layer(layer, h, rope, seen, positions, topk, cache)
     return linear(model.lm_head, rms_norm(m.norm, h)), cache
+
+
+def glm_moe_dsa_layer(layer, h: torch.Tensor, rope, seen: torch.Tensor, positions: torch.Tensor, topk, cache=None):
+    """One GLM-5 decoder layer: (hidden states, the DSA selection a shared layer after it reuses)."""
+    out, _, topk = layer.self_attn(rms_norm(layer.input_layernorm, h), rope, seen, cache, positions, topk)
+    h = h + out
+    x = rms_norm(layer.post_attention_layernorm, h)
+    if getattr(layer.mlp, "experts", None) is None:
+        return h + dense_mlp(layer.mlp, x), topk
+    return h + (routed(layer.mlp, x.reshape(-1, x.shape[-1])).view(x.shape) + dense_mlp(layer.mlp.shared_experts, x)), topk
+
+
+def dense_mlp(block, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP (gate, up, down and the model's activation) through `linear`; another block by its own call."""
+    if type(block).__name__ not in DENSE_MLPS or block._forward_hooks or block._forward_pre_hooks:
+        return block(x)
+    return linear(block.down_proj, block.act_fn(linear(block.gate_proj, x)) * linear(block.up_proj, x))
 
 
 def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -174,3 +206,4 @@ def grouped_experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 FORWARDS = {"qwen3_moe": qwen3_moe_forward, "glm_moe_dsa": glm_moe_dsa_forward}
 PLAIN_EXPERTS = ("Qwen3MoeExperts", "GlmMoeDsaExperts")  # transformers' stacked experts, as they ship
+DENSE_MLPS = ("Qwen3MoeMLP", "GlmMoeDsaMLP")  # transformers' gated MLPs, as they ship

@@ -4,7 +4,7 @@ The trainer's ranks form named dimensions (`[trainer.parallel]`), owned with the
 `prl.parallel_dims.ParallelDims`: `dp_shard` x `cp` = world, and `ep` borrowed from them for the
 experts. Features are applied in torchtitan's order, each by its own function: expert parallelism
 (experts split over `ep`), context parallelism (GLM-5's DSA attention over `cp`), the
-chunked-logprob head, activation checkpointing, then FSDP2 (each decoder layer its own unit, then
+chunked-logprob head, the lean forward (`prl.trainer.lean`), activation checkpointing, then FSDP2 (each decoder layer its own unit, then
 the root) with mixed precision (`trainer.dtype` compute, fp32 weights, reductions and optimizer
 state). FSDP2 is applied even with one rank so the code path is the same on 1 and N ranks.
 """
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from prl.parallel_dims import ParallelDims, shard_layout
 from prl.recipe.schema import TrainerCfg
-from prl.trainer import context_parallel, head
+from prl.trainer import context_parallel, head, lean
 from prl.trainer.expert_parallel import reduce_expert_grads, shard_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,6 +49,8 @@ class Parallel:
             self.seq = context_parallel.install(model, cp_dim.get_group(), cp_dim.size(), cp_dim.get_local_rank(),
                                                 tcfg.parallel.cp_layout, tcfg.parallel.overlap)
         head.install(model)
+        # the forward through the model's own modules (`prl.trainer.lean`); where it does not fit, the model's
+        self.lean = tcfg.lean_forward and lean.install(model, cp=self.seq is not None)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         self.model = apply_fsdp(model, dims.mesh("fsdp"), DTYPES[tcfg.dtype], set(self.expert_params))
