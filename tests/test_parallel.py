@@ -227,6 +227,8 @@ def test_a_run_with_expert_and_context_parallelism_bf16_and_checkpointing_trains
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [e for e in events(run_dir, "trainer_step") if e["stage"] == "rl"]
     assert [e["step"] for e in steps] == [0, 1, 2] and all(math.isfinite(e["loss"]) for e in steps), steps
+    # the exchanges (overlapped by default) are counted per step: in flight, and waited for within that
+    assert all(e["comm_s"] > 0 and 0 <= e["exposed_comm_s"] <= e["comm_s"] for e in steps), steps
     published, _ = read_weights(run_dir / "weights" / "v3")
     stacks = [t for name, t in published.items() if name.endswith("experts.gate_up_proj")]
     assert stacks and all(t.shape[0] == 8 for t in stacks), "published experts are whole, not one rank's half"

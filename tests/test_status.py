@@ -122,3 +122,15 @@ def test_the_environments_figures_reach_status_and_the_report(tmp_path):
     assert "executions 7 (cached 2)" in out and "second turn 25%" in out, out
     page = build_report([RunData(tmp_path / "a")])
     assert "<h2>Environment</h2>" in page and "re-tokenisation forks" in page and "sandbox time" in page
+
+
+def test_the_steps_exchanges_reach_status(tmp_path):
+    """Expert or context parallelism: the last step's seconds of exchanges in flight and exposed, and
+    the share hidden; a run without exchanges shows no such row."""
+    write_run(tmp_path / "a", "ep", 2, 0.01)
+    assert "exchanges" not in status(tmp_path / "a")
+    path = tmp_path / "a" / "metrics.jsonl"
+    step = {"kind": "trainer_step", "src": "trainer", "t": 9, "stage": "rl", "step": 1, "total": 2, "loss": 0.4,
+            "comm_s": 1.25, "exposed_comm_s": 0.25, "fwd_bwd_s": 3.0}
+    path.write_text(path.read_text() + json.dumps(step) + "\n")
+    assert "1.25s in flight, 0.25s exposed (80% hidden behind compute)" in status(tmp_path / "a")
