@@ -160,7 +160,9 @@ def test_a_training_step_with_node_dedup_and_fp8_dispatch(model_dir, tmp_path):
     """ep = 4 over 2 nodes of 2: dedup gives plain's step (loss, every gradient, the weights after
     AdamW) and sends fewer rows across nodes; FP8 dispatch gives it within the FP8 bound, and differs
     (the rows did travel in FP8). Each with its exchanges overlapped (the default) gives the step with
-    them serial, activation checkpointing (the exchanges run again in backward) too."""
+    them serial, activation checkpointing (the exchanges run again in backward) too; under FP8 dispatch
+    to 2e-3 of each gradient (a value fp32 rounding apart may round to the next E4M3 value: FP8 against
+    plain differs by about 4e-2)."""
     from test_parallel import assert_same_step
 
     serial = {"overlap": False}
@@ -172,8 +174,13 @@ def test_a_training_step_with_node_dedup_and_fp8_dispatch(model_dir, tmp_path):
         "fp8 dedup checkpointed": {"ep_dispatch": "fp8", "ep_node_dedup": True, "activation_checkpointing": True},
         "fp8 dedup checkpointed serial": {"ep_dispatch": "fp8", "ep_node_dedup": True, "activation_checkpointing": True,
                                           **serial}})
-    for name in ("plain", "dedup", "fp8", "checkpointed", "fp8 dedup checkpointed"):
+    for name in ("plain", "dedup", "checkpointed"):
         assert_same_step(run[f"{name} serial"], run[name], f"{name}: overlapped against serial")
+    for name in ("fp8", "fp8 dedup checkpointed"):  # fp32 rounding apart upstream can flip an FP8 rounding
+        serial, overlapped = run[f"{name} serial"], run[name]
+        assert overlapped["stats"]["loss_sum"] == pytest.approx(serial["stats"]["loss_sum"], rel=1e-5), name
+        errors = {n: close(overlapped["grads"][n], g) for n, g in serial["grads"].items() if g.norm() > 0}
+        assert max(errors.values()) < 2e-3, (name, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
     plain, fp8 = run["plain"], run["fp8"]
     assert_same_step(plain, run["dedup"], "node dedup against plain")
     assert_same_step(plain, run["checkpointed"], "activation checkpointing against none")
