@@ -1,4 +1,5 @@
-"""Context parallelism for GLM-5's DSA attention: one all-gather per attention layer.
+"""Context parallelism for GLM-5's DSA attention: one all-gather per attention layer, issued as soon
+as the layer's keys are computed and landed once its queries are (`trainer.parallel.overlap`).
 
 Each of the `cp` ranks of a group holds part of the packed micro-batch
 (`prl.transport.batch.shard_positions`). The default layout, `trainer.parallel.cp_layout = "zigzag"`,

@@ -17,6 +17,12 @@ from the replayed ids: EP does not care which. The wire is `prl.trainer.ep_dispa
 the experts in block FP8 with `trainer.parallel.ep_dispatch = "fp8"`, and with `ep_node_dedup` a
 token crosses to each node once and is spread inside it (steps 1-4 then run per hop, see there).
 
+Overlap (`trainer.parallel.overlap`, `Comm.chunks` > 1): the tokens go through steps 1-4 in chunks,
+one count exchange for all of them. Chunk c+1's rows are issued before chunk c's experts run and
+chunk c-1's outputs are landed after them (`prl.trainer.overlap`: issued exchanges fly while the
+caller computes), and the layer's shared experts (`AheadShared`) run while the first chunk travels.
+Backward mirrors it. Every chunk is exchanged on every rank, empty ones too, so collectives match.
+
 Gradients: FSDP averages the other parameters' gradients over all ranks. An expert's gradient
 arrives summed over the tokens its `ep` group sent it; `reduce_expert_grads` sums it over the
 replicas of that expert (ranks with the same `ep` coordinate, other data) and divides by the world
