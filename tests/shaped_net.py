@@ -28,10 +28,13 @@ def available() -> str | None:
 
 
 class ShapedLink:
-    """`hosts` namespaces on a bridge, each port shaped to `mbit` megabit/s each way."""
+    """`hosts` namespaces on a bridge, each port shaped to `mbit` megabit/s each way. Its names and subnet
+    differ from the session's sshd rig (`sshd_rig.Network`, named after the same pid), which may be up."""
 
     def __init__(self, hosts: int, mbit: float):
         self.net, self.mbit = Network(), mbit
+        self.net.tag = (self.net.tag + 50) % 100000
+        self.net.subnet, self.net.bridge = f"10.{100 + self.net.tag % 100}.0", f"prlbr{self.net.tag}"
         self.places: list[tuple[str, str]] = []
         try:
             self.net.up()
