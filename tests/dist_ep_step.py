@@ -19,6 +19,7 @@ from prl.model.families import routed_experts
 from prl.model.routing import routers
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import ep_dispatch
+from prl.trainer.expert_parallel import AheadShared
 from prl.trainer.parallelize import Parallel
 from prl.trainer.step import forward_backward
 from prl.transport.batch import pack
@@ -37,11 +38,13 @@ def one_step(model_dir: str, parallel: dict) -> dict:
     ep_dispatch.TRAFFIC.clear()
     stats = forward_backward(par.model, None, mbs, "rl", tcfg, 1.0, torch.device("cpu"), None)
     traffic = dict(ep_dispatch.TRAFFIC)
+    shared = [m for m in par.model.modules() if isinstance(m, AheadShared)]
+    ahead = {"modules": len(shared), "left": sum(m._prl_ahead is not None for m in shared)}
     grads, grad_norm = optimizer_step(par, tcfg)
     params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, traffic)
-    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "traffic": every,
+    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "traffic": every, "ahead": ahead,
             "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
 
 

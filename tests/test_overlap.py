@@ -81,3 +81,14 @@ def test_the_clock_counts_time_in_flight_once_and_waits_within_it():
     clock.reset()
     assert clock.figures() == (0.0, 0.0)
 
+
+
+def test_token_chunks_are_as_many_whatever_the_tokens():
+    """Every rank runs one exchange per chunk: a rank with fewer tokens than chunks gets empty ones."""
+    from prl.trainer.ep_dispatch import token_chunks
+
+    ids, w = torch.arange(6).view(3, 2), torch.ones(3, 2)
+    chunks = token_chunks(ids, w, 4)
+    assert [(a, c.shape[0]) for a, c, _ in chunks] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert torch.equal(torch.cat([c for _, c, _ in chunks]), ids)
+    assert [c.shape[0] for _, c, _ in token_chunks(ids[:0], w[:0], 4)] == [0, 0, 0, 0]

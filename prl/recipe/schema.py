@@ -516,7 +516,8 @@ class ParallelCfg(Section):
     """Hide exchanges behind compute (prl/trainer/overlap.py): each MoE layer's tokens go through the experts in
     `overlap_chunks` chunks, one chunk's all-to-all in flight while another's experts run (forward and backward), and
     context parallelism's gather flies while the attention computes its queries. false: each exchange waited for as
-    soon as it is issued. Same values either way (to fp32 rounding). The node dedup's two hops stay serial."""
+    soon as it is issued. Same values either way (to fp32 rounding). With ep_node_dedup, two chunks at a time
+    through both hops."""
     overlap_chunks: int = Field(4, ge=2, le=64)
     """With overlap: token chunks per MoE layer; more hide more of the first dispatch and the last combine, each costs
     one more exchange per layer and direction."""

@@ -107,7 +107,7 @@ def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
         plan.uses[f"trainer {k}"] = trainer_uses(recipe, k) + lora.term_uses(recipe, k)
     plan.time["trainer step"] = tr.overlapped(sum(compute.values()), comm, tr.overlap_efficiency(recipe))
     plan.uses["trainer step"] = sum((plan.uses[f"trainer {k}"] for k in {**compute, **comm}), ()) + \
-        (("overlap",) if par.overlap else ())
+        (("overlap",) if par.overlap and (par.ep > 1 or par.cp > 1) else ())
     layout = getattr(par, "cp_layout", "contiguous")
     idx = next((v for k, v in compute.items() if k.startswith("indexer")), 0.0) / tr.cp_imbalance(par.cp, layout)
     if par.cp > 1 and idx:

@@ -198,21 +198,30 @@ def node_dedup_forward(experts, comm: Comm, x_TD, ids_TK, w_TK, local_E: int) ->
     """Dispatch across nodes once per (token, node), then inside the node once per (token, rank);
     `experts.weighted_local(x, ids, w)` runs this rank's experts and sums each row's weighted slots.
     With `comm.chunks` > 1 the tokens go in chunks, two at a time: one's rows travel while the other's
-    experts run."""
+    experts run. Every chunk's routes, ids and weights are exchanged first (blocking exchanges, which
+    on one NCCL stream would queue behind rows in flight), then only rows travel."""
     eager = comm.chunks == 1
-    jobs = [dedup_chunk(experts, comm, x_TD[a: a + ids.shape[0]], ids, w, local_E, eager)
-            for a, ids, w in token_chunks(ids_TK, w_TK, comm.chunks)]
+    chunks = token_chunks(ids_TK, w_TK, comm.chunks)
+    routes = [dedup_routes(comm, ids, w, local_E) for _, ids, w in chunks]
+    jobs = [dedup_chunk(experts, comm, x_TD[a: a + ids.shape[0]], r, local_E, eager)
+            for (a, ids, _), r in zip(chunks, routes)]
     return torch.cat(interleave(jobs, 1 if eager else 2))
 
 
-def dedup_chunk(experts, comm: Comm, x_tD, ids_tK, w_tK, local_E: int, eager: bool):
-    """One chunk of `node_dedup_forward`, yielding while its rows travel."""
+def dedup_routes(comm: Comm, ids_tK, w_tK, local_E: int) -> tuple:
+    """Both hops' routes of one chunk: the rail peer on each owner's node, then the owners there."""
     owner = owners(ids_tK.long(), local_E)
     per = comm.per_node
     rail = torch.where(owner >= 0, owner // per * per + comm.rank % per, -1)  # the rail peer on the owner's node
     tok, r1, ids1, w1 = hop(ids_tK.long(), w_tK, rail, comm)
-    sent = issue(x_tD[tok], RowExchange(r1, eager=eager))
     got, r2, ids2, w2 = hop(ids1, w1, owners(ids1, local_E), comm)
+    return tok, r1, got, r2, ids2, w2
+
+
+def dedup_chunk(experts, comm: Comm, x_tD, routes: tuple, local_E: int, eager: bool):
+    """One chunk of `node_dedup_forward` along its `dedup_routes`, yielding while its rows travel."""
+    tok, r1, got, r2, ids2, w2 = routes
+    sent = issue(x_tD[tok], RowExchange(r1, eager=eager))
     yield
     x1 = land(*sent)
     sent = issue(x1[got], RowExchange(r2, eager=eager))

@@ -20,7 +20,8 @@ token crosses to each node once and is spread inside it (steps 1-4 then run per 
 Overlap (`trainer.parallel.overlap`, `Comm.chunks` > 1): the tokens go through steps 1-4 in chunks,
 one count exchange for all of them. Chunk c+1's rows are issued before chunk c's experts run and
 chunk c-1's outputs are landed after them (`prl.trainer.overlap`: issued exchanges fly while the
-caller computes), and the layer's shared experts (`AheadShared`) run while the first chunk travels.
+caller computes), and the layer's shared experts (`AheadShared`) run while the first chunk travels
+(plain dispatch; node dedup interleaves its chunks two at a time, `ep_dispatch.node_dedup_forward`).
 Backward mirrors it. Every chunk is exchanged on every rank, empty ones too, so collectives match.
 
 Gradients: FSDP averages the other parameters' gradients over all ranks. An expert's gradient

@@ -74,8 +74,11 @@ def shard_ep(model, dims: ParallelDims, tcfg: TrainerCfg) -> list[torch.nn.Param
 
 
 def apply_activation_checkpointing(model) -> None:
-    """Each decoder layer recomputes its activations in backward (transformers' layers support it)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Each decoder layer recomputes its activations in backward (transformers' layers support it), the
+    whole layer: torch's early stop would end the recomputation after its last saved tensor, before the
+    MoE block takes the shared experts computed ahead (`expert_parallel.AheadShared`), leaving that
+    result, and the recomputed graph under it, held until the layer's next forward."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "early_stop": False})
 
 
 def apply_fsdp(model, mesh: DeviceMesh, dtype: torch.dtype, ignored: set) -> torch.nn.Module:

@@ -321,12 +321,14 @@ class Trainer:
     # ---- numerics ----
     def forward_backward(self, mbs: list[MicroBatch], kind: str) -> dict[str, float]:
         """The step's forward and backward; its stats gain this rank's seconds of exchanges in flight
-        (`comm_s`) and waited for (`exposed_comm_s`, `prl.trainer.overlap`)."""
+        (`comm_s`) and waited for (`exposed_comm_s`, `prl.trainer.overlap`); None on NCCL, whose waits
+        hold the stream, not the host (the host's clock cannot see them)."""
         temperature = self.temperature if kind == "rl" else 1.0
         CLOCK.reset()
         stats = forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
                                  norm_constant=self.norm_constant, reference=self.reference if kind == "rl" else None)
-        stats["comm_s"], stats["exposed_comm_s"] = CLOCK.figures()
+        host_waits = dist.get_backend() == "gloo"
+        stats["comm_s"], stats["exposed_comm_s"] = CLOCK.figures() if host_waits else (None, None)
         return stats
 
     def optimizer_step(self, opt, sched) -> float:
