@@ -8,6 +8,7 @@ and bench/comm_overlap.py; needs root, `ip` and `tc` (iproute2)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from sshd_rig import IFNAME, Network
 
-BURST = "64kb"  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
+BURST = "64kb"
+LINKS = itertools.count()  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
 
 
 def available() -> str | None:
@@ -32,8 +34,9 @@ class ShapedLink:
     differ from the session's sshd rig (`sshd_rig.Network`, named after the same pid), which may be up."""
 
     def __init__(self, hosts: int, mbit: float):
-        self.net, self.mbit = Network(), mbit
-        self.net.tag = (self.net.tag + 50) % 100000
+        self.net, self.mbit, n = Network(), mbit, next(LINKS)
+        self.net.tag = (self.net.tag + 50 + n) % 100000  # each link of this process its own names and subnet
+        self.port = 29533 + n % 100  # and its own rendezvous port
         self.net.subnet, self.net.bridge = f"10.{100 + self.net.tag % 100}.0", f"prlbr{self.net.tag}"
         self.places: list[tuple[str, str]] = []
         try:
@@ -61,10 +64,10 @@ class ShapedLink:
         self.down()
 
 
-def torchrun(link: ShapedLink, script: Path, args: list[str], nproc: int = 1, port: int = 29533,
+def torchrun(link: ShapedLink, script: Path, args: list[str], nproc: int = 1,
              env: dict | None = None) -> list[subprocess.Popen]:
     """One torchrun per host of `link`, `nproc` ranks each; host 0's is first in the list."""
-    master = link.places[0][1]
+    master, port = link.places[0][1], link.port
     procs = []
     for i, (ns, _address) in enumerate(link.places):
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(link.places)}",
