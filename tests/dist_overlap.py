@@ -7,13 +7,14 @@ and this rank's exchange seconds in flight and exposed (`prl.trainer.overlap.CLO
     torchrun ... tests/dist_overlap.py MODEL_DIR OUT.pt '{"cases": {"overlap": {"parallel": {"ep": 2}}, ...},
         "steps": 3, "samples": 8, "length": 40}'
 
-Each case is a TrainerCfg (its `parallel` table included). Prints "step N" on rank 0 as each step
+Each case is a TrainerCfg (its `parallel` table included); `timeout_s` is the process group's timeout. Prints "step N" on rank 0 as each step
 starts (a test kills a rank once it has seen one).
 """
 
 import json
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class Case:
 
 
 def main(model_dir: str, out: str, spec: dict) -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("timeout_s", 600)))
     torch.set_num_threads(1)
     cases = {name: Case(model_dir, cfg) for name, cfg in spec["cases"].items()}
     model = next(iter(cases.values())).par.model
