@@ -5,7 +5,6 @@ activation checkpointing and with FP8 layers swapped in too."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from prl.model.families import routed_experts
 from prl.model.routing import routers
@@ -15,15 +14,7 @@ from prl.trainer import lean
 from prl.trainer.model_setup import setup_model
 from prl.trainer.step import forward_backward, token_outputs
 from prl.transport.batch import pack, rows_by_sample
-from test_shared_prompts import groups
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+from test_shared_prompts import groups, one_rank  # noqa: F401  (one_rank: its one-rank group, autouse)
 
 
 def step_of(model_dir, tcfg: TrainerCfg, lean_forward: bool):
