@@ -11,8 +11,9 @@ FSDP's own traffic stays small next to the experts'):
 - CP 2 x EP 2: 4 hosts, one rank each.
 
 Each step trains 32 samples of 128 tokens (one micro-batch per data-parallel rank). The default link,
-200 Mbit/s, puts the serial EP 2 step's exchanges at about 0.8 of its compute, the ratio of the
-flagship plan's expert all-to-all and CP gathers (3.33 min) to its compute (4.07 min); `--mbit` moves it.
+300 Mbit/s with jumbo frames (`--mtu`), puts the serial EP 2 step's exchanges at about 0.9 of its
+compute, near the flagship plan's ratio of expert all-to-all and CP gathers (3.33 min) to compute
+(4.07 min), 0.82; `--mbit` moves it.
 
 Per layout one torchrun per host runs `tests/dist_overlap.py`: the same model and batch stepped with
 overlap on and off, alternating, `--steps` each (the first of each left out: warm-up). Figures per
@@ -20,17 +21,21 @@ layout, medians over the steps:
 
 - `step_s` overlapped and serial, and `overlap_over_serial`: the step time with overlap over without;
 - `exchange_s`: the serial step's time in exchanges (`trainer_step.comm_s`: the experts' all-to-all
-  and CP's gathers; all of it exposed when serial), `compute_s` the rest of the serial step;
+  and CP's gathers; all of it exposed when serial), `compute_s` the rest of the serial step, and
+  `exchange_over_compute`; `forward_exchange_over_compute` the same for the forward alone;
+- `exposed_s_overlap`, `exposed_s_forward`: the overlapped step's waits, all and in its forward;
 - `overlap_efficiency`: the exchange time hidden, (serial - overlapped step) / min(compute, exchange);
 - `clock_efficiency`: the same from the overlapped step's own clock, (comm_s - exposed_comm_s) /
-  min(step - exposed, comm_s).
+  min(step - exposed, comm_s);
+- `efficiency_ceiling`: the most that could be hidden, each pass (forward, backward) hiding the less of
+  its exchanges and its compute, over min(compute, exchange); computed from the serial step's figures.
 
-FSDP2's gathers and reductions cross the same links in both modes (prefetched a layer ahead, not
-counted as exchanges). Needs root, `ip` and `tc`. The last line is one JSON object: the figures
-per layout, and `overlap_efficiency` / `overlap_over_serial` headline (the lower efficiency of the
-two layouts, and its step ratio).
+FSDP2's gathers and reductions cross the same links in both modes; on CPUs they block (FSDP2 overlaps
+them through CUDA streams), and count as compute here. Needs root, `ip` and `tc`. The last line is one
+JSON object: the figures per layout, and `overlap_efficiency` / `overlap_over_serial` headline (the lower
+efficiency of the two layouts, and its step ratio).
 
-    .venv/bin/python bench/comm_overlap.py [--mbit 200] [--steps 5] [--chunks 4]
+    .venv/bin/python bench/comm_overlap.py [--mbit 300] [--mtu 9000] [--steps 5] [--chunks 4]
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> 
     spec = {"cases": {"overlap": {"parallel": {**parallel, "overlap_chunks": args.chunks}, "micro_batch_tokens": 8192},
                       "serial": {"parallel": {**parallel, "overlap": False}, "micro_batch_tokens": 8192}},
             "steps": args.steps + 1, "samples": args.samples, "length": args.length}
-    with ShapedLink(hosts, args.mbit) as link:
+    with ShapedLink(hosts, args.mbit, args.mtu) as link:
         procs = torchrun(link, ROOT / "tests" / "dist_overlap.py", [str(model_dir), str(out), json.dumps(spec)])
         logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -70,21 +75,30 @@ def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> 
 
 
 def figures(r: dict) -> dict:
-    med = {case: {k: statistics.median(v[k][1:]) for k in ("step_s", "comm_s", "exposed_comm_s")} for case, v in r.items()}
+    keys = ("step_s", "comm_s", "exposed_comm_s", "forward_s", "forward_comm_s", "forward_exposed_s")
+    med = {case: {k: statistics.median(v[k][1:]) for k in keys} for case, v in r.items()}
     o, s = med["overlap"], med["serial"]
     exchange, compute = s["comm_s"], s["step_s"] - s["comm_s"]
+    fwd_x, fwd_c = s["forward_comm_s"], s["forward_s"] - s["forward_comm_s"]
+    bwd_x, bwd_c = exchange - fwd_x, compute - fwd_c
     hidden_clock = o["comm_s"] - o["exposed_comm_s"]
     return {"step_s_overlap": round(o["step_s"], 3), "step_s_serial": round(s["step_s"], 3),
             "exchange_s": round(exchange, 3), "compute_s": round(compute, 3),
+            "exchange_over_compute": round(exchange / compute, 3),
+            "forward_exchange_over_compute": round(fwd_x / fwd_c, 3),
             "exposed_s_overlap": round(o["exposed_comm_s"], 3),
+            "exposed_s_forward": round(o["forward_exposed_s"], 3),
             "overlap_over_serial": round(o["step_s"] / s["step_s"], 3),
             "overlap_efficiency": round((s["step_s"] - o["step_s"]) / min(compute, exchange), 3),
-            "clock_efficiency": round(hidden_clock / min(o["step_s"] - o["exposed_comm_s"], o["comm_s"]), 3)}
+            "clock_efficiency": round(hidden_clock / min(o["step_s"] - o["exposed_comm_s"], o["comm_s"]), 3),
+            # computed from the serial step: each pass hides at most the less of its exchanges and compute
+            "efficiency_ceiling": round((min(fwd_x, fwd_c) + min(bwd_x, bwd_c)) / min(compute, exchange), 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mbit", type=float, default=200, help="each host's link, megabit/s each way")
+    ap.add_argument("--mbit", type=float, default=300, help="each host's link, megabit/s each way")
+    ap.add_argument("--mtu", type=int, default=9000, help="the links' frame size, bytes")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per mode (after one warm-up)")
     ap.add_argument("--chunks", type=int, default=4, help="trainer.parallel.overlap_chunks")
     ap.add_argument("--samples", type=int, default=32)
@@ -93,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     if why := available():
         sys.exit(f"comm_overlap: a shaped network {why}")
-    out = {"mbit": args.mbit, "chunks": args.chunks, "tokens_per_step": args.samples * args.length}
+    out = {"mbit": args.mbit, "mtu": args.mtu, "chunks": args.chunks, "tokens_per_step": args.samples * args.length}
     with tempfile.TemporaryDirectory() as tmp:
         write_model_dir(MODEL, Path(tmp) / "model")
         for name in args.layouts.split(","):

@@ -54,7 +54,8 @@ class Case:
         self.par = Parallel(build_model(model_dir, seed=0), self.dims, self.tcfg)
         self.trainer = SimpleNamespace(par=self.par, model=self.par.model, tcfg=self.tcfg)
         self.opt, self.sched = Trainer.make_optimizer(self.trainer, self.tcfg.lr, 1)
-        self.seen = {"step_s": [], "comm_s": [], "exposed_comm_s": []}
+        self.seen = {"step_s": [], "comm_s": [], "exposed_comm_s": [], "forward_s": [], "forward_comm_s": [],
+                     "forward_exposed_s": []}
         self.first: dict | None = None
 
     def step(self, data: list[Sample]) -> None:
@@ -65,11 +66,13 @@ class Case:
         t = time.perf_counter()
         stats = forward_backward(self.par.model, None, mbs, "rl", self.tcfg, 1.0, torch.device("cpu"), self.par.seq)
         comm, exposed = CLOCK.figures()
+        fwd = CLOCK.forward_figures()
         # the first step keeps its finished gradients (collectives: that step is the warm-up, not measured)
         self.trainer.par = GradsWhenFinished(self.par) if self.first is None else self.par
         norm = Trainer.optimizer_step(self.trainer, self.opt, self.sched)
         dist.barrier()
-        for key, v in (("step_s", time.perf_counter() - t), ("comm_s", comm), ("exposed_comm_s", exposed)):
+        for key, v in (("step_s", time.perf_counter() - t), ("comm_s", comm), ("exposed_comm_s", exposed),
+                       *zip(("forward_s", "forward_comm_s", "forward_exposed_s"), fwd)):
             self.seen[key].append(v)
         if self.first is None:
             params = {n: full(p).detach().clone() for n, p in self.par.model.named_parameters()}

@@ -1,6 +1,8 @@
 """Hosts joined by a network that behaves like one: each in its own network namespace on a private
 bridge (`sshd_rig.Network`), every port's bandwidth shaped by tc's token bucket (tbf) in both
 directions, so a process's exchanges wait on the wire instead of being a memcpy on the same cores.
+Frames are jumbo (MTU 9000, as on a cluster's fabric): at 1500 bytes the kernel's per-packet work for
+a step's exchanges took about a quarter of a core from the ranks' own compute, which a host's NIC does.
 
 `torchrun(link, script, args, nproc)` starts one torchrun per host (`--nnodes` = hosts, rendezvous
 on host 0's address), each rank's gloo on the namespace's interface. Used by tests/test_overlap.py
@@ -33,7 +35,7 @@ class ShapedLink:
     """`hosts` namespaces on a bridge, each port shaped to `mbit` megabit/s each way. Its names and subnet
     differ from the session's sshd rig (`sshd_rig.Network`, named after the same pid), which may be up."""
 
-    def __init__(self, hosts: int, mbit: float):
+    def __init__(self, hosts: int, mbit: float, mtu: int = 9000):
         self.net, self.mbit, n = Network(), mbit, next(LINKS)
         self.net.tag = (self.net.tag + 50 + n) % 100000  # each link of this process its own names and subnet
         self.port = 29533 + n % 100  # and its own rendezvous port
@@ -44,6 +46,8 @@ class ShapedLink:
             for i in range(hosts):
                 ns, address = self.net.add_host(i)
                 self.places.append((ns, address))
+                subprocess.run(["ip", "-n", ns, "link", "set", IFNAME, "mtu", str(mtu)], check=True, capture_output=True, timeout=10)
+                subprocess.run(["ip", "link", "set", f"prlv{self.net.tag}{i}", "mtu", str(mtu)], check=True, capture_output=True, timeout=10)
                 self.shape(["ip", "netns", "exec", ns], IFNAME)  # leaving the host
                 self.shape([], f"prlv{self.net.tag}{i}")  # the bridge's port toward it: arriving
         except BaseException:

@@ -82,8 +82,21 @@ def test_the_clock_counts_time_in_flight_once_and_waits_within_it():
     clock.wait(5.0)
     assert clock.figures() == (2.5, 2.5), "never more waited than in flight"
     clock.reset()
-    assert clock.figures() == (0.0, 0.0)
+    assert clock.figures() == (0.0, 0.0) and clock.forward_figures() is None
 
+
+def test_the_clock_splits_the_first_forward_from_its_backward():
+    """`mark` (a backward starts): the forward's figures are the exchanges issued before it and the waits by then."""
+    clock = Clock()
+    t = clock.started
+    clock.span(t, t + 1.0)  # issued in the forward, done whenever
+    clock.wait(0.25)
+    clock.mark()
+    clock.span(clock.marks[0][0] + 1.0, clock.marks[0][0] + 3.0)  # the backward's
+    clock.wait(1.0)
+    wall, comm, waited = clock.forward_figures()
+    assert wall == clock.marks[0][0] - t and (comm, waited) == (1.0, 0.25)
+    assert clock.figures() == (3.0, 1.25)
 
 
 def test_token_chunks_are_as_many_whatever_the_tokens():

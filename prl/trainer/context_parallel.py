@@ -109,9 +109,8 @@ def query_blocks(positions: list[int], block: int, chunks: int = 1) -> list[tupl
 
 class GatherRows(Exchange):
     """All-gather of row slices along dim 0; backward: each rank's slice of the summed gradients
-    (reduce-scatter; gloo has none, so there an all-reduce and a slice). Written here on public
-    collectives: torch's autograd all_gather falls back, on gloo, to scatters that name group
-    ranks as global ranks and fail on any group not starting at rank 0."""
+    (reduce-scatter). Written here on public collectives: torch's autograd all_gather falls back, on
+    gloo, to scatters that name group ranks as global ranks and fail on any group not starting at rank 0."""
 
     def __init__(self, seq: Sequence, rows: int):
         self.seq, self.rows, self.eager = seq, rows, not seq.overlap
@@ -122,12 +121,8 @@ class GatherRows(Exchange):
         return Flight(work, lambda: torch.cat(parts), keep=local)
 
     def backward(self, grad: torch.Tensor) -> Flight:
-        seq = self.seq
-        if dist.get_backend(seq.group) == "nccl":
-            out = grad.new_empty(self.rows, *grad.shape[1:])
-            return Flight(dist.reduce_scatter_tensor(out, grad, group=seq.group, async_op=True), lambda: out, keep=grad)
-        work = dist.all_reduce(grad, group=seq.group, async_op=True)
-        return Flight(work, lambda: grad[seq.rank * self.rows:(seq.rank + 1) * self.rows])
+        out = grad.new_empty(self.rows, *grad.shape[1:])
+        return Flight(dist.reduce_scatter_single(out, grad, group=self.seq.group, async_op=True), lambda: out, keep=grad)
 
 
 def gather_issue(local_BSF: torch.Tensor, seq: Sequence):

@@ -41,6 +41,13 @@ class Clock:
         with self.lock:
             self.spans: list[tuple[float, float]] = []
             self.waited = 0.0
+            self.marks: list[tuple[float, float]] = []  # (when, waited by then): each backward's start
+            self.started = time.perf_counter()
+
+    def mark(self) -> None:
+        """A micro-batch's backward starts: what came before is its forward (`forward_figures`)."""
+        with self.lock:
+            self.marks.append((time.perf_counter(), self.waited))
 
     def span(self, start: float, end: float) -> None:
         with self.lock:  # called from the backend's thread when an exchange completes
@@ -53,13 +60,28 @@ class Clock:
     def figures(self) -> tuple[float, float]:
         """(seconds some exchange was in flight, seconds the trainer waited on one)."""
         with self.lock:
-            spans, waited = sorted(self.spans), self.waited
-        busy, reach = 0.0, float("-inf")
-        for a, b in spans:
-            if b > reach:
-                busy += b - max(a, reach)
-                reach = b
+            busy, waited = union(sorted(self.spans)), self.waited
         return busy, min(waited, busy)
+
+    def forward_figures(self) -> tuple[float, float, float] | None:
+        """The first micro-batch's forward: (its wall seconds from the step's reset, seconds its exchanges
+        were in flight, seconds waited); None before a backward started."""
+        with self.lock:
+            if not self.marks:
+                return None
+            (when, waited), start = self.marks[0], self.started
+            spans = sorted(s for s in self.spans if s[0] < when)
+        return when - start, union(spans), waited
+
+
+def union(spans: list[tuple[float, float]]) -> float:
+    """The seconds covered by sorted intervals."""
+    busy, reach = 0.0, float("-inf")
+    for a, b in spans:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return busy
 
 
 CLOCK = Clock()
@@ -76,12 +98,19 @@ class Flight:
 
     def __post_init__(self):
         start = self.start
-        self.work.get_future().then(lambda _fut: CLOCK.span(start, time.perf_counter()))
+        try:
+            self.work.get_future().then(lambda _fut: CLOCK.span(start, time.perf_counter()))
+            self.untimed = False
+        except RuntimeError:  # a work without a future (gloo's reduce-scatter over more than 2 ranks)
+            self.untimed = True  # in flight until landed, as far as the clock can tell
 
     def land(self) -> torch.Tensor:
         t = time.perf_counter()
         self.work.wait()
-        CLOCK.wait(time.perf_counter() - t)
+        now = time.perf_counter()
+        CLOCK.wait(now - t)
+        if self.untimed:
+            CLOCK.span(self.start, now)
         self.keep = None
         return self.done()
 

@@ -25,6 +25,7 @@ from prl.trainer import head
 from prl.model.lora import adapters_off
 from prl.trainer.context_parallel import local_slice
 from prl.trainer.loss import rl_loss, sequence_count, sft_loss
+from prl.trainer.overlap import CLOCK
 from prl.transport import trees
 from prl.transport.batch import MicroBatch, rows_by_sample
 
@@ -63,6 +64,7 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
                 loss_sum, stats = sft_loss(per_token[:, 0], mb)
             if replay:
                 stats["routing_agreed"], stats["routing_ids"] = map(torch.tensor, replay.agreement())
+            CLOCK.mark()
             (loss_sum * scale).backward()
             if replay:
                 replay.agreement()  # what the recomputation counted again
