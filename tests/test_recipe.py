@@ -121,6 +121,28 @@ def test_a_broken_pretrained_folder_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_lora_targets_a_pretrained_folder_lacks_are_refused_before_launch(tmp_path):
+    """Qwen3-MoE has no shared experts: found in the folder's tensor names, before any process starts."""
+    from test_pretrained import make_pretrained
+
+    from prl.model.families import folder_has_targets
+    from prl.model.pretrained import check_pretrained
+
+    folder = make_pretrained(tmp_path / "qwen3-tiny")
+    info = check_pretrained(folder)
+    assert folder_has_targets(info.model_type, info.names, info.num_experts, ["attention"])
+    assert folder_has_targets(info.model_type, info.names, info.num_experts, ["routed_experts"])
+    assert not folder_has_targets(info.model_type, info.names, info.num_experts, ["shared_experts"])
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny-lora.toml", "--set", f"model.path={folder}",
+                                   "--set", "trainer.lora.targets=['shared_experts']", *extra),
+                           capture_output=True, text=True, timeout=120)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2 and "trainer.lora.targets" in out and "has no module in these groups" in out, out
+        assert "Traceback" not in out
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cli_help_names_tables_and_the_workstation_side_stays_torch_free():
     import sys
 

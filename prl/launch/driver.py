@@ -139,6 +139,7 @@ def check_model(recipe: Recipe, folder) -> None:
     if recipe.trainer.router_replay and folder.model_type not in with_feature("r3"):
         raise RecipeError(f"trainer.router_replay: model_type {folder.model_type!r} of {m.path} has no routing "
                           f"adapter (known: {with_feature('r3')}); set trainer.router_replay = false")
+    check_lora_targets(recipe, folder)
     par = recipe.trainer.parallel
     if par.cp > 1 and folder.model_type not in with_feature("cp"):
         raise RecipeError(f"trainer.parallel.cp = {par.cp}: context parallelism is built for GLM-5's DSA attention "
@@ -146,6 +147,15 @@ def check_model(recipe: Recipe, folder) -> None:
     if par.ep > 1 and (folder.num_experts is None or folder.num_experts % par.ep):
         raise RecipeError(f"trainer.parallel.ep = {par.ep} must divide the routed experts of {m.path} "
                           f"({folder.num_experts or 'none'})")
+
+
+def check_lora_targets(recipe: Recipe, folder) -> None:
+    from prl.model.families import folder_has_targets
+
+    lora = recipe.trainer.lora
+    if lora.enabled and not folder_has_targets(folder.model_type, folder.names, folder.num_experts, lora.targets):
+        raise RecipeError(f"trainer.lora.targets = {lora.targets}: {recipe.model.path} ({folder.model_type!r}) has no "
+                          f"module in these groups; add 'attention'")
 
 
 def preflight(recipe: Recipe) -> None:

@@ -12,6 +12,7 @@ Adding a family: one `FamilySpec` below (and a tiny config in `prl.model.tiny` f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # transformers 5 keeps a layer's routed experts stacked ([E, ...], expert e at row e of dim 0);
@@ -110,3 +111,21 @@ def routed_experts(config: dict) -> int | None:
     """Routed experts per MoE layer of a config.json dict (each family names the key its own way;
     transformers 5 writes Qwen3-MoE's as num_local_experts)."""
     return next((config[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if config.get(k)), None)
+
+
+def linear_patterns(spec: FamilySpec, groups: list[str]) -> list[re.Pattern]:
+    """What the linear targets of `groups` are called, as module names inside a decoder layer."""
+    return [re.compile(rf"(^|\.)layers\.\d+\.{re.escape(p)}$") for g in groups for p in spec.lora_groups.get(g, ())]
+
+
+def folder_has_targets(model_type: str, names: list[str], experts: int | None, groups: list[str]) -> bool:
+    """Whether a pretrained folder (its tensors' names, its config's routed experts) holds some module of
+    `groups` (`target_modules` on the model the trainer builds from it); True for a family prl does not adapt
+    (the trainer names the problem then)."""
+    spec = FAMILIES.get(model_type)
+    if spec is None:
+        return True
+    if "routed_experts" in groups and experts:
+        return True
+    patterns = linear_patterns(spec, groups)
+    return any(p.search(n.rsplit(".", 1)[0]) for n in names for p in patterns)

@@ -18,7 +18,6 @@ Which modules a group names is the model family's business (`prl.model.families.
 from __future__ import annotations
 
 import math
-import re
 import threading
 from pathlib import Path
 from typing import Callable
@@ -76,7 +75,7 @@ def target_modules(model, model_type: str, groups: list[str]) -> dict[str, torch
     modules for, such as Qwen3-MoE's shared experts, adds none), in module order: linears, and with
     "routed_experts" the stacked experts modules."""
     spec = families.spec(model_type, "trainer.lora")
-    patterns = [re.compile(rf"(^|\.)layers\.\d+\.{re.escape(p)}$") for g in groups for p in spec.lora_groups.get(g, ())]
+    patterns = families.linear_patterns(spec, groups)
     found = {n: m for n, m in model.named_modules()
              if isinstance(m, torch.nn.Linear) and any(p.search(n) for p in patterns)}
     if "routed_experts" in groups:

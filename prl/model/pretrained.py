@@ -44,6 +44,7 @@ class FolderInfo:
     num_experts: int | None = None  # routed experts per MoE layer, where the config says
     draft_layers: int = 0  # MTP layers the config declares and the folder holds (`prl.model.mtp`)
     missing_draft: tuple[int, ...] = ()  # MTP layers the config declares whose tensors are missing
+    names: tuple[str, ...] = ()  # every tensor's name, from the headers
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -115,7 +116,7 @@ def check_pretrained(folder: str | Path) -> FolderInfo:
     missing = tuple(missing_draft_layers(names, config))
     return FolderInfo(config["model_type"], files, len(names), sum(f.stat().st_size for f in files),
                       config.get("max_position_embeddings"), attention_head_dim(config), routed_experts(config),
-                      len(draft_layers(config)) - len(missing), missing)
+                      len(draft_layers(config)) - len(missing), missing, tuple(names))
 
 
 def attention_head_dim(config: dict) -> int | None:

@@ -1117,7 +1117,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _lora_targets(self):
-        """A tiny model's LoRA targets select some module (a pretrained folder's: checked when the trainer loads it)."""
+        """A tiny model's LoRA targets select some module (a pretrained folder's: checked by `prl run` from its tensor
+        names before anything starts; on a cluster, where the folder lives on the hosts, when the trainer loads it)."""
         lora, m = self.trainer.lora, self.model
         if not lora.enabled or m.path is not None:
             return self
