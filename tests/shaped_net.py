@@ -19,8 +19,8 @@ from pathlib import Path
 
 from sshd_rig import IFNAME, Network
 
-BURST = "64kb"
-LINKS = itertools.count()  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
+BURST = "64kb"  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
+LINKS = itertools.count()  # this process's links, each with its own names, subnet and port
 
 
 def available() -> str | None:
@@ -46,10 +46,11 @@ class ShapedLink:
             for i in range(hosts):
                 ns, address = self.net.add_host(i)
                 self.places.append((ns, address))
-                subprocess.run(["ip", "-n", ns, "link", "set", IFNAME, "mtu", str(mtu)], check=True, capture_output=True, timeout=10)
-                subprocess.run(["ip", "link", "set", f"prlv{self.net.tag}{i}", "mtu", str(mtu)], check=True, capture_output=True, timeout=10)
+                port = f"prlv{self.net.tag}{i}"  # the bridge's port toward the host
+                self.net.ip("-n", ns, "link", "set", IFNAME, "mtu", str(mtu))
+                self.net.ip("link", "set", port, "mtu", str(mtu))
                 self.shape(["ip", "netns", "exec", ns], IFNAME)  # leaving the host
-                self.shape([], f"prlv{self.net.tag}{i}")  # the bridge's port toward it: arriving
+                self.shape([], port)  # arriving
         except BaseException:
             self.net.down()
             raise

@@ -95,14 +95,14 @@ class Flight:
     done: Callable[[], torch.Tensor]
     keep: object = None  # what is being sent: alive until the exchange is done
     start: float = field(default_factory=time.perf_counter)
+    untimed: bool = field(default=False, init=False)  # no future: in flight until landed, as far as the clock can tell
 
     def __post_init__(self):
         start = self.start
         try:
             self.work.get_future().then(lambda _fut: CLOCK.span(start, time.perf_counter()))
-            self.untimed = False
         except RuntimeError:  # a work without a future (gloo's reduce-scatter over more than 2 ranks)
-            self.untimed = True  # in flight until landed, as far as the clock can tell
+            self.untimed = True
 
     def land(self) -> torch.Tensor:
         t = time.perf_counter()
