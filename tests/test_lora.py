@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from prl.model.lora import AdapterBase, adapter_params, apply_lora, is_adapter, merged, wire_state
+from prl.model.lora import AdapterBase, adapter_params, adapters_off, apply_lora, is_adapter, merged, wire_state
 from prl.recipe.schema import ModelCfg
 
 GROUPS = ["attention", "mlp", "shared_experts"]
@@ -271,3 +271,59 @@ def test_a_recipe_whose_lora_targets_select_nothing_is_refused_by_name():
     with pytest.raises(ValueError, match="a non-empty list of distinct groups"):
         Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["attention", "attention"]}}})
     assert Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["routed_experts"]}}}).not_built() == []
+
+
+# ---------------------------------------------------------------- the KL reference of a LoRA run under R3
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_lora_reference_routes_by_itself_under_replay(tmp_path, monkeypatch, one_rank):
+    """The reference of a LoRA run is the policy's model, adapters off: under R3 it routes every token itself
+    (the replayed routes, drawn at random, differ from the router's), so its logprobs are a fresh forward of the
+    base without replay, and `routing_agreement` counts the policy's forward alone."""
+    from prl.model.families import routed_experts
+    from prl.model.routing import Replay, routers
+    from prl.recipe.schema import TrainerCfg
+    from prl.trainer import head, step
+    from prl.transport.batch import pack, rows_by_sample
+    from test_shared_prompts import groups
+
+    base, model, _ = lora_model("qwen3_moe", tmp_path)
+    model.train()  # dropout 0: train mode changes nothing but what the trainer runs in
+    for m in (base, model):
+        head.install(m)
+    replay = Replay(model, replay=True)
+    cfg = model.config
+    samples = groups(len(routers(model)), routed_experts(cfg.to_dict()), cfg.num_experts_per_tok)
+    [mbs] = pack(samples, 1, 64)
+    tcfg = TrainerCfg.model_validate({"loss": {"kl_coef": 0.1}})
+    seen = []
+
+    def spy(logp, mb, loss_cfg, entropy=None, ref=None):
+        seen.append(ref.clone())
+        return real(logp, mb, loss_cfg, entropy, ref)
+
+    real = step.rl_loss
+    monkeypatch.setattr(step, "rl_loss", spy)
+    stats = step.forward_backward(model, replay, mbs, "rl", tcfg, 1.0, torch.device("cpu"), reference=model)
+    ids = 0
+    with torch.no_grad():
+        for mb, ref in zip(mbs, seen, strict=True):
+            rows, width = rows_by_sample(mb, cfg.hidden_size)
+            fresh = step.token_outputs(base, rows, width, None, 1.0, tcfg.logprob_chunk_tokens)[:, 0]
+            torch.testing.assert_close(ref, fresh, atol=1e-5, rtol=1e-5)
+            with replay.use(rows.routing):
+                step.token_outputs(model, rows, width, None, 1.0, tcfg.logprob_chunk_tokens)
+            agreed, n = replay.agreement()
+            ids += n
+            with replay.use(rows.routing), adapters_off(model):  # what the reference gave before: replayed routes
+                replayed = step.token_outputs(model, rows, width, None, 1.0, tcfg.logprob_chunk_tokens)[:, 0]
+            replay.agreement()
+            assert not torch.allclose(replayed, fresh, atol=1e-3)  # so the first check can fail
+    assert stats["routing_ids"] == ids and stats["routing_agreed"] < ids

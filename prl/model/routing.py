@@ -145,6 +145,20 @@ class Replay:
             for r in self.routers:
                 r._prl_ids = None
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Within the block every router routes by itself and counts nothing, whatever `use` set (the KL
+        reference of a LoRA run is this model with its adapters off: it routes its tokens itself, and its
+        choices are not the policy's routing agreement)."""
+        held = [r._prl_ids for r in self.routers]
+        for r in self.routers:
+            r._prl_ids = None
+        try:
+            yield
+        finally:
+            for r, ids in zip(self.routers, held):
+                r._prl_ids = ids
+
     def agreement(self) -> tuple[float, int]:
         """(ids agreed, ids compared) since the last call."""
         agreed = sum(float(a) for r in self.routers for a, _ in r._prl_stats)

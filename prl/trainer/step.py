@@ -55,7 +55,9 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
               cp.sequence(seq, segments.to(device), positions.to(device)) if seq is not None else contextlib.nullcontext()):
             ref = None
             if kind == "rl" and reference is not None:  # first: the policy's forward then runs last before backward
-                with torch.no_grad(), adapters_off(model) if reference is model else contextlib.nullcontext():
+                # the reference routes by itself (R3 replays the sampled routes into the policy alone)
+                with (torch.no_grad(), replay.paused() if replay else contextlib.nullcontext(),
+                      adapters_off(model) if reference is model else contextlib.nullcontext()):
                     ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
             per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
             if kind == "rl":
