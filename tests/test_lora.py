@@ -327,3 +327,23 @@ def test_the_lora_reference_routes_by_itself_under_replay(tmp_path, monkeypatch,
             replay.agreement()
             assert not torch.allclose(replayed, fresh, atol=1e-3)  # so the first check can fail
     assert stats["routing_ids"] == ids and stats["routing_agreed"] < ids
+
+
+def test_every_adapter_of_a_48_layer_model_starts_from_its_own_values(tmp_path):
+    """Each target's A is drawn from the run's seed and a stable hash of its name: layers whose numbers hold the
+    same digits (12, 21, 30 ...) get A of their own, and a second build draws the same values."""
+    from prl.model.build import build_model
+    from prl.model.lora import init_adapters
+    from prl.model.tiny import write_model_dir
+
+    model = build_model(write_model_dir(ModelCfg(num_layers=48, first_dense_layers=3), tmp_path / "m"), seed=0)
+    targets = apply_lora(model, "glm_moe_dsa", 2, 4.0, 0.0, GROUPS, seed=5)
+    a = {n: p.detach().clone() for n, p in adapter_params(model).items() if n.endswith("lora_A")}
+    assert len(a) == len(targets) and any(".layers.47." in n for n in a)
+    firsts = {}
+    for name, t in a.items():
+        key = (tuple(t.shape), float(t.flatten()[0]))
+        assert key not in firsts or not torch.equal(a[firsts[key]], t), f"{name} starts as {firsts[key]}"
+        firsts[key] = name
+    init_adapters(model, 5)
+    assert all(torch.equal(p, a[n]) for n, p in adapter_params(model).items() if n in a)

@@ -17,6 +17,7 @@ Which modules a group names is the model family's business (`prl.model.families.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from pathlib import Path
@@ -124,13 +125,20 @@ def init_adapters(model, seed: int) -> None:
     for name, p in adapter_params(model).items():
         full = torch.zeros(p.shape, dtype=p.dtype)
         if name.endswith(A):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+            gen = torch.Generator().manual_seed(adapter_seed(seed, name))
             bound = 1 / math.sqrt(p.shape[-1])
             full = torch.rand(p.shape, generator=gen, dtype=torch.float64).mul(2 * bound).sub(bound).to(p.dtype)
         if isinstance(p, DTensor):
             p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None))
         else:
             p.copy_(full)
+
+
+def adapter_seed(seed: int, name: str) -> int:
+    """The generator seed of one adapter's initial values: a stable hash (not Python's salted `hash`) of the
+    run's seed and the parameter's name, so every rank and every restart draws the same values, and names made
+    of the same characters (layers 12 and 21) draw different ones."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
 
 
 def adapter_params(model) -> dict[str, torch.nn.Parameter]:
