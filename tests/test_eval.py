@@ -2,8 +2,10 @@
 eval sets scored inside a run on the rollout servers (each point once, under the version it
 scores, never trained on), and `prl eval` on the run's checkpoints giving the same figures."""
 
+import collections
 import itertools
 import json
+import math
 import random
 import signal
 import subprocess
@@ -13,7 +15,7 @@ import pytest
 
 from conftest import ROOT, prl_cmd
 from prl.envs import Trajectory
-from prl.evaluation.estimators import best_at_k, maj_at_k, pass_at_k
+from prl.evaluation.estimators import MAJ_SUBSETS, best_at_k, maj_at_k, pass_at_k
 from prl.evaluation.runner import figures
 from prl.recipe import RecipeError, load_recipe
 from test_run import assert_nothing_left, events
@@ -41,6 +43,30 @@ def test_maj_at_k_votes_within_each_subset():
     assert maj_at_k(answers, correct, 3) == pytest.approx(2 / 4)
     big = [str(i % 3) for i in range(40)]  # C(40, 20) subsets: a seeded sample of them, the same each time
     assert maj_at_k(big, [a == "0" for a in big], 20) == maj_at_k(big, [a == "0" for a in big], 20)
+
+
+def majority_by_enumeration(answers: list[str], correct: list[bool], k: int) -> float:
+    """maj@k over every k-subset, counted apart from the estimator: the answer most members give, on a
+    tie the one whose earliest member comes first."""
+    wins = subsets = 0
+    for subset in itertools.combinations(range(len(answers)), k):
+        votes = collections.Counter(answers[i] for i in subset)
+        top = max(votes.values())
+        winner = min(i for i in subset if votes[answers[i]] == top)
+        wins += correct[winner]
+        subsets += 1
+    return wins / subsets
+
+
+def test_maj_at_k_past_the_subset_cap_estimates_the_exact_mean():
+    answers = ["a"] * 5 + ["b"] * 6 + ["c"] * 5  # C(16, 8) = 12870 subsets, past MAJ_SUBSETS
+    correct = [a == "a" for a in answers]
+    assert math.comb(16, 8) > MAJ_SUBSETS
+    exact = majority_by_enumeration(answers, correct, 8)
+    assert exact == pytest.approx(0.413, abs=1e-3)  # ties, won by the earlier a, matter: 0.133 if won by the later
+    tolerance = 4 * math.sqrt(exact * (1 - exact) / MAJ_SUBSETS)  # four standard errors of the sampled mean
+    for seed in range(3):
+        assert maj_at_k(answers, correct, 8, seed=seed) == pytest.approx(exact, abs=tolerance), seed
 
 
 def test_figures_attribute_tokens_of_later_versions_to_the_start_version():
