@@ -171,11 +171,12 @@ def preflight(recipe: Recipe) -> None:
 
 def check_objective(recipe: Recipe) -> None:
     """A user's objective (`trainer.loss.correction = "module:function"`) imports and, on a small batch,
-    returns a per-token loss with a gradient; else one line naming the key, before anything starts."""
-    from prl.trainer.loss import ObjectiveError, check_user_objective
+    returns a per-token loss with a gradient, and an objective that needs whole samples has no context
+    parallelism; else one line naming the key, before anything starts."""
+    from prl.trainer.loss import ObjectiveError, check_objective
 
     try:
-        check_user_objective(recipe.trainer.loss)
+        check_objective(recipe.trainer.loss, recipe.trainer.parallel.cp)
     except ObjectiveError as e:
         raise RecipeError(f"{e}; nothing was started") from None
 

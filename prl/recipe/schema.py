@@ -408,7 +408,6 @@ class EvalCfg(Section):
 
 
 BUILTIN_OBJECTIVES = ("tis", "clip", "mask", "seq_mask", "none", "gspo", "gspo_token", "cispo")
-SEQUENCE_OBJECTIVES = ("seq_mask", "gspo")  # a sample's tokens share one ratio: a rank needs whole samples
 
 
 class LossCfg(Section):
@@ -449,7 +448,7 @@ class LossCfg(Section):
     """What the step's summed loss is divided by: "token" (the step's loss tokens, as DAPO), "sequence" (each
     sample's loss is its tokens' mean, then the mean over the step's samples), "constant" (Dr. GRPO: rl.batch_size x
     the longest completion, sampling.max_tokens, or env.max_total_tokens with turns), "auto" ("sequence" for "gspo",
-    as its paper; "token" otherwise). The trainer divides."""
+    and "gspo_token", as their paper; "token" otherwise). The trainer divides."""
     kl_coef: float = Field(0.0, ge=0)
     """Adds kl_coef x a KL estimate to a frozen reference policy (the weights RL starts from, after the warm start)
     on every loss token; 0: no reference is kept. The reference is sharded like the policy and costs one more
@@ -481,11 +480,13 @@ class LossCfg(Section):
         """`normalize` with "auto" resolved."""
         if self.normalize != "auto":
             return self.normalize
-        return "sequence" if self.correction == "gspo" else "token"
+        return "sequence" if self.correction in ("gspo", "gspo_token") else "token"
 
     def whole_samples(self) -> bool:
-        """Whether a rank needs every token of a sample (no context parallelism)."""
-        return self.correction in SEQUENCE_OBJECTIVES or self.normalization() == "sequence"
+        """Whether the normalisation needs every token of a sample on one rank (no context parallelism). An
+        objective that reads its sample's mean declares it next to its function (`prl.trainer.loss.builtin`),
+        and the launch's preflight checks it."""
+        return self.normalization() == "sequence"
 
 
 class ParallelCfg(Section):
@@ -683,9 +684,9 @@ class TrainerCfg(Section):
             raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
                              "splits rows its own way and does not take the shared prompts' attention mask")
         if self.loss.whole_samples() and self.parallel.cp > 1:
-            raise ValueError(f"trainer.loss.correction = {self.loss.correction!r} with trainer.loss.normalize = "
-                             f"{self.loss.normalize!r} needs trainer.parallel.cp = 1: a rank holds part of a sample "
-                             f"there, and the objective needs the whole sample's mean")
+            raise ValueError(f"trainer.loss.normalize = {self.loss.normalize!r} (\"sequence\" with trainer.loss.correction "
+                             f"= {self.loss.correction!r}) needs trainer.parallel.cp = 1: a rank holds part of a sample "
+                             f"there, and sequence normalisation divides by the whole sample's loss tokens")
         return self
 
     @property
