@@ -66,8 +66,8 @@ def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> 
     spec = {"cases": {"overlap": {"parallel": {**parallel, "overlap_chunks": args.chunks}, "micro_batch_tokens": 8192},
                       "serial": {"parallel": {**parallel, "overlap": False}, "micro_batch_tokens": 8192}},
             "steps": args.steps + 1, "samples": args.samples, "length": args.length}
-    with ShapedLink(hosts, args.mbit, args.mtu) as link:
-        procs = torchrun(link, ROOT / "tests" / "dist_overlap.py", [str(model_dir), str(out), json.dumps(spec)])
+    with (ShapedLink(hosts, args.mbit, args.mtu) as link,
+          torchrun(link, ROOT / "tests" / "dist_overlap.py", [str(model_dir), str(out), json.dumps(spec)]) as procs):
         logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"comm_overlap: a rank failed:\n{logs[0][-3000:]}")

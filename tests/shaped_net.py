@@ -13,8 +13,11 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from sshd_rig import IFNAME, Network
@@ -69,16 +72,40 @@ class ShapedLink:
         self.down()
 
 
+@contextmanager
 def torchrun(link: ShapedLink, script: Path, args: list[str], nproc: int = 1,
-             env: dict | None = None) -> list[subprocess.Popen]:
-    """One torchrun per host of `link`, `nproc` ranks each; host 0's is first in the list."""
+             env: dict | None = None) -> Iterator[list[subprocess.Popen]]:
+    """One torchrun per host of `link`, `nproc` ranks each; host 0's is first in the list. Each runs in its own
+    session, killed with its ranks on leaving the block (a wait that timed out, a failed assertion)."""
     master, port = link.places[0][1], link.port
     procs = []
-    for i, (ns, _address) in enumerate(link.places):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(link.places)}",
-               f"--node-rank={i}", f"--nproc-per-node={nproc}", f"--master-addr={master}", f"--master-port={port}",
-               str(script), *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": IFNAME},
-                                      cwd=script.parent))
-    return procs
+    try:
+        for i, (ns, _address) in enumerate(link.places):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+                   f"--nnodes={len(link.places)}", f"--node-rank={i}", f"--nproc-per-node={nproc}",
+                   f"--master-addr={master}", f"--master-port={port}", str(script), *args]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": IFNAME},
+                                          cwd=script.parent, start_new_session=True))
+        yield procs
+    finally:
+        for proc in procs:
+            for pid in [*descendants(proc.pid), proc.pid] if proc.poll() is None else ():
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # the ranks first: torchrun starts each in its own session
+            proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out

@@ -228,3 +228,29 @@ def test_recipe_carries_the_keys_to_the_trainer():
     with pytest.raises(ValidationError, match="must divide the trainer's world size"):
         Recipe.model_validate({"trainer": {"nproc": 4, "parallel": {"ep": 4, "ep_node_dedup": True,
                                                                     "ep_ranks_per_node": 3}}})
+
+
+def test_shared_experts_computed_ahead_are_returned_for_their_own_tokens_only():
+    """The result waits with its tokens: new tokens (which may land at the freed tokens' address after an
+    exception left a result waiting) or tokens changed in place since are computed anew."""
+    from prl.trainer.expert_parallel import AheadShared
+
+    class Doubler(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            Doubler.calls += 1
+            return x * 2
+
+    m = type("AheadDoubler", (AheadShared, Doubler), {})()
+    m._prl_ahead = None
+    x = torch.randn(4, 8)
+    m.run_ahead(x)
+    assert torch.equal(m(x.view(1, 4, 8)), (x * 2).view(1, 4, 8)) and Doubler.calls == 1, "the result computed ahead"
+    for _ in range(20):
+        m.run_ahead(torch.randn(4, 8))  # a result left waiting; its tokens go out of scope
+        y = torch.randn(4, 8)
+        assert torch.equal(m(y), y * 2)
+    m.run_ahead(y)
+    y.add_(1)
+    assert torch.equal(m(y), y * 2)

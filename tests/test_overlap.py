@@ -41,14 +41,16 @@ def test_overlapped_steps_equal_serial_ones_over_a_shaped_link(model_dir, tmp_pa
     give the same step (loss, every gradient, the weights after AdamW); every step's exchanges were in
     flight for some time, and the time waited for them is within it."""
     out = tmp_path / "steps.pt"
-    with ShapedLink(2, 200) as link:
-        procs = torchrun(link, HERE / "dist_overlap.py", [str(model_dir), str(out), spec(2, overlap_chunks=3)])
+    with ShapedLink(2, 200) as link, torchrun(link, HERE / "dist_overlap.py",
+                                              [str(model_dir), str(out), spec(2, overlap_chunks=3)]) as procs:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-2000:]
     run = torch.load(out, weights_only=False)
     assert_same_step(run["serial"], run["overlap"], "overlapped against serial over a shaped link")
-    for case in run.values():
-        assert all(c > 0 for c in case["comm_s"]) and all(0 <= e <= c for e, c in zip(case["exposed_comm_s"], case["comm_s"]))
+    assert all(c > 0 for case in run.values() for c in case["comm_s"])
+    exposed = {name: sum(case["exposed_comm_s"]) / sum(case["comm_s"]) for name, case in run.items()}
+    # serial waits for each exchange as it is issued; overlapped, compute runs while rows are on the wire
+    assert exposed["serial"] > 0.8 and exposed["overlap"] < exposed["serial"] - 0.15, exposed
 
 
 def test_a_rank_killed_mid_exchange_fails_the_step_without_hanging(model_dir, tmp_path):
@@ -56,8 +58,8 @@ def test_a_rank_killed_mid_exchange_fails_the_step_without_hanging(model_dir, tm
     rank waiting on one; it fails with gloo's closed connection (the trainer's supervisor then restarts
     the trainer, tests/test_faults.py), at the latest at the process group's timeout (60 s here: where
     the close never reaches it, seen once in FSDP's gather), never hanging past it."""
-    with ShapedLink(2, 20) as link:
-        procs = torchrun(link, HERE / "dist_overlap.py", [str(model_dir), str(tmp_path / "x.pt"), spec(200, 60)])
+    with ShapedLink(2, 20) as link, torchrun(link, HERE / "dist_overlap.py",
+                                             [str(model_dir), str(tmp_path / "x.pt"), spec(200, 60)]) as procs:
         first = procs[0].stdout.readline
         while not (line := first()).startswith("step 1"):
             assert line, "rank 0 ended before its second step"

@@ -79,18 +79,25 @@ def ahead_shared(model, mods: list) -> None:
 
 class AheadShared:
     """Mixin before a shared-experts MLP: `run_ahead(x_TD)` computes it on the layer's tokens early; the
-    MoE block's own call on the same tokens (a [B, S, D] view of them) then returns that result."""
+    MoE block's own call on the same tokens (a [B, S, D] view of them) then returns that result. The tokens
+    are held with the result, so their memory cannot be reused by other tokens while a result waits (after an
+    exception between the two calls, say): a result is returned only for the same memory, size and version."""
 
     _prl_ahead: tuple | None
 
     def run_ahead(self, x_TD: torch.Tensor) -> None:
-        self._prl_ahead = (x_TD.data_ptr(), x_TD.numel(), super().forward(x_TD))
+        self._prl_ahead = (x_TD, x_TD._version, super().forward(x_TD))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ahead, self._prl_ahead = self._prl_ahead, None
-        if ahead is not None and ahead[:2] == (x.data_ptr(), x.numel()):
+        if ahead is not None and same_tokens(ahead[0], ahead[1], x):
             return ahead[2].view_as(x)
         return super().forward(x)
+
+
+def same_tokens(held: torch.Tensor, version: int, x: torch.Tensor) -> bool:
+    """`x` is `held` (or a view of all of it), unchanged since `version`."""
+    return (held.data_ptr(), held.numel(), version) == (x.data_ptr(), x.numel(), x._version)
 
 
 def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool, chunks: int = 1) -> Comm:
