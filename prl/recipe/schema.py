@@ -663,8 +663,8 @@ class TrainerCfg(Section):
     """Recompute each decoder layer in backward."""
     lean_forward: bool = True
     """The trainer's forward through the model's own modules without transformers' per-call machinery
-    (`prl.trainer.lean`; the same values and gradients); where it does not apply (context parallelism, a family
-    without one, sliding windows) the model's forward runs."""
+    (`prl.trainer.lean`; the same values and gradients), context parallelism included (its attention builds its own
+    masks); where it does not apply (a family without one, sliding windows) the model's forward runs."""
     logprob_chunk_tokens: int = Field(1024, ge=0)
     """Logprobs computed per this many tokens, so the whole logits never exist at once (0: all at once)."""
     share_prompts: bool | None = None
