@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from sshd_rig import IFNAME, Network  # noqa: E402
 
+from prl.launch.configs import resolve  # noqa: E402
 from prl.launch.processes import make_plan  # noqa: E402
 from prl.model.tiny import write_model_dir  # noqa: E402
 from prl.recipe.load import load_recipe  # noqa: E402
-from prl.recipe.resolve import resolve, write_configs, write_secret  # noqa: E402
+from prl.recipe.resolve import write_configs, write_secret  # noqa: E402
 
 KEYS = ["placement.trainer=['a']", "placement.inference=['b','c']", "inference.hosts_per_engine=2",
         "inference.data_parallel_size=2", "inference.expert_parallel=true"]

@@ -59,7 +59,8 @@ def run(
     no_tui: bool = typer.Option(False, "--no-tui", help="plain step lines instead of the live dashboard"),
 ):
     """Validate a recipe, start every process, train, stream the dashboard, stop cleanly."""
-    from prl.recipe import RecipeError, load_recipe
+    from prl.launch.checks import load
+    from prl.recipe import RecipeError
 
     loaded = None
     if resume is not None and recipe is not None:
@@ -69,7 +70,7 @@ def run(
         if recipe is None:
             raise fail("run", "give a recipe (prl run recipes/reverse-tiny.toml) or --resume RUN_DIR")
         try:
-            loaded = load_recipe(recipe, set_)
+            loaded = load(recipe, set_)
         except RecipeError as e:
             raise fail("run", f"invalid recipe, nothing was started\n{e}") from None
     from prl.launch import driver
@@ -136,12 +137,13 @@ def plan(
 ):
     """Per-GPU memory of the trainer and inference servers and a step-time estimate, before launch;
     exits 1 naming what does not fit. Assumptions are the recipe's [plan] keys."""
-    from prl.recipe import RecipeError, load_recipe
+    from prl.launch.checks import load
+    from prl.recipe import RecipeError
     from prl.sizing.estimate import make_plan
     from prl.sizing.report import format_plan
 
     try:
-        loaded = load_recipe(recipe, set_)
+        loaded = load(recipe, set_)
         result = make_plan(loaded)
     except (RecipeError, ValueError) as e:
         err.print(f"prl plan: {e}", markup=False, highlight=False)
@@ -155,10 +157,11 @@ def doctor(recipe: Path = typer.Argument(..., help="the TOML recipe")):
     """Check that the recipe can run: with [cluster], every host in parallel; without, this machine (the
     same checks as `prl run --dry-run`: vLLM, the sandbox, Mooncake, the model folder, the task).
     A non-zero exit names each failure."""
-    from prl.recipe import RecipeError, load_recipe
+    from prl.launch.checks import load
+    from prl.recipe import RecipeError
 
     try:
-        loaded = load_recipe(recipe)
+        loaded = load(recipe)
     except RecipeError as e:
         raise fail("doctor", f"invalid recipe\n{e}") from None
     if loaded.cluster is None:
@@ -170,7 +173,7 @@ def doctor(recipe: Path = typer.Argument(..., help="the TOML recipe")):
         raise typer.Exit(1 if failures else 0)
     from prl.launch.doctor import check_cluster, report, role_needs
     from prl.launch.placement import links_needed, ports_needed
-    from prl.recipe.resolve import resolve
+    from prl.launch.configs import resolve
 
     configs = resolve(loaded, Path(loaded.run.output_dir) / loaded.run.name)
     results = check_cluster(loaded.cluster, console, ports_needed(configs, loaded), links_needed(configs, loaded),

@@ -76,7 +76,8 @@ def start_server(run_dir: Path, recipe, timeout: float = 60):
     import httpx
 
     from prl.model.tiny import write_model_dir
-    from prl.recipe.resolve import resolve, write_configs, write_secret
+    from prl.launch.configs import resolve
+    from prl.recipe.resolve import write_configs, write_secret
 
     write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))

@@ -97,7 +97,7 @@ def test_mooncake_counters_become_pool_metrics():
 def test_vllm_command_line_from_a_recipe(tmp_path):
     from prl.backends.vllm.launch import launch_command
     from prl.recipe.load import validate
-    from prl.recipe.resolve import resolve
+    from prl.launch.configs import resolve
 
     recipe = validate({"model": {"arch": "qwen3_moe"}, "inference": {"backend": "vllm", "vllm": {
         "enforce_eager": True, "enable_prefix_caching": False, "max_num_batched_tokens": 512,

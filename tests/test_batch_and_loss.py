@@ -228,10 +228,11 @@ def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others(
     mean, xs = (0.9 + 0.5 + 0.1) / 3, (0.9 + 0.5) / 2
     want = [[0.9 - mean, 0.0, 0.9 - xs], [0.5 - mean, 0.0, 0.5 - xs], [0.1 - mean, 0.0, 0.0]]
     assert [[round(a, 9) for a in row] for row in turn_advantages(calls)] == [[round(a, 9) for a in row] for row in want]
+    from prl.launch.checks import check_recipe
     from prl.recipe.schema import Recipe
 
     with pytest.raises(ValueError, match="rl.credit = 'turn' needs a multi-turn environment"):
-        Recipe.model_validate({"rl": {"credit": "turn"}})
+        check_recipe(Recipe.model_validate({"rl": {"credit": "turn"}}))
     with pytest.raises(ValueError, match="has no effect with rl.credit = 'turn'"):
         Recipe.model_validate({"rl": {"credit": "turn", "loss_weighting": "sequence"},
                                "env": {"kind": "code", "max_total_tokens": 64}})

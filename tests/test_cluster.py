@@ -343,7 +343,7 @@ def test_sandbox_workers_run_on_the_inference_hosts_or_where_placement_says(tmp_
     a port to keep free, a connection from the orchestrator, and a sandbox that doctor tries there."""
     from prl.launch.doctor import role_needs
     from prl.launch.placement import links_needed, ports_needed
-    from prl.recipe.resolve import resolve
+    from prl.launch.configs import resolve
     from prl.recipe.schema import Recipe
 
     hosts = [{"address": f"10.0.0.{i}", "name": n} for i, n in enumerate("abc", 1)]

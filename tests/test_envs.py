@@ -18,7 +18,8 @@ from prl.envs import make_env
 from prl.envs.formats import ChatFormat, TinyFormat
 from prl.envs.tools import load_tool, tool_schema
 from prl.model.tiny import char_tokenizer
-from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.launch.configs import resolve
+from prl.recipe.resolve import write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.transport.batch import Sample, pack
 

@@ -98,8 +98,10 @@ def test_figures_attribute_tokens_of_later_versions_to_the_start_version():
       "eval.h.first_index=0"], "overlaps the training indices"),  # the training examples, another reward
 ])
 def test_bad_eval_sets_are_refused_naming_the_key(overrides, words):
+    from prl.launch.checks import load  # the schema's checks and the launch's (the set's longest sample)
+
     with pytest.raises(RecipeError) as e:
-        load_recipe(RECIPE, overrides)
+        load(RECIPE, overrides)
     assert words in str(e.value)
 
 

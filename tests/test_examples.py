@@ -169,8 +169,10 @@ def test_the_builtin_kinds_declare_what_prl_branched_on_by_name():
 def test_a_users_class_is_asked_what_the_names_decided(tmp_path, monkeypatch):
     """A class of the user's own that needs the sandbox gets sandbox workers and their client, and its
     declared workload is the plan's and the length checks'; one that has one turn refuses turn credit."""
+    from prl.envs import longest_sample
+    from prl.launch.checks import checked
+    from prl.launch.configs import resolve
     from prl.recipe.load import RecipeError, validate
-    from prl.recipe.resolve import resolve
     from prl.sizing.workload import workload
 
     (tmp_path / "user_envs.py").write_text(
@@ -182,18 +184,19 @@ def test_a_users_class_is_asked_what_the_names_decided(tmp_path, monkeypatch):
         "    def score(self, ep, example):\n        return 0.0\n\n\n"
         "class OneTurn(SingleTurnEnv):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = validate({"env": {"kind": "user_envs:Runs"}, "sft": {"steps": 0}}, "r.toml")
-    assert recipe.longest_sample() == recipe.task.max_len * 2 + 8 + 50
+    recipe = checked(validate({"env": {"kind": "user_envs:Runs"}, "sft": {"steps": 0}}, "r.toml"), "r.toml")
+    assert longest_sample(recipe.env, recipe.task, recipe.sampling) == recipe.task.max_len * 2 + 8 + 50
     w = workload(recipe)
     assert (w.turns, w.env) == (3, 20)
     configs = resolve(recipe, tmp_path / "run")
     orchestrator = next(c for c in configs if c.role == "orchestrator")
     assert [c.name for c in configs if c.role == "sandbox"] == ["sandbox-0"] and len(orchestrator.sandboxes) == 1
     with pytest.raises(RecipeError, match="rl.credit = 'turn' needs a multi-turn environment"):
-        validate({"env": {"kind": "user_envs:OneTurn"}, "rl": {"credit": "turn"}}, "r.toml")
+        checked(validate({"env": {"kind": "user_envs:OneTurn"}, "rl": {"credit": "turn"}}, "r.toml"), "r.toml")
 
 
 def test_a_class_without_demonstrations_needs_the_warm_start_off(tmp_path, monkeypatch):
+    from prl.launch.checks import checked
     from prl.recipe.load import RecipeError, validate
 
     (tmp_path / "no_demos.py").write_text(
@@ -202,5 +205,6 @@ def test_a_class_without_demonstrations_needs_the_warm_start_off(tmp_path, monke
         "    async def rollout(self, example, sampler):\n        return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RecipeError, match="sft.steps: the warm start learns from demonstrations"):
-        validate({"env": {"kind": "no_demos:Env"}}, "r.toml")
-    assert validate({"env": {"kind": "no_demos:Env"}, "sft": {"steps": 0}}, "r.toml").env.kind == "no_demos:Env"
+        checked(validate({"env": {"kind": "no_demos:Env"}}, "r.toml"), "r.toml")
+    assert checked(validate({"env": {"kind": "no_demos:Env"}, "sft": {"steps": 0}}, "r.toml"), "r.toml").env.kind == \
+        "no_demos:Env"

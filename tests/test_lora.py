@@ -263,13 +263,12 @@ def test_an_adapter_senders_death_mid_version_leaves_the_last_adapter_serving(tm
         proc.wait(10)
 
 
-@pytest.mark.xfail(strict=True, reason="Recipe._lora_targets (prl/recipe/schema.py) counts GLM-5's shared experts "
-                   "also where every layer is dense; the trainer then refuses the targets when it builds the model")
 def test_a_tiny_models_lora_targets_are_refused_where_they_select_nothing(tmp_path):
-    """Validation refuses a tiny model's targets exactly where `target_modules` finds none, for every family,
-    dense-layer count and set of groups."""
+    """The launch's recipe checks refuse a tiny model's targets exactly where `target_modules` finds none, for
+    every family, dense-layer count and set of groups."""
     import itertools
 
+    from prl.launch.checks import check_recipe
     from prl.model.build import build_model
     from prl.model.lora import target_modules
     from prl.model.tiny import write_model_dir
@@ -281,7 +280,7 @@ def test_a_tiny_models_lora_targets_are_refused_where_they_select_nothing(tmp_pa
         model = build_model(write_model_dir(ModelCfg(**m), tmp_path / f"{arch}{dense}"), seed=0)
         for groups in (list(g) for r in range(1, 5) for g in itertools.combinations(LORA_GROUPS, r)):
             try:
-                Recipe.model_validate({"model": m, "trainer": {"lora": {"rank": 4, "targets": groups}}})
+                check_recipe(Recipe.model_validate({"model": m, "trainer": {"lora": {"rank": 4, "targets": groups}}}))
                 valid = True
             except ValueError:
                 valid = False
@@ -291,13 +290,18 @@ def test_a_tiny_models_lora_targets_are_refused_where_they_select_nothing(tmp_pa
 
 
 def test_a_recipe_whose_lora_targets_select_nothing_is_refused_by_name():
+    from prl.launch.checks import check_recipe, not_built
     from prl.recipe.schema import Recipe
 
     with pytest.raises(ValueError, match="trainer.lora.targets .* has no module in these groups"):
-        Recipe.model_validate({"model": {"arch": "qwen3_moe"}, "trainer": {"lora": {"rank": 4, "targets": ["shared_experts"]}}})
+        check_recipe(Recipe.model_validate({"model": {"arch": "qwen3_moe"},
+                                            "trainer": {"lora": {"rank": 4, "targets": ["shared_experts"]}}}))
+    with pytest.raises(ValueError, match="trainer.lora.targets .* has no module in these groups"):  # no MoE layer
+        check_recipe(Recipe.model_validate({"model": {"first_dense_layers": 3},
+                                            "trainer": {"lora": {"rank": 4, "targets": ["shared_experts"]}}}))
     with pytest.raises(ValueError, match="a non-empty list of distinct groups"):
         Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["attention", "attention"]}}})
-    assert Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["routed_experts"]}}}).not_built() == []
+    assert not_built(Recipe.model_validate({"trainer": {"lora": {"rank": 4, "targets": ["routed_experts"]}}})) == []
 
 
 # ---------------------------------------------------------------- the KL reference of a LoRA run under R3

@@ -116,13 +116,14 @@ def test_the_launcher_asks_vllm_for_mtp_and_preflight_names_what_is_missing(glm,
     from prl.backends.vllm.launch import vllm_args
     from prl.backends.vllm.spec import SPEC
     from prl.recipe.load import load_recipe
-    from prl.recipe.resolve import resolve
+    from prl.launch.checks import not_built
+    from prl.launch.configs import resolve
 
     tiny = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.mtp_tokens=2"])
     assert "random-init" in SPEC.preflight(tiny, None)
     recipe = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.mtp_tokens=2", f"model.path='{glm}'",
                                                                    "model.arch='glm_moe_dsa'"])
-    assert not recipe.not_built()
+    assert not not_built(recipe)
     cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
     args = vllm_args(cfg)
     assert json.loads(args[args.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, import_or_skip, prl_cmd
 from prl.recipe import load_recipe
-from prl.recipe.resolve import resolve
+from prl.launch.configs import resolve
 from prl.transport import ports
 
 

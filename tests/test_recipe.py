@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, prl_cmd
+from prl.launch.checks import load
 from prl.recipe import RecipeError, load_recipe
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
@@ -15,7 +17,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_parse(path):
-    load_recipe(path)
+    load(path)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -47,6 +49,70 @@ def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
         load_recipe(path)
     msg = str(e.value)
     assert str(path) in msg and key in msg and words in msg
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[env]\nkind = 'bogus'\n", "env.kind: 'bogus' is neither a built-in environment"),
+    ("[eval.h.env]\nkind = 'no_such_module:Env'\n", "eval.h.env.kind: 'no_such_module:Env': no module named"),
+    ("[inference]\nbackend = 'sglang'\n", "inference.backend = 'sglang': unknown backend"),
+    ("[inference]\nkv_cache_dtype = 'fp8'\n", "inference.kv_cache_dtype: only used with inference.backend = 'vllm'"),
+    ("[model]\narch = 'qwen3_moe'\n[trainer]\nnproc = 2\n[trainer.parallel]\ncp = 2\n",
+     "trainer.parallel.cp > 1: context parallelism is built for GLM-5"),
+    ("[model]\nfirst_dense_layers = 3\n[trainer.lora]\nrank = 4\ntargets = ['shared_experts']\n",
+     "trainer.lora.targets = ['shared_experts']: model.arch 'glm_moe_dsa' with model.first_dense_layers = 3"),
+    ("[model]\nmax_position_embeddings = 20\n", "model.max_position_embeddings (20) is shorter than the longest sample"),
+    ("[trainer]\nmicro_batch_tokens = 20\n", "trainer.micro_batch_tokens (20) must hold one whole sample"),
+    ("[rl]\ncredit = 'turn'\n", "rl.credit = 'turn' needs a multi-turn environment"),
+    ("[eval.h.env]\nkind = 'code'\n", "eval.h.env: env.kind = 'code' runs model-written code"),
+])
+def test_what_needs_a_class_is_checked_at_launch_naming_key_and_file(tmp_path, text, words):
+    """The schema validates data only (it imports no environment, family or backend); the launch's checks refuse
+    the rest, each in one line naming the file (or the --set) and the key."""
+    path = write(tmp_path, text)
+    load_recipe(path)
+    with pytest.raises(RecipeError) as e:
+        load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and words in msg and "\n" not in msg, msg
+    key = words.partition(":")[0].partition(" ")[0]
+    if "eval" not in key:
+        with pytest.raises(RecipeError, match=f"^--set {re.escape(key)}"):
+            load(write(tmp_path, ""), [line.replace(" ", "") for line in dotted(text)])
+
+
+def dotted(text: str) -> list[str]:
+    """A small TOML text as --set overrides (tables of scalars and lists only)."""
+    out, table = [], ""
+    for line in text.splitlines():
+        if line.startswith("["):
+            table = line.strip("[]")
+        elif line:
+            k, _, v = line.partition(" = ")
+            out.append(f"{table}.{k}={v}")
+    return out
+
+
+def test_the_tiny_architectures_are_the_families_with_a_tiny_spec():
+    import typing
+
+    from prl.model.families import with_feature
+    from prl.recipe.schema import ModelCfg
+
+    assert list(typing.get_args(ModelCfg.model_fields["arch"].annotation)) == with_feature("tiny")
+
+
+def test_lora_targets_a_tiny_dense_model_lacks_are_refused_before_launch(tmp_path):
+    """Shared experts sit in the MoE layers: a model whose every layer is dense has none."""
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny-lora.toml", "--set", "model.first_dense_layers=3",
+                                   "--set", "model.num_layers=3", "--set", "trainer.lora.targets=['shared_experts']",
+                                   "--set", "trainer.router_replay=false", *extra),
+                           capture_output=True, text=True, timeout=120)
+        out = p.stdout + p.stderr
+        named = [line for line in out.splitlines() if "trainer.lora.targets" in line]
+        assert p.returncode == 2 and len(named) == 1 and "has no module in these groups" in named[0], out
+        assert "Traceback" not in out
+    assert not (tmp_path / "runs").exists()
 
 
 def test_set_overrides_are_typed(tmp_path):
@@ -86,7 +152,7 @@ def test_dry_run_prints_recipe_and_plan(tmp_path):
 ])
 def test_bad_vllm_settings_name_the_key(tmp_path, text, key, words):
     with pytest.raises(RecipeError) as e:
-        load_recipe(write(tmp_path, text))
+        load(write(tmp_path, text))
     assert key in str(e.value) and words in str(e.value)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.launch.configs import resolve
+from prl.recipe.resolve import write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.sandbox.client import SandboxClient
 from prl.transport import ports

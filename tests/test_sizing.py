@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, prl_cmd
+from prl.launch.checks import load, not_built
 from prl.model.tiny import write_model_dir
-from prl.recipe import load_recipe
 from prl.recipe.schema import ModelCfg
 from prl.sizing.estimate import GB, make_plan
 from prl.sizing.trainer import layer_activation_bytes
@@ -57,7 +57,7 @@ def test_weight_and_optimizer_bytes_match_a_real_adam_step(tmp_path):
     """One rank: fp32 weights, gradients and both Adam moments are 16 bytes a parameter, to the byte.
     (Parameters no token reached, and the DSA indexer, which the loss does not train, get zero
     gradients first, as the plan counts every parameter as trained.)"""
-    recipe = load_recipe(ROOT / "recipes/reverse-tiny.toml")
+    recipe = load(ROOT / "recipes/reverse-tiny.toml")
     model, config = built(recipe.model, tmp_path)
     opt = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
@@ -108,8 +108,8 @@ def test_the_flagship_fits_and_a_smaller_gpu_does_not():
 
 
 def test_expert_parallelism_divides_the_expert_memory():
-    base = make_plan(load_recipe(FLAGSHIP))
-    wider = make_plan(load_recipe(FLAGSHIP, ["trainer.parallel.ep=64"]))
+    base = make_plan(load(FLAGSHIP))
+    wider = make_plan(load(FLAGSHIP, ["trainer.parallel.ep=64"]))
     key = "weights+grads+Adam, experts (16 B/param over ep)"
     assert wider.trainer[key] == pytest.approx(2 * base.trainer[key])
     assert base.trainer[key] / GB == pytest.approx(base.counts.routed / 128 * 16 / GB)
@@ -132,10 +132,10 @@ def test_sharded_checkpoints_across_trainer_hosts_need_a_shared_folder():
     def without_shared(recipe):
         return recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"shared_checkpoints": None})})
 
-    sharded = load_recipe(FLAGSHIP, ["trainer.checkpoint_format=sharded"])
-    assert not any("checkpoint_format" in item for item in sharded.not_built())
-    assert any("needs cluster.shared_checkpoints" in item for item in without_shared(sharded).not_built())
-    assert not any("checkpoint_format" in item for item in without_shared(load_recipe(FLAGSHIP)).not_built())
+    sharded = load(FLAGSHIP, ["trainer.checkpoint_format=sharded"])
+    assert not any("checkpoint_format" in item for item in not_built(sharded))
+    assert any("needs cluster.shared_checkpoints" in item for item in not_built(without_shared(sharded)))
+    assert not any("checkpoint_format" in item for item in not_built(without_shared(load(FLAGSHIP))))
 
 
 def test_the_flagship_header_names_exactly_what_run_refuses():
@@ -143,7 +143,7 @@ def test_the_flagship_header_names_exactly_what_run_refuses():
     line = next(ln for ln in FLAGSHIP.read_text().splitlines() if "refuses what is not built yet" in ln)
     listed = line.split("):", 1)[1].strip().rstrip(".")
     named = [] if listed == "nothing" else [item.strip() for item in listed.replace(" = ", "=").split(",")]
-    refused = load_recipe(FLAGSHIP).not_built()
+    refused = not_built(load(FLAGSHIP))
     assert len(named) == len(refused), (named, refused)
     for item in named:
         key = item.split("=")[0].split(" ")[0]
@@ -162,7 +162,7 @@ EXPERT = 3 * 6144 * 2048  # one routed expert: gate, up, down
 
 
 def flagship(*overrides):
-    return load_recipe(FLAGSHIP, list(overrides))
+    return load(FLAGSHIP, list(overrides))
 
 
 def tp_variant(*overrides):
@@ -289,7 +289,7 @@ def test_workload_lognormal_and_littles_law():
 
 
 def test_multi_turn_workload_from_env():
-    r = load_recipe(ROOT / "recipes/code-tiny.toml")
+    r = load(ROOT / "recipes/code-tiny.toml")
     w = workload.workload(r)
     assert w.turns == r.env.max_turns and w.env_seconds == r.plan.env_seconds_per_turn * (w.turns - 1)
     assert w.env == min(r.env.max_env_chars // 4 * (w.turns - 1), r.env.max_total_tokens / 2)
@@ -414,19 +414,19 @@ def test_layout_knobs_are_checked(keys, words):
     from prl.recipe import RecipeError
 
     with pytest.raises(RecipeError, match=re.escape(words)):
-        load_recipe(FLAGSHIP, keys)
+        load(FLAGSHIP, keys)
 
 
 def test_layout_knobs_belong_to_vllm():
     from prl.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="only used with inference.backend = 'vllm'"):
-        load_recipe(ROOT / "recipes/reverse-tiny.toml", ["inference.kv_cache_dtype='fp8'"])
-    one_host = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2",
+        load(ROOT / "recipes/reverse-tiny.toml", ["inference.kv_cache_dtype='fp8'"])
+    one_host = load(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.data_parallel_size=2",
                                                                       "inference.expert_parallel=true"])
-    assert not one_host.not_built(), "DP + EP on one host: the launcher passes them"
+    assert not not_built(one_host), "DP + EP on one host: the launcher passes them"
     # an engine over several hosts is built (tests/test_vllm_dp.py): no longer refused
-    assert not any(item.startswith("inference.hosts_per_engine") for item in load_recipe(FLAGSHIP).not_built())
+    assert not any(item.startswith("inference.hosts_per_engine") for item in not_built(load(FLAGSHIP)))
 
 
 def test_trainer_compute_by_part():
@@ -498,7 +498,7 @@ def test_rollout_throughput_and_littles_law_agree():
 
 def test_what_run_refuses_the_plan_marks_planned():
     """Each piece `prl run` refuses on the flagship is a planned mechanism the plan counts, and back."""
-    plan, refused = make_plan(flagship()), flagship().not_built()
+    plan, refused = make_plan(flagship()), not_built(flagship())
     used = {name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] == PLANNED}
     for item in refused:
         assert any(item.startswith(REFUSED_AS[m]) for m in used if m in REFUSED_AS), item
@@ -608,15 +608,15 @@ def test_lora_fewest_trainer_hosts():
 
 
 def test_the_lora_recipe_frees_trainer_hosts_and_plans_under_5_minutes_with_a_085_overlap():
-    r = load_recipe(LORA)
+    r = load(LORA)
     plan = make_plan(r)
     assert not plan.problems, plan.problems
     assert r.trainer_hosts() == 12 and len(r.placement.inference) == 16 and r.trainer.lora.rank == 32
-    hidden = make_plan(load_recipe(LORA, ["plan.overlap_efficiency=0.85"]))
+    hidden = make_plan(load(LORA, ["plan.overlap_efficiency=0.85"]))
     assert hidden.time[STEP] <= 5 * 60 and hidden.lora.best.trainer_hosts == 12, "then the recipe's split is shortest"
     assert plan.lora.best.trainer_hosts == 14, "at the measured overlap, 2 more trainer hosts"
     assert plan.best is not None and plan.best.layout == plan.rollout.layout
-    assert not r.not_built(), "prl run refuses nothing of it"
+    assert not not_built(r), "prl run refuses nothing of it"
     assert "lora_vllm" in plan.uses["rollout weight update"] and "lora_base_dtype" in \
         plan.uses["frozen base, routed experts (1.00 B/param over ep)"]
     assert MECHANISMS["lora_vllm"][0] == GPU and MECHANISMS["lora_base_dtype"][0] == PLANNED
@@ -629,7 +629,7 @@ def test_the_lora_recipe_frees_trainer_hosts_and_plans_under_5_minutes_with_a_08
 def test_lora_refusals_are_planned_mechanisms_and_the_flagship_prints_no_lora():
     """What `prl run` refuses of a LoRA recipe (routed experts, FP8 serving) the plan marks planned."""
     r = flagship("trainer.lora.rank=32", "trainer.lora.targets=['attention', 'routed_experts']")
-    plan, refused = make_plan(r), r.not_built()
+    plan, refused = make_plan(r), not_built(r)
     used = {name for uses in plan.uses.values() for name in uses if MECHANISMS[name][0] == PLANNED}
     assert len(refused) == 2 and {"lora_routed", "lora_fp8_serving"} <= used
     for item in refused:

@@ -12,7 +12,8 @@ import torch
 
 from prl.model.tiny import write_model_dir
 from prl.model.weights import read_weights
-from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.launch.configs import resolve
+from prl.recipe.resolve import write_configs, write_secret
 from prl.recipe.schema import Recipe
 from prl.trainer.checkpoint import read_model_state
 from prl.transport.batch import Sample, TrainBatch, pack

@@ -23,11 +23,12 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     from prl.backends.vllm.launch import cpu_binding, vllm_args
     from prl.backends.vllm.spec import SPEC
     from prl.recipe.load import load_recipe
-    from prl.recipe.resolve import resolve
+    from prl.launch.checks import not_built
+    from prl.launch.configs import resolve
 
     recipe = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml",
                          ["inference.data_parallel_size=2", "inference.expert_parallel=true"])
-    assert not recipe.not_built()
+    assert not not_built(recipe)
     cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
     args = " ".join(vllm_args(cfg))
     assert "--data-parallel-size 2" in args and "--enable-expert-parallel" in args
@@ -38,7 +39,7 @@ def test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it(tmp_path):
     refusal = SPEC.preflight(recipe, None)
     assert refusal is not None and "all_gatherv" in refusal and "inference.data_parallel_size = 2" in refusal
     kv = load_recipe(ROOT / "recipes/reverse-tiny-vllm.toml", ["inference.kv_cache_dtype='fp8'"])
-    assert not kv.not_built(), "the launcher passes --kv-cache-dtype"
+    assert not not_built(kv), "the launcher passes --kv-cache-dtype"
     cfg = next(c for c in resolve(kv, tmp_path, tmp_path / "secret") if c.role == "inference")
     assert "--kv-cache-dtype fp8" in " ".join(vllm_args(cfg))
     assert "inference.kv_cache_dtype = 'fp8'" in SPEC.preflight(kv, None)  # GPU servers only
@@ -55,7 +56,7 @@ def test_an_engine_over_two_hosts_is_a_leader_and_a_headless_worker_vllm_parses(
     from prl.launch.placement import links_needed, ports_needed
     from prl.launch.processes import make_plan
     from prl.recipe.load import load_recipe
-    from prl.recipe.resolve import resolve
+    from prl.launch.configs import resolve
 
     hosts = "".join(f"[[cluster.hosts]]\nname = '{n}'\naddress = '10.0.0.{i}'\ngpus = 8\n" for i, n in enumerate("abc", 1))
     (tmp_path / "r.toml").write_text(ROOT.joinpath("recipes/reverse-tiny-vllm.toml").read_text() + "\n[cluster]\n" + hosts)

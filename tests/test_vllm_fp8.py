@@ -203,7 +203,7 @@ def test_the_launcher_passes_fp8_and_writes_the_serving_layout(tmp_path):
     layers): version 0, the trainer's own FP8 values, arrives before any rollout."""
     from prl.backends.vllm.launch import serving_layout, vllm_args
     from prl.model.tiny import write_model_dir
-    from prl.recipe.resolve import resolve
+    from prl.launch.configs import resolve
 
     recipe = fp8_recipe()
     cfg = next(c for c in resolve(recipe, tmp_path, tmp_path / "secret") if c.role == "inference")
@@ -223,20 +223,23 @@ def test_fp8_is_built_for_vllm_and_refused_only_where_its_kernels_are_absent(mon
     need AMX tiles) and on CPU cluster hosts (whose CPUs prl cannot check); a GPU host serves it; FP8 serving
     needs the trainer's FP8 weights."""
     from prl.backends.vllm import spec
+    from prl.launch.checks import not_built
 
     recipe = fp8_recipe()
-    assert not any("fp8" in item for item in recipe.not_built())
+    assert not any("fp8" in item for item in not_built(recipe))
     monkeypatch.setattr(spec, "cpu_has_amx", lambda: False)
     assert "require Intel AMX tiles, which this CPU lacks" in spec.cpu_refusal(recipe, None)
     monkeypatch.setattr(spec, "cpu_has_amx", lambda: True)
     assert spec.cpu_refusal(recipe, None) is None
+    from prl.launch.checks import checked
     from prl.recipe.load import validate
 
     base = {"model": {"arch": "qwen3_moe"}, "inference": {"backend": "vllm", "fp8": True, "dtype": "bfloat16"}}
     with pytest.raises(Exception, match="set trainer.fp8 = true"):
-        validate(base, "test")
+        checked(validate(base, "test"), "test")
     with pytest.raises(Exception, match="take bf16 or fp16 activations only"):
-        validate({**base, "trainer": {"fp8": True}, "inference": {**base["inference"], "dtype": "float32"}}, "test")
+        checked(validate({**base, "trainer": {"fp8": True}, "inference": {**base["inference"], "dtype": "float32"}},
+                         "test"), "test")
 
 
 def test_amx_is_read_from_the_cpu_flags(tmp_path):

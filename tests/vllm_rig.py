@@ -93,7 +93,8 @@ def start_server(run_root: Path, model_path: Path, backend: str = "vllm", **reci
     from prl.launch.processes import make_plan
     from prl.model.tiny import write_model_dir
     from prl.recipe.load import validate
-    from prl.recipe.resolve import resolve, write_configs, write_secret
+    from prl.launch.configs import resolve
+    from prl.recipe.resolve import write_configs, write_secret
 
     inference = {"backend": "vllm", "vllm": SERVER_ARGS} if backend == "vllm" else {"backend": backend}
     data = {"model": {"arch": "qwen3_moe", "path": str(model_path)}, "inference": inference, "run": {"name": "vllm-test"}}

@@ -3,7 +3,7 @@ backend. Everything it needs is the registry's defaults."""
 
 from __future__ import annotations
 
-from prl.backends.registry import BackendSpec
+from prl.backends.spec import BackendSpec
 
 
 class EmbeddedSpec(BackendSpec):

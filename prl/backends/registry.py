@@ -3,72 +3,31 @@
 A backend is one module (or folder) under `prl/backends/` plus one line in `SPECS` below. The spec is
 what the rest of prl asks instead of comparing `inference.backend` with a name:
 
-- the recipe (`prl.recipe.schema`): `check_recipe` (what the backend refuses at validation, naming
-  the key), `owned_args` (arguments prl sets itself), `not_built` (valid settings `prl run` refuses);
+- the recipe checks (`prl.launch.checks`): `check_recipe` (what the backend refuses at validation,
+  naming the key), `owned_args` (arguments prl sets itself), `not_built` (valid settings `prl run`
+  refuses);
 - the driver (`prl.launch.driver`): `preflight` (what it cannot do on this machine, with the reason);
 - the process plan (`prl.launch.processes`): `launch_command` (None: prl's own `python -m prl.inference`);
 - the orchestrator: `make_client` (its `InferenceBackend`);
 - the trainer: `publish_format` ("memory": the model's own names, "hf": Hugging Face checkpoint names);
 - `prl doctor`: `host_packages` (what its hosts must import).
 
-This module and the spec modules import nothing heavy (no torch, no httpx, nothing from prl at
-module level): the recipe schema, the lowest floor that asks, loads them. A spec's methods import
-what they run when called.
+This module and the spec modules (each a `BackendSpec`, `prl.backends.spec`) import nothing heavy (no
+torch, no httpx, nothing from prl but the spec class at module level): the launch's recipe checks
+(`prl.launch.checks`) load them. A spec's methods import what they run when called.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+
+from prl.backends.spec import BackendSpec
 
 # name -> "module:attribute" of its spec, loaded on first use
 SPECS = {
     "embedded": "prl.backends.embedded_spec:SPEC",
     "vllm": "prl.backends.vllm.spec:SPEC",
 }
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """Defaults are the embedded engine's: prl's own server process, memory names, no extra checks."""
-
-    name: str
-    client: str  # "module:Class" of its InferenceBackend
-    publish_format: str = "memory"  # "memory" | "hf"
-    owned_args: dict[str, str] = field(default_factory=dict)  # argument -> the recipe key that sets it
-    host_packages: tuple[tuple[str, str], ...] = ()  # (import name, cluster.extras name) on its hosts
-    # trainer.weight_transfer values its servers take ("collective", "stream": `prl.transport.collective`)
-    weight_paths: tuple[str, ...] = ("folder", "collective", "stream")
-    # its passthrough table [inference.NAME] (any other argument of the engine) is the field of
-    # InferenceCfg named like the backend, when it has one
-
-    def check_recipe(self, recipe) -> None:
-        """Raise ValueError naming the key for a setting this backend can never serve (validation time)."""
-
-    def not_built(self, recipe) -> list[str]:
-        """Valid settings whose implementation for this backend does not exist yet."""
-        path = recipe.trainer.weight_transfer
-        if path not in self.weight_paths:
-            return [f"trainer.weight_transfer = {path!r} with inference.backend = {self.name!r}: its servers' end of "
-                    f"that path is not built yet (built: {', '.join(self.weight_paths)})"]
-        return []
-
-    def preflight(self, recipe, folder) -> str | None:
-        """What this backend cannot do where the recipe's servers run (None: nothing). `folder`: the
-        pretrained folder's facts read on this machine, or None."""
-        return None
-
-    def launch_command(self, cfg, python: str) -> list[str] | None:
-        """The server's command line; None: `python -m prl.inference --config CFG`."""
-        return None
-
-    def client_options(self, tokenizer, cfg) -> dict:
-        """Keyword arguments its client needs beyond url and secret (`cfg`: the orchestrator's config)."""
-        return {}
-
-    def make_client(self, base_url: str, secret: str, max_connections: int = 128, **options):
-        module, _, cls = self.client.partition(":")
-        return getattr(importlib.import_module(module), cls)(base_url, secret, max_connections, **options)
 
 
 def names() -> list[str]:

@@ -14,21 +14,22 @@ import re
 from prl.envs.base import EnvContext, Environment, EnvWorkload, Sampler, Trajectory
 from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.single_turn import SingleTurnEnv
+from prl.recipe.schema import CALLABLE
 
 __all__ = ["BUILTIN", "EnvContext", "EnvWorkload", "Environment", "Episode", "MultiTurnEnv", "Sampler", "SingleTurnEnv",
-           "Trajectory", "env_class", "env_workload", "make_env"]
+           "Trajectory", "env_class", "env_workload", "longest_sample", "make_env"]
 
 BUILTIN = {
     "single_turn": "prl.envs.single_turn:SingleTurnEnv",
     "tools": "prl.envs.tool_env:ToolEnv",
     "code": "prl.envs.code_env:CodeEnv",
 }
-SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+SPEC = re.compile(CALLABLE)
 
 
 def env_class(kind: str) -> type[Environment]:
-    """The class `env.kind` names, checked against the seam; a ValueError (without the key: the
-    recipe's validator adds `env.kind`) saying what to do when it cannot be used."""
+    """The class `env.kind` names, checked against the seam; a ValueError (without the key: the launch's
+    recipe checks, `prl.launch.checks`, add `env.kind`) saying what to do when it cannot be used."""
     spec = BUILTIN.get(kind, kind)
     if not SPEC.fullmatch(spec):
         raise ValueError(f"{kind!r} is neither a built-in environment ({', '.join(BUILTIN)}) nor 'module:Class'")
@@ -79,6 +80,12 @@ def env_workload(env, sampling) -> EnvWorkload:
         raise ValueError(f"env.kind = {env.kind!r}: workload() must return an EnvWorkload with turns >= 1, "
                          f"env_tokens_per_turn >= 0 and max_tokens >= 1, got {w!r}")
     return w
+
+
+def longest_sample(env, task, sampling) -> int:
+    """A sample's tokens at most: the task's longest prompt (`TaskCfg.longest_prompt`) and what follows it
+    (one turn: sampling.max_tokens; with turns, every turn's model and environment tokens)."""
+    return task.longest_prompt() + env_workload(env, sampling).max_tokens
 
 
 def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_replay: bool,

@@ -22,8 +22,9 @@ from prl.launch.hosts import Host, HostError, LocalHost
 from prl.launch.placement import links_needed, ports_needed
 from prl.launch.processes import ProcessSpec, make_plan
 from prl.launch.provision import provision, venv_dir
+from prl.launch.configs import resolve
 from prl.launch.supervisor import Supervisor
-from prl.recipe.resolve import WORKSTATION, ProcessConfig, resolve, write_configs, write_secret
+from prl.recipe.resolve import WORKSTATION, ProcessConfig, write_configs, write_secret
 from prl.recipe.schema import Recipe
 
 

@@ -23,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from prl.backends import registry
+from prl.envs import env_class
 from prl.inference.kv_master import MOONCAKE_PROBE
 from prl.launch.hosts import Host, HostError, SshHost, SshTarget
 from prl.launch.placement import Link
@@ -148,7 +149,7 @@ def role_needs(recipe) -> dict[str, list[str]]:
     pool's hosts) and a working sandbox (an environment that needs it: the sandbox workers' hosts)."""
     p = recipe.placement_or_default()
     needs: dict[str, list[str]] = {}
-    if recipe.env.env_class().needs_sandbox:
+    if env_class(recipe.env.kind).needs_sandbox:
         for h in p.sandbox or p.inference:
             needs.setdefault(h, []).append(f"sandbox:{recipe.env.sandbox.isolation}")
     if recipe.model.path:

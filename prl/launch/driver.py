@@ -22,7 +22,10 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.backends import registry
+from prl.envs import env_class, longest_sample
 from prl.system import gpu_present  # noqa: F401 - re-exported: tests ask the driver
+from prl.launch import checks
+from prl.launch.configs import resolve
 from prl.launch.faults import Faults, RestartFailed
 from prl.launch.processes import format_plan, make_plan
 from prl.launch.hosts import NO_STATUS, HostError, LocalHost
@@ -30,9 +33,9 @@ from prl.launch.supervisor import Supervisor
 from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
 from prl.metrics import EventLog
 from prl.model.weights import WEIGHTS_PREFIX, published_versions, sealed, version_dir
-from prl.recipe.load import RecipeError, apply_override, validate
+from prl.recipe.load import RecipeError, apply_override, set_keys, validate
 from prl.recipe.reference import recipe_toml
-from prl.recipe.resolve import resolve, write_configs, write_secret
+from prl.recipe.resolve import write_configs, write_secret
 from prl.transport.ports import PORTS
 from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
@@ -84,7 +87,7 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
     console.print(plan_summary(recipe), markup=False, highlight=False)
     if recipe.trainer.lora.enabled:
         console.print(lora_line(recipe), markup=False, highlight=False)
-    for item in recipe.not_built():
+    for item in checks.not_built(recipe):
         console.print(f"prl run would refuse: {item}", style="yellow", markup=False, highlight=False)
     return 0
 
@@ -97,7 +100,7 @@ def lora_line(recipe: Recipe) -> str:
 
 
 def refuse_not_built(recipe: Recipe) -> None:
-    missing = recipe.not_built()
+    missing = checks.not_built(recipe)
     if missing:
         raise RunStopped("not built yet, nothing was started (`--dry-run` and `prl plan` show the plan):\n  "
                          + "\n  ".join(missing))
@@ -132,7 +135,7 @@ def check_model(recipe: Recipe, folder) -> None:
     if folder is None:
         return
     m = recipe.model
-    longest = recipe.longest_sample()
+    longest = longest_sample(recipe.env, recipe.task, recipe.sampling)
     if folder.max_position_embeddings and longest > folder.max_position_embeddings:
         raise RecipeError(f"model.path: {m.path} holds {folder.max_position_embeddings} positions, shorter than the "
                           f"longest sample ({longest} tokens); lower sampling.max_tokens")
@@ -237,7 +240,7 @@ def check_env(recipe: Recipe) -> None:
                 load_tool(spec)
     except ValueError as e:
         raise RecipeError(f"invalid environment, nothing was started: {e}") from None
-    if recipe.env.env_class().needs_sandbox and recipe.cluster is None:
+    if env_class(recipe.env.kind).needs_sandbox and recipe.cluster is None:
         from prl.sandbox import SandboxUnavailable, check
 
         try:
@@ -266,7 +269,7 @@ def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
 
 
 def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
-    """The run's recipe plus `--set` overrides (e.g. more steps), validated; writes nothing."""
+    """The run's recipe plus `--set` overrides (e.g. more steps), validated and checked; writes nothing."""
     source = run_dir / "recipe.json"
     if not source.is_file():
         raise RunStopped(f"{run_dir}: not a prl run directory (no recipe.json); `prl runs` lists the runs")
@@ -276,7 +279,8 @@ def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
         raise RunStopped(f"{source}: unreadable ({type(e).__name__}: {e}); the run cannot be resumed") from None
     for item in overrides:
         apply_override(data, item, source)
-    return validate(data, str(source), set_keys=[item.partition("=")[0].strip() for item in overrides])
+    given = set_keys(overrides)
+    return checks.checked(validate(data, str(source), set_keys=given), str(source), given)
 
 
 def prepare_resume(run_dir: Path, recipe: Recipe) -> None:

@@ -64,7 +64,8 @@ def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
     from prl.launch.hosts import LocalHost
     from prl.launch.processes import make_plan
     from prl.launch.supervisor import Supervisor
-    from prl.recipe.resolve import resolve, write_configs, write_secret
+    from prl.launch.configs import resolve
+    from prl.recipe.resolve import write_configs, write_secret
 
     configs = resolve(recipe, work_dir, write_secret(work_dir))
     write_configs(configs, work_dir)
@@ -134,8 +135,9 @@ def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, s
            overrides: list[str]) -> tuple[Recipe, Path, Path, int | None]:
     """(recipe, model folder, work folder, checkpoint step) of what `prl eval` was asked to score; EvalError
     naming what is wrong (nothing is started or written before every check passed)."""
+    from prl.launch.checks import load
     from prl.launch.driver import RunStopped, load_resume
-    from prl.recipe import RecipeError, load_recipe
+    from prl.recipe import RecipeError
 
     if (run_dir is None) == (model is None):
         raise EvalError("give a run directory (prl eval runs/NAME --step N) or --model HF_DIR --recipe RECIPE")
@@ -149,7 +151,7 @@ def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, s
                 raise EvalError("--model needs --recipe: the recipe's [eval.<name>] sets and inference say what to run")
             if not model.is_dir():
                 raise EvalError(f"--model {model}: no such folder (give a Hugging Face model folder)")
-            recipe = load_recipe(recipe_path, overrides)
+            recipe = load(recipe_path, overrides)
     except (RunStopped, RecipeError) as e:
         raise EvalError(str(e)) from None
     if not recipe.eval:

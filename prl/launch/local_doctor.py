@@ -6,7 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from prl.launch import driver
+from prl.envs import env_class
+from prl.launch import checks, driver
 from prl.launch.wandb_log import check_wandb
 from prl.recipe.load import RecipeError
 
@@ -34,7 +35,7 @@ def check_local(recipe, console: Console) -> list[str]:
 
     def task():
         driver.check_task(recipe)  # the environment too, and the sandbox where it runs programs
-        sandbox = f", sandbox ({recipe.env.sandbox.isolation}) runs programs" if recipe.env.env_class().needs_sandbox else ""
+        sandbox = f", sandbox ({recipe.env.sandbox.isolation}) runs programs" if env_class(recipe.env.kind).needs_sandbox else ""
         return f"{recipe.task.name}, env {recipe.env.kind}{sandbox}"
 
     def wandb():
@@ -42,7 +43,7 @@ def check_local(recipe, console: Console) -> list[str]:
         return "W&B importable" if recipe.run.wandb else "not used"
 
     def built():
-        missing = recipe.not_built()
+        missing = checks.not_built(recipe)
         if missing:
             raise RecipeError("not built yet: " + "; ".join(missing))
         return "every option is built"

@@ -1,7 +1,11 @@
-"""Load a TOML recipe, apply `--set key=value` overrides, validate; errors name the key and the file."""
+"""Load a TOML recipe, apply `--set key=value` overrides, validate; errors name the key and the file.
+
+This is the schema's validation; what needs the classes a recipe names is checked on top of it where the
+run is launched (`prl.launch.checks.load`)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
         apply_override(data, item, path)
-    return validate(data, str(path), set_keys=[item.partition("=")[0].strip() for item in overrides or []])
+    return validate(data, str(path), set_keys=set_keys(overrides))
+
+
+def set_keys(overrides: list[str] | None) -> list[str]:
+    """The dotted keys `--set KEY=VALUE` overrides give."""
+    return [item.partition("=")[0].strip() for item in overrides or []]
 
 
 def validate(data: dict[str, Any], source: str, set_keys: list[str] = ()) -> Recipe:
@@ -55,6 +64,13 @@ def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -
         given = next((k for k in set_keys if key == k or key.startswith(k + ".")), None)
         lines.append(f"--set {given}: {msg}" if given else f"{source}: {key}: {msg}")
     return "\n".join(lines)
+
+
+def refusal(msg: str, source: str, set_keys: list[str] = ()) -> str:
+    """One line for a refusal whose message starts with its dotted key, named like a schema error: the
+    file, or the `--set` that gave the key."""
+    given = any(re.match(rf"{re.escape(k)}\b", msg) for k in set_keys)
+    return f"--set {msg}" if given else f"{source}: {msg}"
 
 
 def apply_override(data: dict[str, Any], item: str, source: Path) -> None:

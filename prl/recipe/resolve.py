@@ -15,6 +15,9 @@ machine and a cluster alike. A machine without `[cluster]` is laid out as a clus
 - sandbox workers (an environment class that declares `needs_sandbox`, e.g. `env.kind = "code"`):
   `env.sandbox.workers` on this machine (loopback), or one per `placement.sandbox` host (default: the
   inference hosts) on `cluster.sandbox_port`;
+- what the classes the recipe names say (the backend's publish format, the environment's need of a
+  sandbox) comes in as `Facts`, looked up by the launch layer (`prl.launch.configs`): this module
+  imports none of them;
 - ports: on one machine every port is chosen free and distinct within the resolve (`PortPicker`;
   a role that finds its port taken at bind time takes another, see `prl.transport.ports`); on a
   cluster they are configured (`cluster.*_port`, `inference.kv_pool.port`, default 50051).
@@ -28,7 +31,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.backends import registry
 from prl.recipe.roles import (
     EngineWorkerConfig,
     KvMasterConfig,
@@ -41,7 +43,7 @@ from prl.recipe.roles import (
 )
 from prl.recipe.schema import HostCfg, Recipe
 
-__all__ = ["ProcessConfig", "load_process_config", "resolve", "write_configs", "write_secret", "free_port"]
+__all__ = ["Facts", "ProcessConfig", "load_process_config", "resolve", "write_configs", "write_secret", "free_port"]
 
 LOCAL = "local"
 WORKSTATION = "workstation"
@@ -76,6 +78,14 @@ def write_secret(run_dir: Path) -> Path:
         path.touch(mode=0o600)
         path.write_text(secrets.token_urlsafe(32))
     return path
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What resolution asks of the classes the recipe names (`prl.launch.configs.facts` looks them up)."""
+
+    publish_format: str  # the backend's weight names, "memory" | "hf" (`BackendSpec.publish_format`)
+    sandbox: bool  # the environment class declares `needs_sandbox`: the run has sandbox workers
 
 
 @dataclass(frozen=True)
@@ -147,9 +157,9 @@ class Layout:
         return (base, base + 1, base + 2) if base else (self.pick(), self.pick(), self.pick())
 
 
-def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> list[ProcessConfig]:
-    """One config per process: the KV pool's master (if any), the servers, the orchestrator, the
-    trainer (one per trainer host)."""
+def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None, *, facts: Facts) -> list[ProcessConfig]:
+    """One config per process: the KV pool's master (if any), the servers, the sandbox workers (if any), the
+    orchestrator, the trainer (one per trainer host). `prl.launch.configs.resolve` passes the `facts`."""
     lay = Layout(recipe, Path(run_dir))
     env = recipe.cluster.env if recipe.cluster is not None else {}
 
@@ -158,27 +168,26 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None) -> l
         return dict(run_dir=pl.run_dir, secret_file=secret, node=pl.node, run=recipe.run, process_env=env,
                     port_fallback=picked and pl.node == LOCAL)
 
-    trainers = trainer_configs(recipe, lay, common)
+    trainers = trainer_configs(recipe, lay, common, facts.publish_format)
     trainer_url = f"http://{trainers[0].host}:{trainers[0].port}"
     servers, workers = engines(recipe, server_configs(recipe, lay, common, trainer_url))
     if recipe.trainer.weight_transfer != "folder":  # rank 0 forms the weight group with every server
         for t in trainers:
             t.servers = [f"http://{s.host}:{s.port}" for s in servers]
     pool = kv_master_configs(recipe, lay, common, [*servers, *workers])  # every engine rank joins the pool
-    sandboxes = sandbox_configs(recipe, lay, common)
+    sandboxes = sandbox_configs(recipe, lay, common) if facts.sandbox else []
     orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
     orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
     return [*pool, *servers, *workers, *sandboxes, orch, *trainers]
 
 
-def trainer_configs(recipe: Recipe, lay: Layout, common) -> list[TrainerConfig]:
-    backend = registry.get(recipe.inference.backend)
+def trainer_configs(recipe: Recipe, lay: Layout, common, publish_format: str) -> list[TrainerConfig]:
     port, world = lay.trainer_port(), recipe.trainer_world()
     rendezvous = f"{lay.first.address}:{recipe.cluster.rendezvous_port}" if recipe.cluster is not None else ""
     return [TrainerConfig(
         name="trainer" if len(lay.trainers) == 1 else f"trainer-{i}", host=pl.address, port=port, index=i,
         model=recipe.model, task=recipe.task, env=recipe.env, sft=recipe.sft, rl=recipe.rl, sampling=recipe.sampling,
-        trainer=recipe.trainer, publish_format=backend.publish_format, publish_fp8=recipe.inference.fp8,
+        trainer=recipe.trainer, publish_format=publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
         rendezvous=rendezvous, threads=recipe.trainer.threads, eval_points=recipe.eval_points(),
         await_orchestrator=bool(recipe.eval), **common(pl),
@@ -247,9 +256,7 @@ def kv_master_configs(recipe: Recipe, lay: Layout, common, servers: list[ServerC
 
 
 def sandbox_configs(recipe: Recipe, lay: Layout, common) -> list[SandboxConfig]:
-    """For an environment that needs the sandbox (`env.kind = "code"`), the workers model-written code runs in."""
-    if not recipe.env.env_class().needs_sandbox:
-        return []
+    """The workers model-written code runs in (for an environment that needs the sandbox, `env.kind = "code"`)."""
     return [SandboxConfig(name=f"sandbox-{i}", host=pl.address, port=lay.sandbox_port(), index=i,
                           sandbox=recipe.env.sandbox, **common(pl))
             for i, pl in enumerate(lay.sandbox_places)]

@@ -1,6 +1,9 @@
 """The recipe schema: one pydantic model per TOML section.
 
-Imports without torch. Every model forbids unknown keys; validators only check, they never
+Pure data and the checks that need no project module: it imports nothing of what it configures (no
+environment, task, model family or backend), and no torch. The checks that need the classes a recipe
+names (the environment's seam and workload, a family's spec, a backend's refusals) run where the run is
+launched, `prl.launch.checks`. Every model forbids unknown keys; validators only check, they never
 rewrite the config (derived values live in `prl.recipe.resolve`).
 """
 
@@ -12,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prl.backends import registry
-from prl.model import families
 from prl.parallel_dims import ParallelDims
+
+# a user's function or class, "module:name" (task.dataset, task.reward, env.tools, env.kind, `prl.envs`)
+CALLABLE = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
 
 
 class Section(BaseModel):
@@ -61,7 +65,7 @@ class ModelCfg(Section):
     With `path`, every process loads that folder's weights (`model.safetensors`, or shards listed in
     `model.safetensors.index.json`); the tiny-model keys below are then unused."""
 
-    arch: Literal[tuple(families.with_feature("tiny"))] = "glm_moe_dsa"
+    arch: Literal["glm_moe_dsa", "qwen3_moe"] = "glm_moe_dsa"  # prl.model.families.with_feature("tiny")
     """The model family: what a tiny model is built as (`prl.model.tiny`); with `path`, what `prl plan` assumes when
     the folder is not on this machine."""
     path: str | None = None
@@ -109,10 +113,10 @@ class TaskCfg(Section):
     name: str = "reverse"
     """A built-in task (reverse, reverse_long_tail, sort, add), "custom" (task.dataset and task.reward), or
     `reasoning_gym:<name>`."""
-    dataset: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    dataset: str | None = Field(None, pattern=rf"^{CALLABLE}$")
     """A dataset function as "module:function" ((index, seed, min_len, max_len) -> {"prompt", "answer", ...}); replaces
     the named task's dataset; needed by name = "custom"."""
-    reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    reward: str | None = Field(None, pattern=rf"^{CALLABLE}$")
     """A reward function as "module:function" ((completion, example) -> a float in [0, 1]); replaces the named task's
     reward; needed by name = "custom"."""
     min_len: int = Field(3, gt=0)
@@ -133,6 +137,10 @@ class TaskCfg(Section):
             return v
         raise ValueError(f"task.name = {v!r}: one of reverse, reverse_long_tail, sort, add, custom, or "
                          f"reasoning_gym:<name>")
+
+    def longest_prompt(self) -> int:
+        """The longest prompt in tokens, sized from max_len: about 2 tokens a character plus the framing."""
+        return self.max_len * 2 + 8
 
     def same_data(self, other: "TaskCfg") -> bool:
         """Whether `other` draws the same examples at the same index (its reward may differ)."""
@@ -188,17 +196,10 @@ class SandboxCfg(Section):
     """Sandbox worker processes on one machine (a cluster: one per sandbox host, placement.sandbox)."""
 
 
-def envs():
-    """`prl.envs`, loaded by name when a recipe is validated, as the backend registry loads its specs: importing
-    the schema imports no environment code and no user module (`env.kind = "module:Class"`)."""
-    import importlib
-
-    return importlib.import_module("prl.envs")
-
-
 class EnvCfg(Section):
     """The environment a rollout runs in (`prl.envs`): one turn (today's tasks), turns with tools, or
-    turns whose code runs in the sandbox. Per turn the model samples up to `sampling.max_tokens`."""
+    turns whose code runs in the sandbox. Per turn the model samples up to `sampling.max_tokens`. The class
+    `kind` names is asked what it needs (`prl.envs.env_class`), never the name; it is checked at launch."""
 
     kind: str = "single_turn"
     """The environment: "single_turn" (one completion per prompt), "tools" (turns that call env.tools), "code" (turns
@@ -229,26 +230,11 @@ class EnvCfg(Section):
     sandbox: SandboxCfg = SandboxCfg()
     """kind = "code": where the programs run (limits, workers)."""
 
-    @field_validator("kind")
-    @classmethod
-    def _environment_class(cls, v: str) -> str:
-        envs().env_class(v)  # a ValueError saying what to do: not importable, not an Environment, lacks the seam
-        return v
-
-    def env_class(self):
-        """The class `kind` names (`prl.envs.env_class`): the rest of prl asks it what it needs (turns, the
-        sandbox, its workload), never the name."""
-        return envs().env_class(self.kind)
-
-    def workload(self, sampling: "SamplingCfg"):
-        """What a trajectory holds (`prl.envs.EnvWorkload`: turns, environment tokens, the longest)."""
-        return envs().env_workload(self, sampling)
-
     @model_validator(mode="after")
     def _tools(self):
         if self.kind == "tools" and not self.tools:
             raise ValueError("env.kind = 'tools' needs env.tools, e.g. ['mypkg.tools:lookup']")
-        bad = [t for t in self.tools if not re.fullmatch(r"[\w.]+:\w+", t)]
+        bad = [t for t in self.tools if not re.fullmatch(CALLABLE, t)]
         if bad:
             raise ValueError(f"env.tools: {bad[0]!r} is not 'module:function'")
         return self
@@ -796,25 +782,12 @@ class InferenceCfg(Section):
             raise ValueError(f"inference.data_parallel_local ({self.data_parallel_local}) x hosts_per_engine "
                              f"({self.hosts_per_engine}) must equal inference.data_parallel_size "
                              f"({self.data_parallel_size}); or leave data_parallel_local at 0")
-        changed = [k for k in LAYOUT_KEYS if getattr(self, k) != type(self).model_fields[k].default]
-        if changed and not getattr(registry.get(self.backend), "serves_layouts", False):
-            raise ValueError(f"inference.{changed[0]}: only used with inference.backend = 'vllm'; the "
-                             f"{self.backend!r} engine runs one replica per server (inference.num_servers or "
-                             f"[placement]), keeps its KV in the compute dtype and does not decode speculatively")
         return self
 
     @model_validator(mode="after")
     def _backend_options(self):
-        spec = registry.get(self.backend)  # an unknown name is refused, listing the registered ones
-        for name in registry.names():  # each backend's passthrough table, e.g. [inference.vllm]
-            options = getattr(self, name, None) or {}
-            if options and name != self.backend:
-                raise ValueError(f"inference.{name}: only used with inference.backend = {name!r}")
-        own = sorted(k for k in (getattr(self, self.backend, None) or {}) if k.replace("-", "_") in spec.owned_args)
-        if own:
-            k = own[0]
-            raise ValueError(f"inference.{self.backend}.{k}: prl sets --{k.replace('_', '-')} itself (from "
-                             f"{spec.owned_args[k.replace('-', '_')]}); remove it")
+        """What needs no backend spec (the backend's name, arguments and layouts are checked at launch:
+        `prl.launch.checks`)."""
         if self.compile and self.backend != "embedded":
             raise ValueError(f"inference.compile: compiles the embedded engine's forwards; the {self.backend!r} "
                              f"backend compiles by its own options (inference.{self.backend})")
@@ -1109,31 +1082,14 @@ class Recipe(Section):
         moe = self.model.path is None and self.model.first_dense_layers < self.model.num_layers
         par.check(self.trainer_world(), self.model.num_experts if self.model.path is None else None,
                   self.trainer.nproc)
-        if par.cp > 1 and self.model.arch not in families.with_feature("cp"):
-            raise ValueError(f"trainer.parallel.cp > 1: context parallelism is built for GLM-5's DSA attention "
-                             f"(model.arch in {families.with_feature('cp')}), not {self.model.arch!r}")
         if par.ep > 1 and self.model.path is None and not moe:
             raise ValueError("trainer.parallel.ep > 1 needs an MoE model, but every layer is dense")
         return self
 
-    @model_validator(mode="after")
-    def _lora_targets(self):
-        """A tiny model's LoRA targets select some module (a pretrained folder's: checked by `prl run` from its tensor
-        names before anything starts; on a cluster, where the folder lives on the hosts, when the trainer loads it)."""
-        lora, m = self.trainer.lora, self.model
-        if not lora.enabled or m.path is not None:
-            return self
-        groups = families.FAMILIES[m.arch].lora_groups
-        present = {"attention": True, "mlp": m.first_dense_layers > 0, "shared_experts": bool(groups.get("shared_experts")),
-                   "routed_experts": m.first_dense_layers < m.num_layers}
-        if not any(present[g] for g in lora.targets):
-            raise ValueError(f"trainer.lora.targets = {lora.targets}: model.arch {m.arch!r} (model.first_dense_layers = "
-                             f"{m.first_dense_layers}) has no module in these groups; add 'attention'")
-        return self
-
     def not_built(self) -> list[str]:
         """Valid settings whose implementation does not exist yet: `prl plan` and `--dry-run` take
-        them (the flagship plan needs them), `prl run` refuses them before starting anything."""
+        them (the flagship plan needs them), `prl run` refuses them before starting anything. The
+        recipe's own; `prl.launch.checks.not_built` adds the backend's."""
         out = []
         pool = self.inference.kv_pool
         if pool.enabled and pool.protocol == "rdma":
@@ -1142,7 +1098,7 @@ class Recipe(Section):
             out.append("trainer.checkpoint_format = 'sharded' with the trainer on several hosts needs "
                        "cluster.shared_checkpoints (a folder every trainer host mounts): every rank may read every "
                        "host's shards when it resumes; set it, or use 'auto'")
-        return out + self.lora_not_built() + registry.get(self.inference.backend).not_built(self)
+        return out + self.lora_not_built()
 
     def lora_not_built(self) -> list[str]:
         lora, out = self.trainer.lora, []
@@ -1171,36 +1127,10 @@ class Recipe(Section):
         return len(self.placement.trainer) if self.placement is not None else 1
 
     @model_validator(mode="after")
-    def _backend_rules(self):
-        registry.get(self.inference.backend).check_recipe(self)
-        return self
-
-    def longest_sample(self) -> int:
-        """Prompt (task text, about 2 tokens per character plus framing) and completion (one turn, or
-        every turn's model and environment tokens), in tokens."""
-        after = self.env.workload(self.sampling).max_tokens  # single turn: sampling.max_tokens
-        return self.task.max_len * 2 + 8 + after
-
-    @model_validator(mode="after")
     def _cross(self):
-        longest = self.longest_sample()
-        if self.model.path is None and longest > self.model.max_position_embeddings:  # a folder: checked by prl run
-            raise ValueError(
-                f"model.max_position_embeddings ({self.model.max_position_embeddings}) is shorter than the "
-                f"longest sample ({longest} tokens); raise it or lower sampling.max_tokens"
-            )
-        if self.trainer.micro_batch_tokens < longest:
-            raise ValueError(
-                f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold one whole sample "
-                f"({longest} tokens)"
-            )
-        if self.rl.credit == "turn" and not self.env.env_class().multi_turn:
-            raise ValueError(f"rl.credit = 'turn' needs a multi-turn environment (e.g. env.kind = 'code' or 'tools'); "
-                             f"env.kind = {self.env.kind!r} has one turn: use 'trajectory'")
-        if self.sft.steps_for(self.model) and not self.env.env_class().has_demonstrations():
-            raise ValueError(f"sft.steps: the warm start learns from demonstrations and env.kind = "
-                             f"{self.env.kind!r} has none: set sft.steps = 0 (a tiny model's default is 40) or "
-                             f"write demonstration(index)")
+        """What the RL settings ask of each other. (The sample's length against the model and the micro-batch,
+        and what turn credit and the warm start ask of the environment class, are checked at launch:
+        `prl.launch.checks`.)"""
         if self.rl.credit == "turn" and self.trainer.loss.correction == "gspo":
             raise ValueError("trainer.loss.correction = 'gspo' gives each sample one advantage; rl.credit = 'turn' gives "
                              "each turn its own: use 'gspo_token' (GSPO's token variant), or rl.credit = 'trajectory'")
@@ -1248,16 +1178,6 @@ def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
     if ev.draws_training_data(recipe.task) and start < reach:
         raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
                          f"rl.batch_size / rl.group_size, with rl.overprovision and rl.max_filtered_per_step): leave it unset, or set it >= {reach}")
-    env = ev.env or recipe.env
-    if env.env_class().needs_sandbox and not recipe.env.env_class().needs_sandbox:
-        raise ValueError(f"{key}.env: env.kind = {env.kind!r} runs model-written code, and the run starts sandbox "
-                         f"workers only for a training environment that does; evaluate it in a run that trains on it")
-    turn = ev.max_tokens or recipe.sampling.max_tokens
-    longest = (ev.task or recipe.task).max_len * 2 + 8 + env.workload(recipe.sampling.model_copy(
-        update={"max_tokens": turn})).max_tokens
-    if recipe.model.path is None and longest > recipe.model.max_position_embeddings:
-        raise ValueError(f"{key}.max_tokens: the set's longest sample ({longest} tokens) is longer than "
-                         f"model.max_position_embeddings ({recipe.model.max_position_embeddings}); lower it")
 
 
 def check_placement(cluster: ClusterCfg, p: PlacementCfg, trainer_nproc: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prl.envs import env_class, env_workload
 from prl.recipe.schema import Recipe
 
 Z99 = 2.3263  # the standard normal's 99th percentile
@@ -76,15 +77,15 @@ def workload(recipe: Recipe) -> Workload:
     `[plan]` keys (each printed with the plan). Multi-turn defaults: env.max_turns turns, a result of
     env.max_env_chars (4 characters a token) after each turn but the last, at most half of
     env.max_total_tokens; the model's tokens a share (plan.completion_fraction) of the rest."""
-    pl, env = recipe.plan, recipe.env.workload(recipe.sampling)
-    prompt = float(pl.prompt_tokens or recipe.longest_sample() - env.max_tokens)
+    pl, env = recipe.plan, env_workload(recipe.env, recipe.sampling)
+    prompt = float(pl.prompt_tokens or recipe.task.longest_prompt())
     turns = pl.turns or float(env.turns)
     per_turn = pl.env_tokens_per_turn or env.env_tokens_per_turn
     env_tokens = per_turn * (turns - 1)
     if not pl.env_tokens_per_turn:  # the default: the environment's tokens take at most half the budget
         env_tokens = min(env_tokens, env.max_tokens / 2)
     # one turn: the model's budget is the whole of it (plan keys for turns have no room to take)
-    budget = max(env.max_tokens - env_tokens, 1) if recipe.env.env_class().multi_turn else env.max_tokens
+    budget = max(env.max_tokens - env_tokens, 1) if env_class(recipe.env.kind).multi_turn else env.max_tokens
     p99 = float(pl.p99_tokens or prompt + env.max_tokens)
     return Workload(prompt, pl.completion_fraction * budget, env_tokens, turns, pl.env_seconds_per_turn * (turns - 1),
                     p99, recipe.rl.batch_size, recipe.rl.group_size)

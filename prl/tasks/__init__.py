@@ -8,7 +8,6 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from prl.recipe.schema import TaskCfg
 from prl.tasks.builtin import BUILTIN
 
 
@@ -39,9 +38,10 @@ def import_function(spec: str, key: str) -> Callable:
     return fn
 
 
-def make_task(cfg: TaskCfg, seed: int) -> Task:
-    """The recipe's task; a ValueError naming the key when a function, a reasoning-gym task or its
-    options cannot be used (`prl run` turns it into a refusal before anything starts)."""
+def make_task(cfg, seed: int) -> Task:
+    """The recipe's task (`cfg`: its `prl.recipe.schema.TaskCfg`); a ValueError naming the key when a function,
+    a reasoning-gym task or its options cannot be used (`prl run` turns it into a refusal before anything
+    starts)."""
     dataset, reward = BUILTIN.get(cfg.name, (None, None))
     if cfg.name.startswith("reasoning_gym:"):
         from prl.tasks.reasoning_gym import reasoning_gym_task

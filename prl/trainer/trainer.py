@@ -24,7 +24,7 @@ from prl.metrics import EventLog, reporting_errors
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
-from prl.envs import make_env
+from prl.envs import env_workload, make_env
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
@@ -76,7 +76,7 @@ class Trainer:
         self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
         self.published_here = False  # a version published by this process (the first is written whole)
         # trainer.loss.normalize = "constant": rl.batch_size x the longest completion the recipe allows
-        self.norm_constant = r.rl.batch_size * r.env.workload(r.sampling).max_tokens
+        self.norm_constant = r.rl.batch_size * env_workload(r.env, r.sampling).max_tokens
 
     # ---- setup ----
     def setup(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from prl.backends.registry import BackendSpec
+from prl.backends.spec import BackendSpec
 from prl.model.families import FAMILIES
 
 # vLLM arguments prl sets itself (`prl.backends.vllm.launch`): the recipe key that controls each
