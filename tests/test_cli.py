@@ -64,6 +64,10 @@ CASES = {
     "run: --resume missing": (["run", "--resume", "{d}/missing", "--dry-run"], "missing"),
     "run: --resume corrupt": (["run", "--resume", "{d}/corrupt", "--dry-run"], "recipe.json"),
     "run: unknown option": (["run", str(RECIPE), "--bogus"], "--bogus"),
+    "run: whole-sample objective under CP": (
+        ["run", str(RECIPE), "--dry-run", "--set", 'trainer.loss.correction="gspo_token"', "--set",
+         'trainer.loss.normalize="token"', "--set", 'model.arch="glm_moe_dsa"', "--set", "trainer.nproc=2",
+         "--set", "trainer.parallel.cp=2"], "trainer.loss.correction = 'gspo_token' needs trainer.parallel.cp = 1"),
     "plan: missing file": (["plan", "{d}/missing.toml"], "not found"),
     "plan: unknown key": (["plan", "{d}/unknown_key.toml"], "lrr"),
     "doctor: missing file": (["doctor", "{d}/missing.toml"], "not found"),

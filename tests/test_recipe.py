@@ -40,8 +40,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[inference]\nbackend = 'vllm'\ncompile = true\n", "inference", "compiles by its own options"),
     ("[inference]\ncompile = true\n[trainer]\nrouter_replay = true\n", "trainer.router_replay", "eager forwards"),
     ("[trainer]\nshare_prompts = true\nnproc = 2\n[trainer.parallel]\ncp = 2\n", "trainer", "needs trainer.parallel.cp = 1"),
-    ("[trainer]\nnproc = 2\n[trainer.parallel]\ncp = 2\n[trainer.loss]\ncorrection = 'seq_mask'\n", "trainer",
-     "the objective needs the whole sample's mean"),
+    ("[trainer]\nnproc = 2\n[trainer.parallel]\ncp = 2\n[trainer.loss]\nnormalize = 'sequence'\n", "trainer",
+     "sequence normalisation divides by the whole sample's loss tokens"),
 ])
 def test_bad_recipe_names_key_and_file(tmp_path, text, key, words):
     path = write(tmp_path, text)

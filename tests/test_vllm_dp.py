@@ -117,6 +117,10 @@ def per_engine(srv, metric: str) -> dict[str, float]:
 @pytest.mark.gpu
 def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
     require_cuda_vllm()
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"two data-parallel engines need 2 GPUs, {torch.cuda.device_count()} here")
     folder = make_pretrained(tmp_path / "qwen3-tiny", shard="300KB")
     srv = start_server(tmp_path, folder, inference__data_parallel_size=2, inference__expert_parallel=True)
     try:
