@@ -451,7 +451,7 @@ class LossCfg(Section):
     def _objective(cls, v: str) -> str:
         if v in BUILTIN_OBJECTIVES:
             return v
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+        if not re.fullmatch(CALLABLE, v):
             raise ValueError(f"trainer.loss.correction = {v!r}: one of {', '.join(BUILTIN_OBJECTIVES)}, or your own "
                              f"objective as 'module:function'")
         return v
