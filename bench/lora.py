@@ -20,7 +20,7 @@ and the trainer rank's peak RSS (`trainer_step.peak_rss_mb`, the process's high-
 
 Serving (in this process, no servers): how the embedded engine takes an adapter. Unmerged, every target runs
 its base GEMM plus two thin ones on every forward; merged on load, an update costs one `W + B' @ A` per target
-(`prl.model.lora.AdapterBase.apply`, the base's targets cached) and forwards cost the base's. On reverse-tiny's
+(`prl.model.policy.Version.merge`, the base's targets cached) and forwards cost the base's. On reverse-tiny's
 model and the larger one: the forward of a 64 x 16 batch, base (= merged) and unmerged (median of 20), and one
 merge; `unmerged_over_merged_forward` and `merge_over_forward` per model.
 
@@ -133,6 +133,7 @@ def serving_of(name: str, cfg: dict, tmp: Path) -> dict:
 
     from prl.model.build import build_model
     from prl.model.lora import AdapterBase, adapter_params, apply_lora, wire_state
+    from prl.model.policy import Version
     from prl.model.tiny import write_model_dir
     from prl.model.weights import write_weights
     from prl.recipe.schema import ModelCfg
@@ -143,13 +144,12 @@ def serving_of(name: str, cfg: dict, tmp: Path) -> dict:
     apply_lora(lora, "glm_moe_dsa", 8, 32.0, 0.0, ["attention", "mlp", "shared_experts"])
     adapter = wire_state({k: v.detach() for k, v in adapter_params(lora).items()}, 4.0)
     write_weights(tmp / name / "v0", base.state_dict(), {"version": 0})
-    merge = AdapterBase(lambda v: tmp / name / f"v{v}")
-    meta = {"adapter": {"base": 0}}
-    merge.apply(adapter, meta)  # the base's targets read once, as a server does on its first adapter
+    source, form = AdapterBase(lambda v: tmp / name / f"v{v}"), Version.of({"adapter": {"base": 0}})
+    form.merge(adapter, source)  # the base's targets read once, as a server does on its first adapter
     ids = torch.randint(3, 20, (64, 16))
     with torch.no_grad():
         merged_s, unmerged_s = timed(lambda: base(ids)), timed(lambda: lora(ids))
-    merge_s = timed(lambda: merge.apply(adapter, meta), reps=5)
+    merge_s = timed(lambda: form.merge(adapter, source), reps=5)
     return {f"{name}_merged_forward_s": round(merged_s, 5), f"{name}_unmerged_forward_s": round(unmerged_s, 5),
             f"{name}_merge_s": round(merge_s, 5), f"{name}_unmerged_over_merged_forward": round(unmerged_s / merged_s, 3),
             f"{name}_merge_over_forward": round(merge_s / merged_s, 3)}

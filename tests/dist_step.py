@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from prl.model.build import build_model
 from prl.model.families import routed_experts
 from prl.model.routing import Replay, routers
-from prl.recipe.schema import TrainerCfg
+from prl.model.policy import LoraPolicy, Reference
+from prl.recipe.schema import LoraCfg, TrainerCfg
 from prl.trainer import context_parallel
 from prl.trainer.parallelize import Parallel
 from prl.trainer.step import forward_backward
@@ -166,10 +167,10 @@ def main(model_dir: str, out: str, tcfg_json: str, replay: bool) -> None:  # noq
     record_logprobs(seen, rows)
     before = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     reference = None
-    if "--reference" in sys.argv and "--lora" in sys.argv:
-        reference = par.model
+    if "--reference" in sys.argv and "--lora" in sys.argv:  # the policy's model, adapters off, as a LoRA run's
+        reference = LoraPolicy(LoraCfg(rank=4, alpha=8.0)).reference(par.model)
     elif "--reference" in sys.argv:
-        reference = Parallel(build_model(model_dir, seed=1), dims, tcfg).model.requires_grad_(False)
+        reference = Reference(Parallel(build_model(model_dir, seed=1), dims, tcfg).model.requires_grad_(False))
     stats = forward_backward(par.model, rp, mbs, "rl", tcfg, 1.0, torch.device("cpu"), seq, reference=reference)
     if counts is not None:
         stats["collectives_per_attention_forward"] = counts

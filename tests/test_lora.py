@@ -319,6 +319,7 @@ def test_the_lora_reference_routes_by_itself_under_replay(tmp_path, monkeypatch,
     (the replayed routes, drawn at random, differ from the router's), so its logprobs are a fresh forward of the
     base without replay, and `routing_agreement` counts the policy's forward alone."""
     from prl.model.families import routed_experts
+    from prl.model.policy import LoraPolicy
     from prl.model.routing import Replay, routers
     from prl.recipe.schema import TrainerCfg
     from prl.trainer import head, step
@@ -342,7 +343,8 @@ def test_the_lora_reference_routes_by_itself_under_replay(tmp_path, monkeypatch,
 
     real = step.rl_loss
     monkeypatch.setattr(step, "rl_loss", spy)
-    stats = step.forward_backward(model, replay, mbs, "rl", tcfg, 1.0, torch.device("cpu"), reference=model)
+    reference = LoraPolicy(tcfg.lora.model_copy(update={"rank": 4})).reference(model)  # the trainer's
+    stats = step.forward_backward(model, replay, mbs, "rl", tcfg, 1.0, torch.device("cpu"), reference=reference)
     ids = 0
     with torch.no_grad():
         for mb, ref in zip(mbs, seen, strict=True):
@@ -386,6 +388,7 @@ def test_the_frozen_base_is_held_at_trainer_dtype(tmp_path, one_rank, fp8):
     too (its FP8 layers quantise that copy as they compute; no FP8 base is held), and the adapters in fp32."""
     from prl.model.fp8 import Fp8BlockLinear
     from prl.model.lora import lora_modules
+    from prl.model.policy import policy_for
     from prl.model.tiny import write_model_dir
     from prl.recipe.schema import TrainerCfg
     from prl.trainer.model_setup import setup_model
@@ -394,7 +397,7 @@ def test_the_frozen_base_is_held_at_trainer_dtype(tmp_path, one_rank, fp8):
     dims = tcfg.parallel.dims(1)
     dims.build_meshes("cpu")
     built = setup_model(write_model_dir(ModelCfg(num_layers=2), tmp_path / "m"), tcfg, dims, torch.device("cpu"),
-                        lora=True)
+                        policy=policy_for(tcfg.lora))
     model = built.par.model
     held = {n: p.dtype for n, p in model.named_parameters()}
     assert {held[n] for n in adapter_params(model)} == {torch.float32}

@@ -52,10 +52,10 @@ def with_adapters(base, seed: int, only: tuple[str, ...] = ()):
 def adapter_state(model, only: tuple[str, ...] = ()) -> dict:
     """The adapters as the trainer publishes them for vLLM (B scaled, checkpoint names); `only`: of these modules."""
     from prl.model.lora import adapter_params
-    from prl.trainer.publish import adapter_part
+    from prl.model.policy import Version
 
     state = {k: v.detach().clone() for k, v in adapter_params(model).items() if not only or k.split(".")[-2] in only}
-    return adapter_part(model, state, True, ALPHA / RANK)
+    return Version(0, RANK, ALPHA / RANK).wire(model, state, True)
 
 
 def meta(base_version: int = 0) -> dict:

@@ -606,22 +606,19 @@ def top_p_filter(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs_V).scatter(0, order, sorted_p)
 
 
-def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, meta: dict, base) -> Policy:
-    """An adapter version as the target weights it makes: `W_base + B' @ A`, each checked as a full version's."""
-    from prl.model.lora import check_adapter, target_of
-
+def adapter_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, form, base) -> Policy:
+    """An adapter version (`form`, a `prl.model.policy.Version`) as the target weights it makes: `W_base + B' @ A`,
+    each checked as a full version's."""
     expected = model.state_dict()
-    problems = check_adapter(raw, {k: tuple(v.shape) for k, v in expected.items()}) if raw else ["no tensors"]
-    nonfinite = nonfinite_names(raw)
-    if problems or nonfinite or base is None:
-        raise WeightLoadError(f"{where}: adapter refused: {problems[:3] or nonfinite[:3] or 'no base to merge into'}")
+    problems = form.refusal(raw, {k: tuple(v.shape) for k, v in expected.items()})
+    if problems or base is None:
+        raise WeightLoadError(f"{where}: adapter refused: {problems[:3] or 'no base to merge into'}")
     try:
-        state = with_base(model, base, int(meta["adapter"]["base"]), base.apply(raw, meta))
+        state = with_base(model, base, form.base, form.merge(raw, base))
     except Exception as e:  # noqa: BLE001 - a missing or damaged base: refused, the old version serving
-        raise WeightLoadError(f"{where}: adapter's base v{meta['adapter'].get('base')}: {type(e).__name__}: {e}") from None
-    adapted = frozenset(target_of(k) for k in raw)
+        raise WeightLoadError(f"{where}: adapter's base v{form.base}: {type(e).__name__}: {e}") from None
     return Policy({k: v.to(expected[k].dtype) for k, v in state.items()}, {}, version,
-                  base=(int(meta["adapter"]["base"]), adapted))
+                  base=(form.base, frozenset(form.targets(raw))))
 
 
 def with_base(model, base, version: int, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -694,9 +691,14 @@ def make_policy(model, raw: dict[str, torch.Tensor], version: int, where: str, m
     every name, every shape, FP8 only with its scales, finite values. A LoRA adapter version (`meta`'s
     `adapter`) is merged into its base's weights (`base`, a `prl.model.lora.AdapterBase`)."""
     from prl.model.fp8_checkpoint import SCALE_SUFFIX
+    from prl.model.policy import Version
 
-    if (meta or {}).get("adapter"):
-        return adapter_policy(model, raw, version, where, meta, base)
+    try:
+        form = Version.of(meta or {})  # what the version holds: every weight, or adapters over a base
+    except ValueError as e:
+        raise WeightLoadError(f"{where}: adapter refused: {e}") from None
+    if form.adapters:
+        return adapter_policy(model, raw, version, where, form, base)
 
     scales = {k.removesuffix(SCALE_SUFFIX): v for k, v in raw.items() if k.endswith(SCALE_SUFFIX)}
     state = {k: v for k, v in raw.items() if not k.endswith(SCALE_SUFFIX)}

@@ -141,6 +141,15 @@ def adapter_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
 
 
+def freeze_base(model, dtype: str) -> None:
+    """The frozen base held at the compute dtype (`trainer.dtype`; bf16: half the fp32 master weights' bytes;
+    it takes no optimizer step, so it needs no fp32 copy); the adapters stay fp32."""
+    if dtype == "bfloat16":
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+
+
 def adapter_params(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if n.endswith(SUFFIXES)}
 
@@ -182,6 +191,24 @@ def target_of(name: str) -> str:
 def wire_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """Adapter tensors as published: B scaled (`B' = scale * B`), A as is."""
     return {k: v * scale if k.endswith(B) else v for k, v in state.items()}
+
+
+def published_adapters(model, part: dict[str, torch.Tensor], hf_format: bool, scale: float) -> dict:
+    """Adapters as published: B scaled (`wire_state`), named after their target weight's checkpoint name where
+    `hf_format` (transformers' conversion of `X.weight`, suffix kept)."""
+    part = wire_state(part, scale)
+    if not hf_format:
+        return part
+    from prl.model.hf_format import checkpoint_name
+
+    out = {}
+    for name, t in part.items():
+        target = target_of(name)
+        if not target.endswith(".weight"):  # refused before a run starts (routed experts served by vLLM)
+            raise ValueError(f"{target}: stacked-expert adapters are published in memory names only")
+        hf = checkpoint_name(model, target)  # a dense target keeps one name
+        out[hf.removesuffix(".weight") + name[len(target) - len(".weight"):]] = t
+    return out
 
 
 def check_adapter(adapter: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> list[str]:
@@ -257,8 +284,3 @@ class AdapterBase:
         if manifest.get("adapter"):
             raise ValueError(f"v{version}, the base of an adapter, is an adapter version itself")
         return state
-
-    def apply(self, adapter: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
-        """The merged target weights of an adapter version (`meta`: its manifest, `adapter.base` its base)."""
-        base = self.targets(int(meta["adapter"]["base"]), {target_of(k) for k in adapter})
-        return merged(base, adapter)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prl.model.lora import is_adapter
+from prl.model.policy import LoraPolicy, checkpoint_policy
 from prl.model.weights import MANIFEST, WEIGHTS_PREFIX, CorruptWeightsError, sealed
 
 
@@ -35,13 +35,16 @@ def export(run_dir: Path, step: str, out: Path, fp8: bool = False, merged: bool 
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, step)
     state, manifest = read_checkpoint(path)
-    lora = manifest.get("lora")
-    if lora and not merged:
+    try:
+        policy = checkpoint_policy(manifest)  # what the checkpoint holds
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from None
+    if policy.base_checkpoint and not merged:
         if fp8:
             raise ExportError(f"{path}: --fp8 writes a whole model and this LoRA checkpoint holds adapters: add --merged")
-        return export_adapter(run_dir, path, {k: v for k, v in state.items() if is_adapter(k)}, lora, Path(out))
-    if lora:
-        state = merged_state(path, state, lora)
+        return export_adapter(run_dir, path, policy, policy.trained(state), Path(out))
+    if policy.base_checkpoint:
+        state = merged_state(path, state, policy)
     return write_hf(run_dir / "model", path, state, Path(out), fp8)
 
 
@@ -78,25 +81,23 @@ def write_hf(model_dir: Path, path: Path, state: dict, out: Path, fp8: bool) -> 
     return out
 
 
-def merged_state(path: Path, state: dict, lora: dict) -> dict:
+def merged_state(path: Path, state: dict, policy: LoraPolicy) -> dict:
     """Every weight of the LoRA checkpoint at `path` (`state`: its adapters and buffers): its base's (the
     checkpoint its manifest names, the run's step 0), each target's as `W + alpha / rank * B @ A`."""
-    from prl.model.lora import check_adapter, merged, wire_state
-
-    adapter = {k: v for k, v in state.items() if is_adapter(k)}
-    buffers = {k: v for k, v in state.items() if k not in adapter}  # e.g. a router's bias: the checkpoint's own
-    base_path = path.parent / str(lora.get("base", "step_0"))
+    base_path = path.parent / policy.base_checkpoint
     if not (base_path / MANIFEST).is_file():
         raise ExportError(f"{path} holds LoRA adapters alone and its base {base_path} (the run's step-0 "
                           f"checkpoint) is missing: the merged model cannot be written")
     base, manifest = read_checkpoint(base_path)
-    problems = check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()})
-    if manifest.get("lora") or problems:
-        raise ExportError(f"{base_path} is not the base of the adapters in {path}: {'; '.join(problems[:3]) or 'it holds adapters too'}")
-    return {**base, **buffers, **merged(base, wire_state(adapter, lora["alpha"] / lora["rank"]))}
+    try:
+        if manifest.get("lora"):
+            raise ValueError("it holds adapters too")
+        return policy.merged_state(state, base)
+    except ValueError as e:
+        raise ExportError(f"{base_path} is not the base of the adapters in {path}: {e}") from None
 
 
-def export_adapter(run_dir: Path, path: Path, adapter: dict, lora: dict, out: Path) -> Path:
+def export_adapter(run_dir: Path, path: Path, policy: LoraPolicy, adapter: dict, out: Path) -> Path:
     """A LoRA checkpoint's adapters as a PEFT folder, named by Hugging Face checkpoint module paths."""
     import torch
 
@@ -123,7 +124,7 @@ def export_adapter(run_dir: Path, path: Path, adapter: dict, lora: dict, out: Pa
         targets = peft_targets(adapted, linears)
     except AdapterError as e:
         raise ExportError(f"{path}: {e}") from None
-    return write_adapter(out, tensors, adapter_config(lora["rank"], lora["alpha"], lora_dropout(run_dir), targets))
+    return write_adapter(out, tensors, adapter_config(policy.cfg.rank, policy.cfg.alpha, lora_dropout(run_dir), targets))
 
 
 def lora_dropout(run_dir: Path) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from prl.model.fp8 import apply_fp8
-from prl.model.lora import apply_lora, init_adapters
+from prl.model.policy import FULL, FullPolicy
 from prl.model.pretrained import has_weights
 from prl.model.routing import Replay, routers
 from prl.parallel_dims import ParallelDims
@@ -32,36 +32,24 @@ class TrainedModel:
 
 
 def setup_model(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, device: torch.device,
-                seed: int = 0, lora: bool = False) -> TrainedModel:
-    """`dims` with its meshes built. Order: build (meta when sharded), router replay, FP8, LoRA adapters
-    (`lora`: trainer.lora, the base frozen), parallelize, then the sharded read into this rank's shards."""
+                seed: int = 0, policy: FullPolicy = FULL) -> TrainedModel:
+    """`dims` with its meshes built. Order: build (meta when sharded), router replay, FP8, what `policy` adds
+    (LoRA: adapters, the base frozen; `prl.model.policy`), parallelize, then the sharded read into this rank's
+    shards."""
     from prl.model.build import build_model
 
     sharded = has_weights(model_dir)
     model = meta_model(model_dir) if sharded else build_model(model_dir, seed=seed).to(device)
     replay = Replay(model, replay=tcfg.router_replay) if routers(model) else None
     report = apply_fp8(model) if tcfg.fp8 else {}
-    cfg = tcfg.lora
-    if lora:
-        apply_lora(model, model.config.model_type, cfg.rank, cfg.alpha, cfg.dropout, cfg.targets, seed=seed)
-        frozen_at(model, tcfg.dtype)
+    policy.adapt(model, tcfg.dtype, seed)
     par = Parallel(model, dims, tcfg)
     read = None
     if sharded:
         par.model.to_empty(device=device)
         read = load_sharded(par.model, Path(model_dir))
-        if lora:
-            init_adapters(par.model, seed)
+        policy.after_load(par.model, seed)
     return TrainedModel(par, replay, report, read)
-
-
-def frozen_at(model, dtype: str) -> None:
-    """LoRA's frozen base held at the compute dtype (bf16: half the fp32 master weights' bytes; it takes no
-    optimizer step, so it needs no fp32 copy); the adapters stay fp32."""
-    if dtype == "bfloat16":
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(torch.bfloat16)
 
 
 def setup_reference(model_dir: str | Path, tcfg: TrainerCfg, dims: ParallelDims, device: torch.device,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from prl.model.policy import WHOLE, Version
 from prl.parallel_dims import shard_layout
 from prl.transport.sinks import WeightSink
 
@@ -91,37 +92,8 @@ def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: 
     return part
 
 
-def adapter_part(model, part: dict[str, torch.Tensor], hf_format: bool, scale: float) -> dict:
-    """A bucket of LoRA adapters as published: B scaled (`prl.model.lora.wire_state`), named after their target
-    weight's checkpoint name where `hf_format` (transformers' conversion of `X.weight`, suffix kept)."""
-    from prl.model.lora import target_of, wire_state
-
-    part = wire_state(part, scale)
-    if not hf_format:
-        return part
-    from prl.model.hf_format import checkpoint_name
-
-    out = {}
-    for name, t in part.items():
-        target = target_of(name)
-        if not target.endswith(".weight"):  # refused at validation (`Recipe.lora_not_built`)
-            raise ValueError(f"{target}: stacked-expert adapters are published in memory names only")
-        hf = checkpoint_name(model, target)  # a dense target keeps one name
-        out[hf.removesuffix(".weight") + name[len(target) - len(".weight"):]] = t
-    return out
-
-
-def published_state(model, adapter: dict | None) -> dict:
-    """This rank's shards of what a version holds: every weight; under LoRA (a model with adapters) the base
-    alone (`adapter` None: the adapters' base version) or the adapters alone."""
-    from prl.model.lora import is_adapter
-
-    state = get_model_state_dict(model)
-    return {k: v for k, v in state.items() if is_adapter(k) == (adapter is not None)}
-
-
 def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None = None,
-            hf_format: bool = False, whole: bool = True, adapter: dict | None = None) -> Path | None:
+            hf_format: bool = False, whole: bool = True, form: Version = WHOLE) -> Path | None:
     """Publish weights vN into `sink` (every rank calls; rank 0 returns where the version is).
     `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else the model's
     in-memory names (what the embedded engine copies in). `fp8_names`: published block-FP8; one in no
@@ -132,9 +104,10 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
     folder, unless not `whole`: then it seals an empty folder once every server staged the version,
     and when one did not, every rank publishes the version again, whole, into the folder.
 
-    `adapter` ({"base": version, "rank": r, "scale": alpha / r}): the LoRA adapters alone, which the servers
-    merge into the base version's weights; the manifest says so."""
-    state = published_state(model, adapter)  # this rank's shards, nothing gathered
+    `form`: what the version holds (`prl.model.policy.Version`): every weight (of a model with LoRA adapters,
+    every weight but them), or the LoRA adapters alone, which the servers merge into the base version's weights;
+    the manifest says so."""
+    state = {k: v for k, v in get_model_state_dict(model).items() if form.holds(k)}  # this rank's shards
     rank, senders = dist.get_rank(), getattr(sink, "senders", 1)
     whole = whole or senders == 1
     if rank < senders:
@@ -145,7 +118,7 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
         part = {name: gathered(state[name], owner) for name in names}
         if owner != 0 and whole:  # the folder's copy, on rank 0
             folder = {name: gathered(state[name], 0) for name in names}
-        convert = (lambda p: adapter_part(model, p, hf_format, adapter["scale"])) if adapter else \
+        convert = (lambda p: form.wire(model, p, hf_format)) if form.adapters else \
             (lambda p: converted(model, p, hf_format, fp8_names))
         if rank == owner:
             sink.put(convert(part))
@@ -160,7 +133,7 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
         raise RuntimeError(f"weights v{version}: FP8 tensors {sorted(unmatched)[:5]} are in no bucket of the "
                            f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
     meta = {"version": version, "format": "hf" if hf_format else "memory"}
-    path = sink.seal({**meta, "adapter": {"base": adapter["base"], "rank": adapter["rank"]}} if adapter else meta)
+    path = sink.seal(form.manifest(meta))
     if not whole and sink.share(sink.missed if rank == 0 else None):
-        return publish(model, sink.folder, version, fp8_names, hf_format, adapter=adapter)  # rank 0 gathers it all
+        return publish(model, sink.folder, version, fp8_names, hf_format, form=form)  # rank 0 gathers it all
     return path

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel as cp
 from prl.trainer import head
-from prl.model.lora import adapters_off
+from prl.model.policy import Reference
 from prl.trainer.context_parallel import local_slice
 from prl.trainer.loss import rl_loss, sequence_count, sft_loss
 from prl.trainer.overlap import CLOCK
@@ -32,12 +32,12 @@ from prl.transport.batch import MicroBatch, rows_by_sample
 
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
                      device: torch.device, seq=None, norm_constant: float | None = None,
-                     reference=None) -> dict[str, float]:
+                     reference: Reference | None = None) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
     With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`).
     `norm_constant`: the divisor of trainer.loss.normalize = "constant"; `reference`: the frozen
-    reference policy of trainer.loss.kl_coef (parallelized as `model`), its forward without gradient; `model`
-    itself under LoRA: its base, adapters off."""
+    reference policy of trainer.loss.kl_coef (parallelized as `model`; under LoRA `model` itself, adapters
+    off: `prl.model.policy`), its forward without gradient."""
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
     mode = tcfg.loss.normalization() if kind == "rl" else "token"
     divisor = step_divisor(rows, mode, norm_constant, device)
@@ -56,9 +56,8 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
             ref = None
             if kind == "rl" and reference is not None:  # first: the policy's forward then runs last before backward
                 # the reference routes by itself (R3 replays the sampled routes into the policy alone)
-                with (torch.no_grad(), replay.paused() if replay else contextlib.nullcontext(),
-                      adapters_off(model) if reference is model else contextlib.nullcontext()):
-                    ref = token_outputs(reference, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
+                with torch.no_grad(), replay.paused() if replay else contextlib.nullcontext(), reference.within():
+                    ref = token_outputs(reference.model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
             per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
             if kind == "rl":
                 loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref)

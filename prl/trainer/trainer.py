@@ -25,6 +25,7 @@ from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
 from prl.envs import env_workload, make_env
+from prl.model.policy import FULL, Reference, policy_for
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
@@ -38,7 +39,6 @@ from prl.transport.endpoint import TrainerEndpoint
 from prl.transport.sinks import weight_sink
 
 SFT_SEED_OFFSET = 7919  # warm-start prompts are drawn apart from the RL prompts
-BASE_VERSION = 0  # under LoRA: the published version the adapters apply to (whole; never pruned)
 
 
 def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float):
@@ -75,6 +75,8 @@ class Trainer:
         self.log = EventLog(self.run_dir / "metrics.jsonl", "trainer")
         self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
         self.published_here = False  # a version published by this process (the first is written whole)
+        # what trains, and what a checkpoint and a weights version hold (LoRA: `prl.model.policy`)
+        self.policy = policy_for(self.tcfg.lora)
         # trainer.loss.normalize = "constant": rl.batch_size x the longest completion the recipe allows
         self.norm_constant = r.rl.batch_size * env_workload(r.env, r.sampling).max_tokens
 
@@ -102,7 +104,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(self.cfg.model_dir)
         self.dims.build_meshes(self.device.type)
-        built = self.build(lora=self.tcfg.lora.enabled and self.base_checkpoint() is not None)
+        built = self.build(on_base=self.policy.on_base and self.base_checkpoint() is not None)
         self.fp8_names = None
         if self.tcfg.fp8:
             self.log_main("fp8", backend=fp8_backend(), fp8_layers=len(built.fp8["fp8"]), kept=built.fp8["kept"])
@@ -112,12 +114,13 @@ class Trainer:
             print(f"trainer: rank {self.rank} read {built.bytes_read / 2**20:.1f} MiB of its shards of "
                   f"{self.cfg.model_dir}", flush=True)
 
-    def build(self, lora: bool):
-        """The model, parallelized (`lora`: adapters on a frozen base, the base loaded from the step-0
-        checkpoint)."""
-        built = setup_model(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed, lora=lora)
+    def build(self, on_base: bool):
+        """The model, parallelized; `on_base`: as the policy trains it (LoRA: adapters) on the step-0
+        checkpoint's weights, else the model as the folder holds it (the warm start trains every weight)."""
+        built = setup_model(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed,
+                            policy=self.policy if on_base else FULL)
         self.par, self.model, self.replay = built.par, built.par.model, built.replay
-        if lora:
+        if on_base:
             from prl.trainer.checkpoint import load_model_state
 
             load_model_state(self.model, self.base_checkpoint())
@@ -158,7 +161,7 @@ class Trainer:
 
     def make_optimizer(self, lr: float, total_steps: int):
         # fused: one kernel over all parameters (CPU and CUDA); reverse-tiny's step 24 -> 8.5 ms on CPU.
-        # Under LoRA only the adapters train: the optimizer holds them alone
+        # only what the policy trains (LoRA: the adapters) has requires_grad: the optimizer holds it alone
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=self.tcfg.weight_decay, fused=True)
         fn = lr_lambda(self.tcfg.warmup_steps, total_steps, self.tcfg.schedule, self.tcfg.min_lr_ratio)
@@ -175,8 +178,7 @@ class Trainer:
         self.setup()
         self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
         # under LoRA, step 0 is the base (no adapters, no optimizer): a run resumes from a later checkpoint
-        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints",
-                               after=0 if self.tcfg.lora.enabled else -1)
+        meta = load_checkpoint(self.model, self.optimizer, self.run_dir / "checkpoints", after=self.policy.resume_after)
         if meta is None:
             start = self.begin()
         else:
@@ -205,35 +207,36 @@ class Trainer:
 
     def begin(self) -> int:
         """A run with no checkpoint to resume: the warm start, then the step-0 checkpoint and a fresh optimizer.
-        Under LoRA the step-0 checkpoint is the base, and the model is built again with adapters on it; a LoRA
-        run restarted before its first adapter checkpoint finds its base written (and the model built on it)."""
-        lora = self.tcfg.lora.enabled
-        based = lora and self.base_checkpoint() is not None
+        Under LoRA (`policy.on_base`) the step-0 checkpoint is the base, and the model is built again with adapters
+        on it; a LoRA run restarted before its first adapter checkpoint finds its base written (and the model
+        built on it)."""
+        based = self.policy.on_base and self.base_checkpoint() is not None
         if not based:
             self.warm_start()
         self.data_position, self.data_ahead = 0, []
-        if lora and not based:
+        if self.policy.on_base and not based:  # the base, no optimizer; the model is built again on it
             self.checkpoint(0)
-            self.build(lora=True)
+            self.build(on_base=True)
         self.optimizer, self.scheduler = self.make_optimizer(self.tcfg.lr, self.rl.max_steps)
-        if not lora:
-            self.checkpoint(0)
+        if not self.policy.on_base:  # with the optimizer RL steps: saving it makes its state for every parameter,
+            self.checkpoint(0)  # which a resumed run's strict load of a later checkpoint expects
         return 0
 
-    def make_reference(self):
+    def make_reference(self) -> Reference | None:
         """trainer.loss.kl_coef > 0: the policy RL starts from (the step-0 checkpoint, after the warm start),
-        frozen and sharded as the policy; None otherwise."""
+        frozen and sharded as the policy (under LoRA the policy's own model, adapters off); None otherwise."""
         if not self.tcfg.loss.kl_coef:
             return None
-        if self.tcfg.lora.enabled:  # the base is the reference: the same model, adapters off
-            return self.model
+        own = self.policy.reference(self.model)
+        if own is not None:
+            return own
         from prl.trainer.checkpoint import load_model_state
         from prl.trainer.model_setup import setup_reference
 
         ref = setup_reference(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed)
         load_model_state(ref, self.run_dir / "checkpoints" / "step_0")
         self.log_main("reference", state="loaded", path=str(self.run_dir / "checkpoints" / "step_0"))
-        return ref
+        return Reference(ref)
 
     def checkpoints_at(self, version: int) -> bool:
         """The last step and every trainer.checkpoint_every."""
@@ -350,17 +353,14 @@ class Trainer:
         return bool(found[0])
 
     def publish(self, version: int) -> None:
-        """Weights `version`; under LoRA, version 0 is the base, whole, and every later one the adapters alone
-        (the base published again first where its folder is gone)."""
-        adapter = None
-        lora = self.tcfg.lora
-        if lora.enabled and version > BASE_VERSION:
-            adapter = {"base": BASE_VERSION, "rank": lora.rank, "scale": lora.scale}
-            if not self.base_published():
-                publish(self.model, weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights),
-                        BASE_VERSION, hf_format=self.cfg.publish_format == "hf")
-        publish(self.model, self.sink, version, self.fp8_names, hf_format=self.cfg.publish_format == "hf",
-                whole=self.whole_version(version), adapter=adapter)
+        """Weights `version`, as the policy says it is held (under LoRA version 0 is the base, whole, and every
+        later one the adapters alone: the base is published again first where its folder is gone)."""
+        form, hf_format = self.policy.version(version), self.cfg.publish_format == "hf"
+        if form.adapters and not self.base_published(form.base):
+            publish(self.model, weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights),
+                    form.base, hf_format=hf_format)
+        publish(self.model, self.sink, version, self.fp8_names, hf_format=hf_format,
+                whole=self.whole_version(version), form=form)
         self.published_here = True
         if self.endpoint:
             self.endpoint.sealed()  # wakes the orchestrator's long poll for new weights
@@ -369,11 +369,11 @@ class Trainer:
             self.log_main("weights_sent", version=version, servers=sent.servers, bytes=sent.bytes,
                           send_s=sent.send_s, error=sent.error, backend=sent.backend, senders=sent.senders)
 
-    def base_published(self) -> bool:
-        """Whether the base of the adapter versions is sealed whole in RUN_DIR/weights (on every rank)."""
+    def base_published(self, version: int) -> bool:
+        """Whether `version`, the base of adapter versions, is sealed whole in RUN_DIR/weights (on every rank)."""
         from prl.model.weights import MANIFEST, version_dir
 
-        base = version_dir(self.run_dir / "weights", BASE_VERSION) / MANIFEST
+        base = version_dir(self.run_dir / "weights", version) / MANIFEST
         found = [base.is_file() and not json.loads(base.read_text()).get("streamed_only") if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
         return bool(found[0])
@@ -387,14 +387,14 @@ class Trainer:
 
     def checkpoint(self, step: int, weights_only: bool = False) -> None:
         """A resumable checkpoint; `weights_only`: the model's weights alone (what `prl eval` reads)."""
-        lora = self.tcfg.lora
-        adapters = lora.enabled and step > 0  # step 0 under LoRA: the base, before adapters (no optimizer)
-        path = save_checkpoint(self.model, None if weights_only or (lora.enabled and step == 0) else self.optimizer,
+        # step 0 under LoRA: the base, before adapters (no optimizer); later ones the adapters and their optimizer
+        optimizer = self.optimizer if self.policy.checkpoint_optimizer(step) and not weights_only else None
+        path = save_checkpoint(self.model, optimizer,
                                self.run_dir / "checkpoints", step, self.data_position, data_ahead=self.data_ahead,
                                sharded=sharded_format(self.tcfg.checkpoint_format,
                                                       shared=bool(self.cfg.shared_checkpoints)),
                                snapshot=weights_only,
-                               extra={"lora": lora.manifest()} if adapters else None)
+                               extra=self.policy.checkpoint_manifest(step))
         if path:  # a weights-only snapshot is not a checkpoint a run resumes from: an event of its own
             self.log_main("eval_weights" if weights_only else "checkpoint", step=step, path=str(path))
         if weights_only:

@@ -194,29 +194,28 @@ class PrlWeightEngine(WeightTransferEngine[PrlInitInfo, PrlUpdateInfo]):
     def staged(self, where, state: dict[str, torch.Tensor], meta: dict, expected: dict | None = None) -> dict:
         """A version as received, checked: a whole one against `expected` (default: the checkpoint); a LoRA
         adapter version merged into its base (`Merged`)."""
-        if not meta.get("adapter"):
+        from prl.model.policy import Version
+
+        form = Version.of(meta)  # what the version holds: every weight, or adapters over a base
+        if not form.adapters:
             self.check(where, state, expected)
             return state
-        return self.completed(self.merge(where, state, meta, expected))
+        return self.completed(self.merge(where, state, form, expected))
 
-    def merge(self, where, adapter: dict[str, torch.Tensor], meta: dict, expected: dict | None = None) -> Merged:
-        """An adapter version checked (`prl.model.lora.check_adapter`: known targets, paired, shapes) and merged
-        into its base's target weights, with the base's values of their fused siblings; the result checked
-        against the checkpoint's shapes of those weights."""
-        from prl.model.lora import check_adapter, target_of
-
+    def merge(self, where, adapter: dict[str, torch.Tensor], form, expected: dict | None = None) -> Merged:
+        """An adapter version (`form`, a `prl.model.policy.Version`) checked (known targets, paired, shapes,
+        finite) and merged into its base's target weights, with the base's values of their fused siblings; the
+        result checked against the checkpoint's shapes of those weights."""
         expected = expected if expected is not None else self.expected()
-        problems = check_adapter(adapter, expected) if adapter else ["no adapter tensors"]
-        nonfinite = nonfinite_names(adapter)
-        if problems or nonfinite:
-            raise ValueError(f"{where}: adapter refused: {'; '.join(problems[:3]) or f'non-finite {nonfinite[:5]}'}")
-        base = int(meta["adapter"]["base"])
+        problems = form.refusal(adapter, expected)
+        if problems:
+            raise ValueError(f"{where}: adapter refused: {'; '.join(problems[:3])}")
         with self.merge_lock:
-            state = self.adapter_base.apply(adapter, meta)
+            state = form.merge(adapter, self.adapter_base)
             siblings = fused_siblings(set(state), expected, packed_modules(self.model)) - set(state)
-            state.update(self.adapter_base.targets(base, siblings))
+            state.update(self.adapter_base.targets(form.base, siblings))
         self.check(where, state, {k: expected[k] for k in state})
-        return Merged(state, base, {target_of(k) for k in adapter})
+        return Merged(state, form.base, form.targets(adapter))
 
     def completed(self, state: dict) -> dict:
         """What loading `state` takes on this worker: a partial adapter state over the base it holds (with
