@@ -2,6 +2,7 @@
 eval sets scored inside a run on the rollout servers (each point once, under the version it
 scores, never trained on), and `prl eval` on the run's checkpoints giving the same figures."""
 
+import asyncio
 import collections
 import itertools
 import json
@@ -10,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -83,6 +85,138 @@ def test_figures_attribute_tokens_of_later_versions_to_the_start_version():
     assert out["best@2"] == pytest.approx(1.0) and "maj@2" in out
 
 
+# ---- held out ----
+def training_prompts_of(recipe) -> set[str]:
+    """Every prompt training can draw, generated from the task alone: the RL stream's indices up to its reach
+    and the warm start's demonstrations (drawn from run.seed + 7919)."""
+    from prl.tasks import make_task
+
+    rl, warm = make_task(recipe.task, recipe.run.seed), make_task(recipe.task, recipe.run.seed + 7919)
+    demos = recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size
+    return ({rl.example(i)["prompt"] for i in range(recipe.training_reach())}
+            | {warm.example(i)["prompt"] for i in range(demos)})
+
+
+def reverse_tiny_sets(overrides=()):
+    from prl.envs import make_env
+    from prl.evaluation.sets import build_sets, run_streams
+    from prl.model.tiny import char_tokenizer
+
+    recipe = load_recipe(RECIPE, list(overrides))
+    tok = char_tokenizer()
+    cfg = SimpleNamespace(env=recipe.env, task=recipe.task, run=recipe.run, sampling=recipe.sampling,  # as resolved
+                          training_reach=recipe.training_reach(),
+                          warm_start_examples=recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size)
+    train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tok, recipe.sampling, recipe.rl.group_size, False)
+    sets = build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tok,
+                      training=run_streams(cfg, train_env, tok))
+    return recipe, {s.name: s for s in sets}
+
+
+def replaced_among(recipe, examples: int) -> int:
+    """Of the indices from 1000000000 on, the training prompts passed over before `examples` others."""
+    from prl.tasks import make_task
+
+    task, seen, kept, index = make_task(recipe.task, recipe.run.seed), training_prompts_of(recipe), 0, 1_000_000_000
+    while kept < examples:
+        kept += task.example(index)["prompt"] not in seen
+        index += 1
+    return index - 1_000_000_000 - examples
+
+
+def test_the_held_out_set_of_reverse_tiny_holds_no_training_prompt():
+    recipe, sets = reverse_tiny_sets()
+    s, seen = sets["heldout"], training_prompts_of(recipe)
+    prompts = [s.env.example(i)["prompt"] for i in s.indices()]
+    assert len(prompts) == len(set(s.indices())) == 64 and not set(prompts) & seen
+    assert s.verbatim_share == 0.0
+    # the indices from 1000000000 on, skipping exactly those whose prompt training draws
+    naive = [s.env.example(1_000_000_000 + i)["prompt"] for i in range(64 + s.replaced)]
+    assert list(s.indices()) == [1_000_000_000 + i for i, p in enumerate(naive) if p not in seen]
+    assert s.replaced == sum(p in seen for p in naive) > 10, "a quarter of the first 64 are training prompts"
+
+
+def test_a_set_the_user_places_keeps_its_indices_and_reports_its_share():
+    recipe, sets = reverse_tiny_sets(["eval.heldout.first_index=5000", "eval.own.examples=16",
+                                      'eval.own.task.name="sort"'])
+    placed, seen = sets["heldout"], training_prompts_of(recipe)
+    assert list(placed.indices()) == list(range(5000, 5064)) and placed.replaced is None
+    share = sum(placed.env.example(i)["prompt"] in seen for i in range(5000, 5064)) / 64
+    assert placed.verbatim_share == pytest.approx(share, abs=1e-4) and share > 0.1
+    assert sets["own"].replaced is None and sets["own"].verbatim_share == 0.0  # sort's prompts: none of reverse's
+
+
+def test_a_held_out_set_training_covers_is_refused_before_anything_starts(tmp_path):
+    """reverse with words of 3 letters: 512 prompts, every one a training prompt."""
+    p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", "task.max_len=3", "--set",
+                               f"run.output_dir={tmp_path}"), capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "eval.heldout: only 0 of indices" in out, out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+# ---- the eval's share of the in-flight budget ----
+class CountingPool:
+    """Stands in for the orchestrator around an in-run eval: its in-flight budget (set by the test) and a
+    server pool that answers each request after a moment, noting the samples in flight and the budget."""
+
+    def __init__(self, log_path, budget: int):
+        from prl.metrics import EventLog
+
+        self.log, self.changed, self.budget = EventLog(log_path, "orchestrator"), asyncio.Condition(), budget
+        self.inflight, self.seen = 0, []  # (samples in flight, budget) at each request
+
+    def inflight_budget(self) -> int:
+        return self.budget
+
+    def eval_sampler(self, index: int):
+        return self
+
+    async def generate(self, req, conversation=None):
+        from prl.inference.protocol import Completion, GenerateResponse
+
+        self.inflight += req.n
+        self.seen.append((self.inflight, self.budget))
+        await asyncio.sleep(0.01)
+        self.inflight -= req.n
+        return GenerateResponse(completions=[Completion(token_ids=[5], logprobs=[0.0], versions=[3],
+                                                        finish_reason="stop")] * req.n)
+
+
+def test_an_eval_set_never_holds_more_than_its_share_of_the_inflight_budget(tmp_path):
+    """4 samples per example, max_share 0.25: at a budget of 8 (one group, where KV pressure leaves it) not
+    even one example fits, so the set waits, asking for a budget of 16; at 32 two examples run at once."""
+    from prl.evaluation.sets import build_sets
+    from prl.model.tiny import char_tokenizer
+    from prl.orchestrator.evals import InRunEvals
+
+    recipe = load_recipe(RECIPE, ["eval.heldout.examples=6", "eval.heldout.samples=4", "eval.heldout.pass_k=[1,4]",
+                                  "eval.heldout.temperature=1.0", "eval.heldout.max_share=0.25"])
+    [s] = build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, 0, char_tokenizer())
+    orch = CountingPool(tmp_path / "metrics.jsonl", budget=8)
+    evals = InRunEvals(orch, [s], max_steps=3)
+
+    async def budget_grows():
+        await asyncio.sleep(0.3)
+        assert orch.seen == [] and evals.wanted() == 16, "nothing fits in 0.25 x 8: the set waits for 16"
+        async with orch.changed:
+            orch.budget = 32
+            orch.changed.notify_all()
+
+    async def main():
+        await asyncio.gather(evals.run_point(s, 3, 3), budget_grows())
+
+    asyncio.run(main())
+    assert all(inflight <= 0.25 * budget for inflight, budget in orch.seen), orch.seen
+    assert max(inflight for inflight, _ in orch.seen) == 8, "its share of 32: two examples at once"
+    assert evals.wanted() == 0 and [e["examples"] for e in events_of(tmp_path, "eval")] == [6]
+
+
+def events_of(folder, kind: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == kind]
+
+
 # ---- refusals ----
 @pytest.mark.parametrize("overrides, words", [
     (["eval.h.pass_k=[1,4]"], "k = 4 is larger than eval.h.samples"),
@@ -119,15 +253,49 @@ def test_prl_eval_refuses_bad_arguments_in_one_line(tmp_path):
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+# ---- prl eval ----
+def test_prl_eval_ends_its_scoring_when_a_server_exits(tmp_path):
+    """A real server killed while a set is being scored: `score` raises the one-line EvalError, and by then
+    the scoring (every example's request) has ended; nothing of it runs on while the servers stop."""
+    from prl.launch.driver import prepare_new
+    from prl.launch.evaluate import EvalError, score, serving
+
+    recipe = load_recipe(RECIPE, [f"run.output_dir={tmp_path}", "eval.heldout.examples=400"])
+    work = tmp_path / "reverse-tiny"
+    prepare_new(recipe, work, force=True)
+    sup, cfg = serving(recipe, work)
+
+    async def kill_while_scoring():
+        scoring = asyncio.create_task(score(cfg, sup))
+        while not any(getattr(t.get_coro(), "__qualname__", "") == "run_set" for t in asyncio.all_tasks()):
+            assert not scoring.done(), scoring.exception()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # its requests are out
+        sup.kill(["inference-0"])
+        with pytest.raises(EvalError, match="inference-0 exited with code -9"):
+            await scoring
+        left = [t.get_coro() for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert left == [], left
+
+    sup.start_all()
+    try:
+        asyncio.run(kill_while_scoring())
+    finally:
+        sup.stop_all()
+        sup.close()
+
+
 # ---- a run ----
+RUN_KEYS = ["rl.max_steps=4", "sft.steps=10", "rl.max_async_level=0",
+            "eval.heldout.examples=16", "eval.heldout.every=2", "eval.heldout.pin_version=true",
+            "eval.sampled.examples=8", "eval.sampled.samples=3", "eval.sampled.pass_k=[1,3]",
+            "eval.sampled.temperature=1.0", "eval.sampled.every=2", "eval.sampled.seed=7"]
+
+
 def run_with_evals(tmp_path, *extra) -> subprocess.CompletedProcess:
     """reverse-tiny for 4 synchronous steps (max_async_level 0: step s trains examples s*16..s*16+15, whatever
     else runs), scored by a greedy set pinned to its versions and a sampled one that is not."""
-    sets = ["eval.heldout.examples=16", "eval.heldout.every=2", "eval.heldout.pin_version=true",
-            "eval.sampled.examples=8", "eval.sampled.samples=3", "eval.sampled.pass_k=[1,3]",
-            "eval.sampled.temperature=1.0", "eval.sampled.every=2", "eval.sampled.seed=7"]
-    args = ["--set", f"run.output_dir={tmp_path}", "--set", "rl.max_steps=4", "--set", "sft.steps=10",
-            "--set", "rl.max_async_level=0", *[a for s in sets for a in ("--set", s)], *extra]
+    args = ["--set", f"run.output_dir={tmp_path}", *[a for s in RUN_KEYS for a in ("--set", s)], *extra]
     return subprocess.run(prl_cmd("run", RECIPE, "--no-tui", *args), capture_output=True, text=True, timeout=900)
 
 
@@ -150,6 +318,9 @@ def test_evals_in_a_run_are_logged_once_per_version_and_prl_eval_gives_the_same_
     assert all(e["version"] == e["step"] for e in logged.values()), "each starts under the version it scores"
     assert all(logged[("heldout", p)]["later_share"] == 0 for p in (0, 2, 4)), "pinned: every token its version's"
     assert all(0 <= e["later_share"] <= 1 and e["examples"] in (8, 16) for e in logged.values())
+    recipe = load_recipe(RECIPE, RUN_KEYS)  # held out: no training prompt (RL's and the warm start's), those replaced
+    assert all(logged[("heldout", p)]["verbatim_share"] == 0 for p in (0, 2, 4))
+    assert {logged[("heldout", p)]["replaced"] for p in (0, 2, 4)} == {replaced_among(recipe, 16)}
     assert {"pass@3", "best@3", "maj@3"} <= set(logged[("sampled", 2)])
     # never trained on, never moving the data cursor: the ledger is the run's without evals
     ledger = [json.loads(ln) for ln in (run_dir / "trained.jsonl").read_text().splitlines()]

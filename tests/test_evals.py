@@ -85,6 +85,24 @@ def test_the_eval_line_and_table():
     assert "[/odd]" in text and "[/x]" in text
 
 
+def test_the_training_prompts_a_held_out_set_replaced_are_shown_not_plotted():
+    from prl.tui.evals import EvalLog, eval_line, eval_record, eval_table
+
+    log = EvalLog()
+    log.add(eval_event("heldout", 0, 0.125, replaced=28, verbatim_share=0.0))
+    log.add(eval_event("own", 0, 0.125, replaced=None, verbatim_share=0.25))
+    held, own = log.summary()["heldout"], log.summary()["own"]
+    assert held["replaced"] == 28 and "replaced" not in held["figures"] and held["figures"]["verbatim_share"] == 0.0
+    assert eval_line(held).endswith("reward 0.325  28 training prompts replaced") and own["replaced"] is None
+    assert "replaced" not in eval_line(own)
+    console = Console(width=250, record=True)
+    console.print(eval_table([eval_record(eval_event("heldout", 0, 0.125, replaced=28)),
+                              eval_record(eval_event("own", 0, 0.125, replaced=None))]))
+    rows = {line.split()[1]: line.split() for line in console.export_text().splitlines() if "│ heldout" in line
+            or "│ own" in line}
+    assert rows["heldout"][9] == "28" and rows["own"][9] == "-", rows  # set, step, examples, samples, replaced
+
+
 def test_the_dashboard_shows_evals_only_when_there_are_some(tmp_path):
     from prl.tui.state import load_state
     from prl.tui.view import render

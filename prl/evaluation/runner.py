@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractAsyncContextManager
 from statistics import fmean as mean
 from collections.abc import Callable
 
@@ -46,11 +47,11 @@ class SeededSampler:
         return 256 * (1 + TURN_SEEDS * member + turn % TURN_SEEDS)
 
 
-async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], slots: int, version: int | None) -> dict:
+async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], gate: AbstractAsyncContextManager,
+                  version: int | None) -> dict:
     """The set's figures at weights `version` (None: the oldest version its tokens carry, the one the
-    servers started with); at most `slots` examples in flight; `sampler_for(index)`: the pool bound
-    to one example."""
-    gate = asyncio.Semaphore(max(1, slots))
+    servers started with); each example runs inside `gate` (which bounds how many are in flight);
+    `sampler_for(index)`: the pool bound to one example."""
 
     async def one(k: int, index: int) -> list[Trajectory]:
         async with gate:

@@ -1,13 +1,30 @@
 """Eval sets from the recipe: each `[eval.<name>]` as an environment of its own (its task, its
-environment, its sampling, `samples` completions per example) over its held-out indices."""
+environment, its sampling, `samples` completions per example) over its held-out indices.
+
+A set prl places (the training task's examples, `first_index` unset) holds no prompt training can
+draw: training's prompts are generated (the RL stream's first `training_reach` indices and the warm
+start's demonstrations, each up to `TRAINING_SCAN`), and an example whose prompt is one of them is
+replaced by the next index whose prompt is not (`replaced` counts them). Tiny tasks draw from small
+alphabets, so a far index can still be a training prompt. A set the user places (a task of its own,
+or its own `first_index`) keeps its indices, and `verbatim_share` says how many of its prompts
+training shows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prl.envs import Environment, make_env
+from prl.tasks import WARM_START_SEED_OFFSET, make_task
 
-VERBATIM_SCAN = 10_000  # training indices compared with an eval set's prompts, at most
+TRAINING_SCAN = 20_000  # prompts of each training stream generated to compare with, at most
+REPLACE_SCAN = 16  # a held-out set looks at most this many indices per example for prompts training cannot draw
+
+Stream = tuple[Callable[[int], dict], int]  # where training's examples come from (index -> example), how many
+
+
+class EvalSetError(ValueError):
+    """A held-out set that cannot be built, in one line naming the key."""
 
 
 @dataclass
@@ -16,35 +33,100 @@ class EvalSet:
     cfg: object  # prl.recipe.schema.EvalCfg
     env: Environment
     first: int  # its first example index
-    verbatim_share: float | None = None  # its prompts that training's first indices show verbatim (None: unknown)
+    picked: list[int] | None = None  # the indices it scores (None: first .. first + examples - 1)
+    verbatim_share: float | None = None  # its prompts that training shows verbatim (None: unknown)
+    replaced: int | None = None  # examples replaced as training prompts (None: a set the user placed)
 
-    def indices(self) -> range:
-        return range(self.first, self.first + self.cfg.examples)
+    def indices(self) -> list[int] | range:
+        return self.picked if self.picked is not None else range(self.first, self.first + self.cfg.examples)
 
 
 def build_sets(evals: dict, task, env, sampling, seed: int, tokenizer, sandbox=None,
-               train_env: Environment | None = None, training_reach: int = 0) -> list[EvalSet]:
+               training: list[Stream] = ()) -> list[EvalSet]:
     """`evals`: the recipe's `eval` tables; `task`, `env`, `sampling`: the recipe's, which a set uses
-    where it sets none of its own; `train_env` and `training_reach`: where training's prompts come
-    from and how many it can take, for the share of the set's prompts training also shows."""
+    where it sets none of its own; `training`: the streams training draws its prompts from."""
+    seen = training_prompts(training)
     out = []
     for name, ev in evals.items():
         own = sampling.model_copy(update={"temperature": ev.temperature, "top_p": ev.top_p,
                                           "max_tokens": ev.max_tokens or sampling.max_tokens})
         set_env = make_env(ev.env or env, ev.task or task, seed, tokenizer, own, ev.samples, False, sandbox=sandbox)
         s = EvalSet(name, ev, set_env, ev.start(task))
-        if train_env is not None:
-            s.verbatim_share = verbatim_share(s, train_env, min(training_reach, VERBATIM_SCAN))
+        if seen is not None and held_out_by_prl(ev, task):
+            s.picked, s.replaced = held_out(name, set_env.example, s.first, ev.examples, seen)
+        if seen is not None:
+            s.verbatim_share = verbatim_share(set_env.example, s.indices(), seen)
         out.append(s)
     return out
 
 
-def verbatim_share(s: EvalSet, train_env: Environment, reach: int) -> float | None:
-    """The share of the set's prompts that one of training's first `reach` examples has word for word
-    (tiny tasks draw from small alphabets); None where examples have no "prompt"."""
+def held_out_by_prl(ev, recipe_task) -> bool:
+    """Whether prl placed the set among the training task's examples (so it keeps training's prompts out)."""
+    return ev.first_index is None and ev.draws_training_data(recipe_task)
+
+
+def training_prompts(streams: list[Stream]) -> set | None:
+    """Every prompt of each stream's first indices (up to `TRAINING_SCAN`); None without streams, or where
+    examples have no "prompt" to compare."""
+    if not streams:
+        return None
     try:
-        seen = {train_env.example(i)["prompt"] for i in range(reach)}
-        prompts = [s.env.example(i)["prompt"] for i in s.indices()]
+        return {prompt_of(example(i)) for example, reach in streams for i in range(min(reach, TRAINING_SCAN))}
     except (KeyError, TypeError):
         return None
-    return round(sum(p in seen for p in prompts) / len(prompts), 4)
+
+
+def prompt_of(example: dict):
+    """The example's prompt as a value a set can hold (a conversation's turns as a tuple)."""
+    p = example["prompt"]
+    return tuple(map(repr, p)) if isinstance(p, list) else p
+
+
+def held_out(name: str, example: Callable[[int], dict], first: int, examples: int, seen: set) -> tuple[list[int], int]:
+    """`examples` indices from `first` on whose prompts are not in `seen`, and how many were passed over;
+    EvalSetError where `REPLACE_SCAN` x `examples` indices do not hold that many."""
+    picked, index, last = [], first, first + REPLACE_SCAN * examples
+    while len(picked) < examples and index < last:
+        if prompt_of(example(index)) not in seen:
+            picked.append(index)
+        index += 1
+    if len(picked) < examples:
+        raise EvalSetError(f"eval.{name}: only {len(picked)} of indices {first}..{last - 1} of the training task have "
+                           f"prompts training cannot draw, short of eval.{name}.examples = {examples}: the task has "
+                           f"few distinct prompts; lower examples, or give the set a task of its own ([eval.{name}.task])")
+    return picked, index - first - examples
+
+
+def verbatim_share(example: Callable[[int], dict], indices, seen: set) -> float | None:
+    """The share of the examples' prompts that training shows word for word; None where they have none."""
+    try:
+        prompts = [prompt_of(example(i)) for i in indices]
+        return round(sum(p in seen for p in prompts) / len(prompts), 4)
+    except (KeyError, TypeError):
+        return None
+
+
+def run_streams(cfg, train_env: Environment, tokenizer) -> list[Stream]:
+    """Training's streams in a run (`OrchestratorConfig`): RL's examples from the orchestrator's
+    environment, and the warm start's demonstrations, drawn as the trainer draws them."""
+    warm = make_env(cfg.env, cfg.task, cfg.run.seed + WARM_START_SEED_OFFSET, tokenizer, cfg.sampling, 1, False)
+    return [(train_env.example, cfg.training_reach), (warm.example, cfg.warm_start_examples)]
+
+
+def recipe_streams(recipe) -> list[Stream]:
+    """Training's streams of a recipe from its tasks alone (the launch's check; a run uses its
+    environments, `run_streams`): RL's indices, and the warm start's demonstrations."""
+    demos = recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size
+    return [(make_task(recipe.task, recipe.run.seed).example, recipe.training_reach()),
+            (make_task(recipe.task, recipe.run.seed + WARM_START_SEED_OFFSET).example, demos)]
+
+
+def check_held_out(recipe) -> None:
+    """Each set prl places holds `examples` prompts training cannot draw; EvalSetError naming the set."""
+    placed = {name: ev for name, ev in recipe.eval.items() if held_out_by_prl(ev, recipe.task)}
+    seen = training_prompts(recipe_streams(recipe)) if placed else None
+    if seen is None:
+        return
+    example = make_task(recipe.task, recipe.run.seed).example
+    for name, ev in placed.items():
+        held_out(name, example, ev.start(recipe.task), ev.examples, seen)

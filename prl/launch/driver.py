@@ -212,7 +212,18 @@ def check_task(recipe: Recipe) -> None:
     for name, ev in recipe.eval.items():
         if ev.task is not None:
             try_task(ev.task, recipe.run.seed, f"eval.{name}.task", ev.start(recipe.task))
+    check_held_out(recipe)
     check_env(recipe)
+
+
+def check_held_out(recipe: Recipe) -> None:
+    """Each held-out set of the training task finds its examples among prompts training cannot draw."""
+    from prl.evaluation.sets import EvalSetError, check_held_out as check
+
+    try:
+        check(recipe)
+    except EvalSetError as e:
+        raise RecipeError(f"{e}; nothing was started") from None
 
 
 def try_task(cfg, seed: int, key: str, index: int) -> None:

@@ -61,17 +61,7 @@ def evaluate(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -
 
 def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
     """Start the recipe's serving processes, score its sets, stop them whatever happens."""
-    from prl.launch.hosts import LocalHost
-    from prl.launch.processes import make_plan
-    from prl.launch.supervisor import Supervisor
-    from prl.launch.configs import resolve
-    from prl.recipe.resolve import write_configs, write_secret
-
-    configs = resolve(recipe, work_dir, write_secret(work_dir))
-    write_configs(configs, work_dir)
-    specs = [s for s in make_plan(configs, work_dir) if s.role in SERVING_ROLES]
-    orch_cfg = next(c for c in configs if c.role == "orchestrator")
-    sup = Supervisor(specs, {"local": LocalHost()}, work_dir)
+    sup, orch_cfg = serving(recipe, work_dir)
     previous = {s: signal.signal(s, stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         sup.start_all()
@@ -83,6 +73,21 @@ def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
         sup.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def serving(recipe: Recipe, work_dir: Path):
+    """The recipe's serving processes (a `Supervisor`, not started) and the config of the orchestrator that
+    scores on them."""
+    from prl.launch.hosts import LocalHost
+    from prl.launch.processes import make_plan
+    from prl.launch.supervisor import Supervisor
+    from prl.launch.configs import resolve
+    from prl.recipe.resolve import write_configs, write_secret
+
+    configs = resolve(recipe, work_dir, write_secret(work_dir))
+    write_configs(configs, work_dir)
+    specs = [s for s in make_plan(configs, work_dir) if s.role in SERVING_ROLES]
+    return Supervisor(specs, {"local": LocalHost()}, work_dir), next(c for c in configs if c.role == "orchestrator")
 
 
 def stopped(signum, frame):
@@ -98,25 +103,35 @@ async def score(cfg, sup) -> dict[str, dict]:
     watch = asyncio.create_task(exits(sup))
     monitors = []
     try:
-        ready = asyncio.create_task(orch.pool.start(cfg.startup_timeout_s))
-        done, _ = await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
         try:
-            await next(iter(done))  # a server that exits first raises here
+            await until_exit(orch.pool.start(cfg.startup_timeout_s), watch)
         except BackendError as e:
             raise EvalError(f"no inference server came up: {e}") from None
         monitors = [asyncio.create_task(orch.pool.watch(s)) for s in orch.pool.servers]  # a server taken out rejoins
-        sets = orch.evals.sets.values()
         results = {}
-        for s in sets:  # one set at a time, every example of it at once
-            scoring = asyncio.create_task(run_set(s, orch.eval_sampler, s.cfg.examples, None))
-            done, _ = await asyncio.wait({scoring, watch}, return_when=asyncio.FIRST_COMPLETED)
-            results[s.name] = {**await next(iter(done)), "examples": s.cfg.examples, "samples": s.cfg.samples,
-                               "verbatim_share": s.verbatim_share}
+        for s in orch.evals.sets.values():  # one set at a time, every example of it at once
+            figures = await until_exit(run_set(s, orch.eval_sampler, asyncio.Semaphore(s.cfg.examples), None), watch)
+            results[s.name] = {**figures, "examples": s.cfg.examples, "samples": s.cfg.samples,
+                               "verbatim_share": s.verbatim_share, "replaced": s.replaced}
         return results
     finally:
         for task in (watch, *monitors):
             task.cancel()
+        await asyncio.gather(watch, *monitors, return_exceptions=True)
         await orch.stop()
+
+
+async def until_exit(work, watch: asyncio.Task):
+    """The result of the coroutine `work`, or the EvalError `watch` raises when a serving process exits
+    first; either way `work` has ended when this returns (cancelled, with the tasks it started), so
+    nothing of it runs on while the servers are stopped."""
+    task = asyncio.create_task(work)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await (task if task.done() else watch)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def exits(sup) -> None:

@@ -6,7 +6,9 @@ Rules:
   ships only after it started, so it starts under version p itself (a resumed run's point that
   the servers are already past starts under the version they serve: `version` says which);
 - its requests go through the pool like a group's (same servers, retries, P/D) and count in the
-  in-flight budget, at most `max_share` of it, so training keeps the rest; weights update under it
+  in-flight budget, never more than `max_share` of it (`ShareGate`: the budget read as each example
+  starts; an example that does not fit waits, and its wait is demand the budget grows for while the
+  servers' KV has room), so training keeps the rest; weights update under it
   as under any rollout, and `later_share` reports the tokens sampled under a newer version (a set
   with `pin_version` holds new weights back from the servers until it ends instead: `pinned`);
 - its samples are never trained on and never touch the data cursor;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 from prl.evaluation.runner import run_set
 from prl.evaluation.sets import EvalSet
@@ -33,6 +36,38 @@ def logged_points(metrics_path) -> set[tuple[str, int]]:
     return {(e["set"], e["step"]) for e in events if e.get("kind") == "eval" and "set" in e and "step" in e}
 
 
+class ShareGate:
+    """Admits a set's examples while its samples in flight, with the next example's, stay within `share`
+    of the in-flight budget (`budget()`, read at each admission: it follows the servers' KV and the servers
+    up); an example that does not fit waits under `changed` for one of the set's to end or the budget to grow."""
+
+    def __init__(self, share: float, samples: int, budget: Callable[[], int], changed: asyncio.Condition):
+        self.share, self.samples, self.budget, self.changed = share, samples, budget, changed
+        self.held = 0  # the set's samples in flight
+        self.waiting = 0  # its examples waiting to start
+
+    def fits(self) -> bool:
+        return self.held + self.samples <= self.share * self.budget()
+
+    def wanted(self) -> int:
+        """The budget that would start the next waiting example (0: none waits)."""
+        return math.ceil((self.held + self.samples) / self.share) if self.waiting else 0
+
+    async def __aenter__(self) -> None:
+        async with self.changed:
+            self.waiting += 1
+            try:
+                await self.changed.wait_for(self.fits)
+            finally:
+                self.waiting -= 1
+            self.held += self.samples
+
+    async def __aexit__(self, *exc) -> None:
+        async with self.changed:
+            self.held -= self.samples
+            self.changed.notify_all()
+
+
 class InRunEvals:
     def __init__(self, orch, sets: list[EvalSet], max_steps: int):
         self.orch, self.sets = orch, {s.name: s for s in sets}
@@ -40,11 +75,16 @@ class InRunEvals:
         self.waiting = sorted((p, s.name) for s in sets for p in s.cfg.points(max_steps) if (s.name, p) not in done)
         self.tasks: set[asyncio.Task] = set()
         self.pinned = 0  # running sets that hold weight loads back (pin_version)
+        self.gates: set[ShareGate] = set()  # of the running sets
 
     def held_out_from(self) -> int | None:
         """The first index of a set that draws from the training task's stream (training stops short of it)."""
         firsts = [s.first for s in self.sets.values() if s.cfg.draws_training_data(self.orch.cfg.task)]
         return min(firsts, default=None)
+
+    def wanted(self) -> int:
+        """The in-flight budget a running set waits for (0: none waits): demand, like rollouts in flight."""
+        return max((g.wanted() for g in self.gates), default=0)
 
     def started_through(self, step: int) -> bool:
         """Whether every point up to `step` has started (the batch of `step` may ship)."""
@@ -77,10 +117,11 @@ class InRunEvals:
 
     async def run_point(self, s: EvalSet, point: int, version: int) -> None:
         orch = self.orch
-        slots = max(1, math.floor(s.cfg.max_share * orch.inflight_budget() / s.cfg.samples))
+        gate = ShareGate(s.cfg.max_share, s.cfg.samples, orch.inflight_budget, orch.changed)
+        self.gates.add(gate)
         started = time.time()
         try:
-            figures = await run_set(s, orch.eval_sampler, slots, version)
+            figures = await run_set(s, orch.eval_sampler, gate, version)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - an eval that fails is reported; training goes on
@@ -88,12 +129,14 @@ class InRunEvals:
                           line=f"{type(e).__name__}: {e}"[:300])
             return
         finally:
+            self.gates.discard(gate)
             if s.cfg.pin_version:
                 async with orch.changed:
                     self.pinned -= 1
                     orch.changed.notify_all()
         orch.log.emit("eval", set=s.name, step=point, version=version, examples=s.cfg.examples,
-                      samples=s.cfg.samples, verbatim_share=s.verbatim_share, started=round(started, 3), **figures)
+                      samples=s.cfg.samples, verbatim_share=s.verbatim_share, replaced=s.replaced,
+                      started=round(started, 3), **figures)
 
     async def finish(self) -> None:
         """Every point started and logged (the last ones once the final version is served)."""

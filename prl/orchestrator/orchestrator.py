@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from prl.envs import make_env
 from prl.envs.stats import summarize
-from prl.evaluation.sets import build_sets
+from prl.evaluation.sets import build_sets, run_streams
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
@@ -181,7 +181,7 @@ class Orchestrator:
         self.tasks: list[asyncio.Task] = []
         self.groups: set[asyncio.Task] = set()  # in-flight rollout groups, held so they are cancelled on stop
         sets = build_sets(cfg.eval, cfg.task, cfg.env, cfg.sampling, cfg.run.seed, self.tokenizer, sandbox=self.sandbox,
-                          train_env=self.env, training_reach=cfg.training_reach)
+                          training=run_streams(cfg, self.env, self.tokenizer))
         self.evals = InRunEvals(self, sets, r.rl.max_steps)
         self.held_out = self.evals.held_out_from()  # training's example indices stay below it
 
@@ -211,7 +211,7 @@ class Orchestrator:
         return lambda: ports.url_of(self.cfg.run_dir, name, url)
 
     def observe_kv(self, server, metrics) -> None:
-        self.budget.observe(server.index, metrics.kv_usage, self.rollouts.count())
+        self.budget.observe(server.index, metrics.kv_usage, max(self.rollouts.count(), self.evals.wanted()))
 
     def inflight_budget(self) -> int:
         return self.budget.total([s.up for s in self.pool.servers])

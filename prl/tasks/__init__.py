@@ -10,6 +10,8 @@ from typing import Callable
 
 from prl.tasks.builtin import BUILTIN
 
+WARM_START_SEED_OFFSET = 7919  # the warm start's demonstrations are drawn from run.seed + this, apart from RL's
+
 
 @dataclass(frozen=True)
 class Task:

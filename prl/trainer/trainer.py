@@ -25,6 +25,7 @@ from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
 from prl.envs import env_workload, make_env
+from prl.tasks import WARM_START_SEED_OFFSET
 from prl.model.policy import FULL, Reference, policy_for
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
@@ -37,8 +38,6 @@ from prl.trainer.step import forward_backward
 from prl.transport.batch import MicroBatch, Sample, pack
 from prl.transport.endpoint import TrainerEndpoint
 from prl.transport.sinks import weight_sink
-
-SFT_SEED_OFFSET = 7919  # warm-start prompts are drawn apart from the RL prompts
 
 
 def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float):
@@ -249,7 +248,7 @@ class Trainer:
         if not steps:
             return
         opt, sched = self.make_optimizer(sft.lr, steps)
-        env = make_env(self.cfg.env, self.cfg.task, self.cfg.run.seed + SFT_SEED_OFFSET, self.tokenizer,
+        env = make_env(self.cfg.env, self.cfg.task, self.cfg.run.seed + WARM_START_SEED_OFFSET, self.tokenizer,
                        self.cfg.sampling, 1, False)
         for step in range(steps):
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from prl.tui.curves import finite
 
-BOOKKEEPING = ("t", "step", "version", "examples", "samples", "started", "wall_s")  # numbers that are not figures
+BOOKKEEPING = ("t", "step", "version", "examples", "samples", "replaced", "started", "wall_s")  # not figures
 PASS_AT = re.compile(r"pass@(\d+)$")
 
 
@@ -25,16 +25,18 @@ def is_int(v) -> bool:
 
 
 def eval_record(e: dict) -> dict | None:
-    """An `eval` event as {set, step, version, t, examples, samples, figures}, or None if malformed."""
+    """An `eval` event as {set, step, version, t, examples, samples, replaced, figures}, or None if malformed
+    (`replaced`: the held-out examples replaced as training prompts; None for a set the user placed)."""
     name, step = e.get("set"), e.get("step")
     if not isinstance(name, str) or not name or not is_int(step):
         return None
     figures = {k: float(v) for k, v in e.items() if k not in BOOKKEEPING and finite(v)}
     if not figures:
         return None
-    known = {k: e.get(k) for k in ("version", "examples", "samples") if is_int(e.get(k))}
+    known = {k: e.get(k) for k in ("version", "examples", "samples", "replaced") if is_int(e.get(k))}
     return {"set": name, "step": step, "version": known.get("version"), "t": e["t"] if finite(e.get("t")) else None,
-            "examples": known.get("examples"), "samples": known.get("samples"), "figures": figures}
+            "examples": known.get("examples"), "samples": known.get("samples"), "replaced": known.get("replaced"),
+            "figures": figures}
 
 
 @dataclass
@@ -62,7 +64,7 @@ def set_summary(history: list[dict]) -> dict:
     first, last = history[0], history[-1]
     delta = {k: round(v - first["figures"][k], 6) for k, v in last["figures"].items() if k in first["figures"]}
     return {"step": last["step"], "version": last["version"], "t": last["t"], "examples": last["examples"],
-            "samples": last["samples"], "evals": len(history), "figures": last["figures"],
+            "samples": last["samples"], "replaced": last.get("replaced"), "evals": len(history), "figures": last["figures"],
             "first_step": first["step"], "first": first["figures"], "delta": delta}
 
 
@@ -85,6 +87,8 @@ def eval_line(s: dict) -> str:
         parts.append(f"{k} {s['figures'][k]:.3f}" + (f" ({change:+.3f}{since})" if change is not None else ""))
     if s["figures"].get("later_share", 0) > 0:
         parts.append(f"on later weights {s['figures']['later_share']:.0%}")
+    if s.get("replaced"):
+        parts.append(f"{s['replaced']} training prompts replaced")
     return "  ".join(parts)
 
 
@@ -92,9 +96,10 @@ def eval_table(records: list[dict], title: str = "evaluation") -> Table:
     """Eval records (`eval_record`) as a table: one row per set and step, a column per figure."""
     names = list(dict.fromkeys(k for r in records for k in r["figures"]))
     t = Table(title=title, title_justify="left")
-    for col in ("set", "step", "examples", "samples", *names):
+    for col in ("set", "step", "examples", "samples", "replaced", *names):
         t.add_column(Text(col), justify="left" if col == "set" else "right", no_wrap=True)  # names are data
     for r in records:
         cells = [format(r["figures"][k], ".3f") if k in r["figures"] else "-" for k in names]
-        t.add_row(Text(r["set"]), str(r["step"]), str(r["examples"] or "-"), str(r["samples"] or "-"), *cells)
+        replaced = "-" if r.get("replaced") is None else str(r["replaced"])
+        t.add_row(Text(r["set"]), str(r["step"]), str(r["examples"] or "-"), str(r["samples"] or "-"), replaced, *cells)
     return t
