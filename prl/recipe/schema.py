@@ -333,7 +333,9 @@ class EvalCfg(Section):
     env: EnvCfg | None = None
     """The environment the set runs in; unset: the recipe's `[env]`."""
     examples: int = Field(32, gt=0)
-    """Examples in the set: indices first_index .. first_index + examples - 1 of the task."""
+    """Examples in the set: indices first_index .. first_index + examples - 1 of the task; for the recipe's own task
+    with first_index unset, the first from 1000000000 on whose prompt training cannot draw (the eval's `replaced`
+    counts the indices left out)."""
     first_index: int | None = Field(None, ge=0)
     """The set's first example index; unset: 1000000000 for the recipe's own task (training reaches rl.max_steps x
     (rl.batch_size / rl.group_size + the groups filtering may drop) indices, refused if it could reach this one), 0 for a task of the set's own."""
