@@ -70,6 +70,9 @@ CASES = {
          "--set", "trainer.parallel.cp=2"], "trainer.loss.correction = 'gspo_token' needs trainer.parallel.cp = 1"),
     "plan: missing file": (["plan", "{d}/missing.toml"], "not found"),
     "plan: unknown key": (["plan", "{d}/unknown_key.toml"], "lrr"),
+    "plan: whole-sample objective under CP": (
+        ["plan", str(RECIPE), "--set", 'trainer.loss.correction="seq_mask"', "--set", "trainer.nproc=2", "--set",
+         "trainer.parallel.cp=2"], "trainer.loss.correction = 'seq_mask' needs trainer.parallel.cp = 1"),
     "doctor: missing file": (["doctor", "{d}/missing.toml"], "not found"),
     "doctor: wrong type": (["doctor", "{d}/wrong_type.toml"], "trainer.lr"),
     "status: not a run": (["status", "{d}/notarun"], "notarun"),

@@ -380,6 +380,10 @@ def test_every_adapter_of_a_48_layer_model_starts_from_its_own_values(tmp_path):
         firsts[key] = name
     init_adapters(model, 5)
     assert all(torch.equal(p, a[n]) for n, p in adapter_params(model).items() if n in a)
+    # every process draws the same: a fixed function of seed and name (Python's hash() is salted per process)
+    from prl.model.lora import adapter_seed
+
+    assert adapter_seed(5, "model.layers.12.self_attn.q_a_proj.lora_A") == 9550780253629997597
 
 
 @pytest.mark.parametrize("fp8", [False, True])

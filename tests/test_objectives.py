@@ -290,7 +290,8 @@ def not_a_tensor(batch, cfg):
 
 
 def reads_every_field(batch, cfg):
-    """Reads the entropy, and the reference where the run keeps one."""
+    """Reads the entropy, and the reference where the run keeps one (and only there)."""
+    assert batch.entropy is not None and (batch.ref_logp is not None) == (cfg.kl_coef > 0)
     kl = 0 if batch.ref_logp is None else (batch.logp - batch.ref_logp) ** 2
     return -batch.advantages * batch.logp - 0.01 * batch.entropy + kl
 

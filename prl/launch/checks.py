@@ -19,7 +19,7 @@ from prl import envs
 from prl.backends import registry
 from prl.model import families
 from prl.recipe.load import RecipeError, load_recipe, refusal, set_keys
-from prl.recipe.schema import LAYOUT_KEYS, EnvCfg, Recipe
+from prl.recipe.schema import BUILTIN_OBJECTIVES, LAYOUT_KEYS, EnvCfg, Recipe
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -44,6 +44,19 @@ def check_recipe(recipe: Recipe) -> None:
     check_backend_rules(recipe)
     check_lengths(recipe)
     check_evals(recipe)
+    check_objective_layout(recipe)
+
+
+def check_objective_layout(recipe: Recipe) -> None:
+    """A built-in objective that reads whole samples (its flag, next to its function) has no context
+    parallelism; a user's objective is imported and checked by `prl run`'s preflight."""
+    loss, cp = recipe.trainer.loss, recipe.trainer.parallel.cp
+    if cp == 1 or loss.correction not in BUILTIN_OBJECTIVES:
+        return
+    from prl.trainer.loss import BUILTIN, layout_refusal
+
+    if why := layout_refusal(loss.correction, BUILTIN[loss.correction], cp):
+        raise ValueError(why)
 
 
 def not_built(recipe: Recipe) -> list[str]:

@@ -110,9 +110,6 @@ class FullPolicy:
     def after_load(self, model, seed: int) -> None:
         """After a sharded read of a pretrained folder (which holds no trained additions)."""
 
-    def trainable(self, model) -> list[torch.nn.Parameter]:
-        return [p for p in model.parameters() if p.requires_grad]
-
     def reference(self, model) -> Reference | None:
         """The KL reference if the policy's own model serves as one (None: a separate frozen model)."""
         return None

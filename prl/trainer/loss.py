@@ -205,10 +205,8 @@ def check_objective(cfg: LossCfg, cp: int = 1) -> None:
     provides (entropy always, the reference's logprobs with kl_coef > 0), returns a per-token loss; one whose
     tokens read their sample's mean needs cp = 1. Else an ObjectiveError naming the key."""
     fn = objective(cfg.correction)
-    if cp > 1 and needs_whole_samples(fn):
-        raise ObjectiveError(f"trainer.loss.correction = {cfg.correction!r} needs trainer.parallel.cp = 1: it reads "
-                             f"each sample's mean log-ratio, and a rank holds only part of a sample under context "
-                             f"parallelism")
+    if why := layout_refusal(cfg.correction, fn, cp):
+        raise ObjectiveError(why)
     if cfg.correction in BUILTIN:
         return
     try:
@@ -218,6 +216,14 @@ def check_objective(cfg: LossCfg, cp: int = 1) -> None:
     except Exception as e:  # noqa: BLE001 - the user's code, named in one line
         raise ObjectiveError(f"trainer.loss.correction = {cfg.correction!r} failed on a small batch: "
                              f"{type(e).__name__}: {e}") from None
+
+
+def layout_refusal(name: str, fn: Callable, cp: int) -> str | None:
+    """Why objective `fn` (`trainer.loss.correction = name`) cannot train with `cp` context-parallel ranks."""
+    if cp > 1 and needs_whole_samples(fn):
+        return (f"trainer.loss.correction = {name!r} needs trainer.parallel.cp = 1: it reads each sample's mean "
+                f"log-ratio, and a rank holds only part of a sample under context parallelism")
+    return None
 
 
 def probe_batch(cfg: LossCfg) -> LossBatch:

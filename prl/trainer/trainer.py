@@ -26,7 +26,7 @@ from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
 from prl.envs import env_workload, make_env
 from prl.tasks import WARM_START_SEED_OFFSET
-from prl.model.policy import FULL, Reference, policy_for
+from prl.model.policy import BASE_CHECKPOINT, FULL, Reference, policy_for
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
 from prl.trainer.publish import publish
@@ -134,7 +134,7 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         found = [0 in sealed(root, "step_") if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
-        return root / "step_0" if found[0] else None
+        return root / BASE_CHECKPOINT if found[0] else None
 
     def make_sink(self):
         """Where the trainer publishes: the sealed folder (rank 0); with trainer.weight_transfer =
@@ -233,8 +233,9 @@ class Trainer:
         from prl.trainer.model_setup import setup_reference
 
         ref = setup_reference(self.cfg.model_dir, self.tcfg, self.dims, self.device, seed=self.cfg.run.seed)
-        load_model_state(ref, self.run_dir / "checkpoints" / "step_0")
-        self.log_main("reference", state="loaded", path=str(self.run_dir / "checkpoints" / "step_0"))
+        path = self.run_dir / "checkpoints" / BASE_CHECKPOINT
+        load_model_state(ref, path)
+        self.log_main("reference", state="loaded", path=str(path))
         return Reference(ref)
 
     def checkpoints_at(self, version: int) -> bool:
