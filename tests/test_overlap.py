@@ -110,3 +110,34 @@ def test_token_chunks_are_as_many_whatever_the_tokens():
     assert [(a, c.shape[0]) for a, c, _ in chunks] == [(0, 0), (0, 1), (1, 1), (2, 1)]
     assert torch.equal(torch.cat([c for _, c, _ in chunks]), ids)
     assert [c.shape[0] for _, c, _ in token_chunks(ids[:0], w[:0], 4)] == [0, 0, 0, 0]
+
+
+def test_every_rank_is_killed_when_the_block_is_left(tmp_path):
+    """A wait that times out inside `torchrun`'s block leaves no torchrun and no rank running (each rank is
+    in a session of its own, so killing torchrun's group alone would leave them)."""
+    from shaped_net import descendants
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    with ShapedLink(2, 200) as link:
+        with pytest.raises(subprocess.TimeoutExpired), torchrun(link, script, []) as procs:
+            while not all(any(sleeper(p) for p in descendants(proc.pid)) for proc in procs):
+                time.sleep(0.2)
+            started = [pid for proc in procs for pid in [proc.pid, *descendants(proc.pid)]]
+            procs[0].communicate(timeout=1)
+    alive = [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in state(pid)]
+    assert alive == [], alive
+
+
+def sleeper(pid: int) -> bool:
+    try:
+        return b"sleeper.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
