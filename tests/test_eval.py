@@ -155,6 +155,77 @@ def test_a_held_out_set_training_covers_is_refused_before_anything_starts(tmp_pa
     assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
 
 
+def orchestrator_sets(recipe, run_dir):
+    """The recipe's eval sets as the orchestrator of its resolved config builds them."""
+    from prl.envs import make_env
+    from prl.evaluation.sets import build_sets, run_streams
+    from prl.launch.configs import resolve
+    from prl.model.tiny import char_tokenizer
+
+    cfg, tok = next(c for c in resolve(recipe, run_dir) if c.role == "orchestrator"), char_tokenizer()
+    train_env = make_env(cfg.env, cfg.task, cfg.run.seed, tok, cfg.sampling, cfg.rl.group_size, cfg.router_replay)
+    sets = build_sets(cfg.eval, cfg.task, cfg.env, cfg.sampling, cfg.run.seed, tok, training=run_streams(cfg, train_env, tok))
+    return cfg, {s.name: list(s.indices()) for s in sets}
+
+
+def test_prl_eval_builds_the_held_out_set_the_run_scored(tmp_path):
+    """sft.steps unset: a tiny model warms up 40 steps, and prl eval (model.path now the checkpoint, where
+    unset steps mean none) still leaves out those demonstrations' prompts, so it scores the run's examples."""
+    from prl.launch.evaluate import serving_recipe
+
+    recipe = load_recipe(RECIPE)
+    recipe = recipe.model_copy(update={"sft": recipe.sft.model_copy(update={"steps": None})})
+    run_cfg, run_sets = orchestrator_sets(recipe, tmp_path / "run")
+    served = serving_recipe(recipe, tmp_path / "run" / "evals" / "model_step_120", tmp_path / "run" / "evals" / "step_120", [])
+    eval_cfg, eval_sets = orchestrator_sets(served, tmp_path / "run" / "evals" / "step_120")
+    assert run_cfg.warm_start_examples == eval_cfg.warm_start_examples == 40 * 32
+    assert eval_sets == run_sets
+    without_demos = recipe.model_copy(update={"sft": recipe.sft.model_copy(update={"steps": 0})})
+    assert orchestrator_sets(without_demos, tmp_path / "other")[1] != run_sets, "the demonstrations change the set"
+
+
+LOOPING_ENV = """from prl.envs import SingleTurnEnv
+
+
+class Looping(SingleTurnEnv):
+    \"\"\"The task's first 50 examples over and over: every example is one training draws.\"\"\"
+
+    def example(self, index):
+        return self.task.example(index % 50)
+"""
+
+
+def test_a_held_out_set_the_environment_covers_is_refused_before_anything_starts(tmp_path):
+    """The task alone has the set's prompts; the environment the run draws from does not: the launch checks
+    the environment's examples, as the orchestrator builds them, and refuses in one line."""
+    (tmp_path / "looping_env.py").write_text(LOOPING_ENV)
+    p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", 'env.kind="looping_env:Looping"', "--set",
+                               f"run.output_dir={tmp_path}"), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "eval.heldout: only 0 of indices" in out, out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_training_past_the_prompts_compared_warns_at_launch():
+    """1300 steps of 16 groups reach past the 20000 RL prompts a set is compared with: the dry run says so."""
+    import io
+
+    from rich.console import Console
+
+    from prl.evaluation.sets import TRAINING_SCAN, scan_warnings
+    from prl.launch.driver import dry_run
+
+    assert scan_warnings(load_recipe(RECIPE)) == []
+    recipe = load_recipe(RECIPE, ["rl.max_steps=1300"])
+    reach = recipe.training_reach()
+    assert reach > TRAINING_SCAN == 20_000
+    out = io.StringIO()
+    assert dry_run(recipe, Console(file=out, width=10_000)) == 0
+    [line] = [x for x in out.getvalue().splitlines() if "warning" in x]
+    assert line.startswith("prl run: warning: eval.heldout: ") and f"{reach} RL examples" in line and "20000" in line
+    assert "demonstrations" not in line  # 60 x 32 of them, all compared
+
+
 # ---- the eval's share of the in-flight budget ----
 class CountingPool:
     """Stands in for the orchestrator around an in-run eval: its in-flight budget (set by the test) and a

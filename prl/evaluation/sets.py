@@ -7,7 +7,9 @@ start's demonstrations, each up to `TRAINING_SCAN`), and an example whose prompt
 replaced by the next index whose prompt is not (`replaced` counts them). Tiny tasks draw from small
 alphabets, so a far index can still be a training prompt. A set the user places (a task of its own,
 or its own `first_index`) keeps its indices, and `verbatim_share` says how many of its prompts
-training shows."""
+training shows. The launch builds the sets as the orchestrator does (`check_held_out`), so a set the
+run could not build is refused before anything starts, and warns where training draws past
+`TRAINING_SCAN` (`scan_warnings`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prl.envs import Environment, make_env
-from prl.tasks import WARM_START_SEED_OFFSET, make_task
+from prl.tasks import WARM_START_SEED_OFFSET
 
 TRAINING_SCAN = 20_000  # prompts of each training stream generated to compare with, at most
 REPLACE_SCAN = 16  # a held-out set looks at most this many indices per example for prompts training cannot draw
@@ -109,24 +111,51 @@ def verbatim_share(example: Callable[[int], dict], indices, seen: set) -> float 
 def run_streams(cfg, train_env: Environment, tokenizer) -> list[Stream]:
     """Training's streams in a run (`OrchestratorConfig`): RL's examples from the orchestrator's
     environment, and the warm start's demonstrations, drawn as the trainer draws them."""
-    warm = make_env(cfg.env, cfg.task, cfg.run.seed + WARM_START_SEED_OFFSET, tokenizer, cfg.sampling, 1, False)
-    return [(train_env.example, cfg.training_reach), (warm.example, cfg.warm_start_examples)]
+    return streams(cfg.env, cfg.task, cfg.run.seed, cfg.sampling, tokenizer,
+                   [(train_env.example, cfg.training_reach)], cfg.warm_start_examples)
 
 
-def recipe_streams(recipe) -> list[Stream]:
-    """Training's streams of a recipe from its tasks alone (the launch's check; a run uses its
-    environments, `run_streams`): RL's indices, and the warm start's demonstrations."""
-    demos = recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size
-    return [(make_task(recipe.task, recipe.run.seed).example, recipe.training_reach()),
-            (make_task(recipe.task, recipe.run.seed + WARM_START_SEED_OFFSET).example, demos)]
+def streams(env, task, seed: int, sampling, tokenizer, rl: list[Stream], demos: int) -> list[Stream]:
+    """`rl` (RL's stream) and the warm start's `demos` demonstrations, from an environment built as the
+    trainer builds the warm start's."""
+    warm = make_env(env, task, seed + WARM_START_SEED_OFFSET, tokenizer, sampling, 1, False)
+    return [*rl, (warm.example, demos)]
 
 
-def check_held_out(recipe) -> None:
-    """Each set prl places holds `examples` prompts training cannot draw; EvalSetError naming the set."""
-    placed = {name: ev for name, ev in recipe.eval.items() if held_out_by_prl(ev, recipe.task)}
-    seen = training_prompts(recipe_streams(recipe)) if placed else None
-    if seen is None:
+def warm_start_examples(recipe) -> int:
+    """The demonstrations the warm start draws (`sft.steps` x `sft.batch_size`; unset steps follow `model.path`)."""
+    return recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size
+
+
+def recipe_tokenizer(model):
+    """The tokenizer of the run's model folder: `model.path`'s, or the tiny model's characters."""
+    from prl.model.build import load_tokenizer
+    from prl.model.tiny import char_tokenizer
+
+    return load_tokenizer(model.path) if model.path else char_tokenizer()
+
+
+def check_held_out(recipe, tokenizer=None) -> None:
+    """The recipe's sets built as the orchestrator builds them (its environments, training's streams from
+    them, `build_sets`), so each set prl places holds `examples` prompts training cannot draw; EvalSetError
+    naming the set. `tokenizer`: the run's (default: `recipe_tokenizer`)."""
+    if not any(held_out_by_prl(ev, recipe.task) for ev in recipe.eval.values()):
         return
-    example = make_task(recipe.task, recipe.run.seed).example
-    for name, ev in placed.items():
-        held_out(name, example, ev.start(recipe.task), ev.examples, seen)
+    tokenizer = tokenizer or recipe_tokenizer(recipe.model)
+    train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
+                         recipe.trainer.router_replay)
+    training = streams(recipe.env, recipe.task, recipe.run.seed, recipe.sampling, tokenizer,
+                       [(train_env.example, recipe.training_reach())], warm_start_examples(recipe))
+    build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tokenizer, training=training)
+
+
+def scan_warnings(recipe) -> list[str]:
+    """A line for each set where training draws more of a stream than the `TRAINING_SCAN` prompts compared
+    with the set's: a prompt only a later index draws may be in it, uncounted."""
+    drawn = {"RL examples": recipe.training_reach(), "warm-start demonstrations": warm_start_examples(recipe)}
+    past = [f"{n} {what}" for what, n in drawn.items() if n > TRAINING_SCAN]
+    if not past:
+        return []
+    return [f"eval.{name}: training draws {' and '.join(past)}, past the first {TRAINING_SCAN} of each that are "
+            f"compared with the set's prompts: a prompt only a later one draws is neither left out nor counted in "
+            f"verbatim_share" for name in recipe.eval]

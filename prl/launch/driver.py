@@ -68,6 +68,7 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
     except RecipeError as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
+    warn_scan(recipe, console)
     if run_dir is not None:
         steps = sealed(run_dir / "checkpoints", "step_")
         console.print(f"# resuming {run_dir} " + (f"from its checkpoint at step {steps[-1]}: what it produced after "
@@ -217,13 +218,25 @@ def check_task(recipe: Recipe) -> None:
 
 
 def check_held_out(recipe: Recipe) -> None:
-    """Each held-out set of the training task finds its examples among prompts training cannot draw."""
+    """The eval sets build as the orchestrator will build them (its environments, the run's tokenizer): each
+    held-out set of the training task finds its examples among prompts training cannot draw."""
     from prl.evaluation.sets import EvalSetError, check_held_out as check
 
     try:
         check(recipe)
     except EvalSetError as e:
         raise RecipeError(f"{e}; nothing was started") from None
+    except Exception as e:  # noqa: BLE001 - the user's environment or dataset: named in one line
+        raise RecipeError(f"eval: the eval sets cannot be built as the run builds them (env.kind = "
+                          f"{recipe.env.kind!r}): {type(e).__name__}: {e}; nothing was started") from None
+
+
+def warn_scan(recipe: Recipe, console: Console) -> None:
+    """Where training draws past the prompts an eval set is compared with, one line per set."""
+    from prl.evaluation.sets import scan_warnings
+
+    for line in scan_warnings(recipe):
+        console.print(f"prl run: warning: {line}", style="yellow", markup=False, highlight=False)
 
 
 def try_task(cfg, seed: int, key: str, index: int) -> None:
@@ -521,6 +534,7 @@ def run(recipe: Recipe | None, *, resume: Path | None, overrides: list[str], for
     except (RunStopped, RecipeError) as e:
         console.print(f"prl run: {e}", style="red", markup=False, highlight=False)
         return 2
+    warn_scan(recipe, console)
     console.print(f"prl run: {recipe.run.name} -> {run_dir}  (logs in {run_dir / 'logs'})", markup=False)
     outcome = execute(recipe, run_dir, console, tui and sys.stdout.isatty(), resume=resume is not None)
     finish(run_dir, outcome, console, time.time() - t0)

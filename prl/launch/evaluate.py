@@ -44,12 +44,7 @@ def evaluate(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -
     """Each chosen set's figures on the weights in `model_dir`; `work_dir` holds the processes' logs."""
     from prl.launch.driver import RecipeError, preflight, prepare_new
 
-    sets = {name: ev for name, ev in recipe.eval.items() if not only or name in only}
-    serving = recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(model_dir)}),
-                                        "eval": sets,
-                                        "run": recipe.run.model_copy(update={"name": work_dir.name,
-                                                                             "output_dir": str(work_dir.parent),
-                                                                             "wandb": None})})
+    serving = serving_recipe(recipe, model_dir, work_dir, only)
     try:
         preflight(serving)
         prepare_new(serving, work_dir, force=True)
@@ -57,6 +52,19 @@ def evaluate(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -
         raise EvalError(str(e)) from None
     (work_dir / WORK_MARK).write_text("prl eval's servers, logs and result\n")
     return serve_and_score(serving, work_dir)
+
+
+def serving_recipe(recipe: Recipe, model_dir: Path, work_dir: Path, only: list[str]) -> Recipe:
+    """The recipe `prl eval` starts its processes with: the weights in `model_dir`, the chosen sets, `work_dir`
+    as its folder, and the run's warm-start steps kept (with `model.path` set, unset `sft.steps` would mean
+    none), so its sets leave out the prompts the run's left out and hold the same examples."""
+    sets = {name: ev for name, ev in recipe.eval.items() if not only or name in only}
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(model_dir)}),
+                                     "sft": recipe.sft.model_copy(update={"steps": recipe.sft.steps_for(recipe.model)}),
+                                     "eval": sets,
+                                     "run": recipe.run.model_copy(update={"name": work_dir.name,
+                                                                          "output_dir": str(work_dir.parent),
+                                                                          "wandb": None})})
 
 
 def serve_and_score(recipe: Recipe, work_dir: Path) -> dict[str, dict]:
