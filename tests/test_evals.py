@@ -167,7 +167,7 @@ def series(page: str, curve: str) -> dict[str, tuple[list, list]]:
 def test_wandb_logs_each_eval_once_at_its_step(tmp_path):
     """Evals land as their own rows against `eval/step`, also one that arrives after later trainer
     rows; the RL rows stay one per step against `rl_step`."""
-    from wandb_file import history
+    from wandb_file import finished_files, history
 
     from prl.launch.wandb_log import WandbSink
     from prl.recipe.load import load_recipe
@@ -181,7 +181,8 @@ def test_wandb_logs_each_eval_once_at_its_step(tmp_path):
     (run_dir / "metrics.jsonl").write_text((tmp_path / "log" / "metrics.jsonl").read_text() + replayed)
     sink.poll()
     sink.close("done", 0)
-    (f,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    assert not sink.failed, "W&B logging stopped (its reason is on stderr)"
+    (f,) = finished_files(run_dir)
     rows = history(f)
     assert [r["rl_step"] for r in rows if "rl_step" in r] == list(range(8))
     held = [(r["eval/step"], r["eval/heldout/pass@1"]) for r in rows if "eval/heldout/pass@1" in r]

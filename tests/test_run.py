@@ -168,8 +168,10 @@ def test_prl_stop_stops_a_run_from_another_terminal(tmp_path):
     assert snapshot() == before, "a dry run writes nothing"
 
 
-def wandb_files(run_dir: Path) -> list[Path]:
-    return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+def wandb_files(run_dir: Path, count: int = 1) -> list[Path]:
+    from wandb_file import finished_files
+
+    return finished_files(run_dir, count)
 
 
 def test_wandb_offline_run_holds_the_metrics_and_recipe(finished_run):
@@ -234,7 +236,7 @@ def test_resume_continues_steps_and_data(finished_run):
     assert_nothing_left(run_dir)
     from wandb_file import history, run_id
 
-    first, second = wandb_files(run_dir)
+    first, second = wandb_files(run_dir, 2)
     assert run_id(second) == run_id(first), "the resumed run logs to the same W&B run"
     assert [r["rl_step"] for r in history(second) if "rl_step" in r] == [4, 5]
 

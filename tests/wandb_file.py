@@ -62,3 +62,18 @@ def run_id(path: Path) -> str:
         if r.WhichOneof("record_type") == "run":
             return r.run.run_id
     raise AssertionError(f"{path}: no run record")
+
+
+def finished_files(run_dir: Path, count: int = 1, timeout_s: float = 120) -> list[Path]:
+    """The run's offline files (oldest first) once each holds its exit record: W&B's service process writes
+    the file and may still be writing when `finish()` returns in the caller."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        done = [f for f in files if any(r.WhichOneof("record_type") == "exit" for r in records(f))]
+        if len(done) >= count or time.monotonic() > deadline:
+            assert len(done) >= count, f"{run_dir}: {len(done)} of {count} W&B run files finished ({files})"
+            return done
+        time.sleep(0.2)
