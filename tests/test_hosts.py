@@ -85,3 +85,23 @@ def test_no_key_file_uses_the_ssh_agent(rig, tmp_path, monkeypatch):
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_one_look_gives_states_then_files_in_one_round_trip(host, tmp_path):
+    """`survey`: each group's state as `poll` gives it, then each file from its offset; a process seen
+    exited has its last lines in the same answer. Over SSH it is one command, however many it asks."""
+    log, other = str(tmp_path / "logs" / "p.log"), str(tmp_path / "logs" / "q.log")
+    pid = host.start(["sh", "-c", "echo first; sleep 300"], log)  # runs until its group is stopped
+    done = host.start(["sh", "-c", "echo only; exit 7"], other)
+    while host.poll(done, other) is None or not host.read_log(log)[0]:
+        time.sleep(0.05)
+    calls = []
+    if isinstance(host, SshHost):
+        run = host.run
+        host.run = lambda command, **kw: calls.append(command) or run(command, **kw)
+    states, data = host.survey([(pid, log), (done, other)], [(log, 0), (log, 2), (other, 0), (log, 10**6)])
+    assert states == [None, 7]
+    assert data == [b"first\n", b"rst\n", b"only\n", b""]
+    assert len(calls) == (1 if isinstance(host, SshHost) else 0)
+    host.stop(pid, grace_s=1.0)
+    assert host.survey([(pid, log)], [])[0] != [None]

@@ -93,12 +93,32 @@ class Host(abc.ABC):
 
     def poll(self, pid: int, log: str) -> int | None:
         """None while the process group runs; then the exit status (NO_STATUS if it left none)."""
+        r = self.run(self._state_command(pid, log))
+        return self._state(pid, r.stdout if r.code == 0 else "")
+
+    def survey(self, groups: list[tuple[int, str]], files: list[tuple[str, int]]) -> tuple[list, list[bytes]]:
+        """A driver's look at this host in one round trip: each process group's state (`poll` of (pid, log)),
+        then each file's bytes from its offset (`read_log` of (path, offset)), read after the states so a
+        process seen exited has its last lines read."""
+        parts = [self._state_command(pid, log) for pid, log in groups]
+        parts += [f"printf 'R '; tail -c +{offset + 1} {shlex.quote(path)} 2>/dev/null | base64 -w0; echo"
+                  for path, offset in files]
+        r = self.run("; ".join(parts) or "true")
+        lines = r.stdout.splitlines() if r.code == 0 else []
+        if len(lines) != len(parts):  # a cut-off answer
+            raise HostError(f"{self.name}: no clear answer to the driver's look (code {r.code}: {r.stdout[-300:]!r})")
+        states = [self._state(pid, line) for (pid, _), line in zip(groups, lines)]
+        return states, [base64.b64decode(line[2:].strip()) for line in lines[len(groups):]]
+
+    def _state_command(self, pid: int, log: str) -> str:
         status = shlex.quote(exit_file(log))
-        r = self.run(f"if {self._group_probe(pid)}; then echo running; elif [ -s {status} ]; "
-                     f"then echo exit $(cat {status}); else echo gone; fi")
-        out = r.stdout.split()
-        if r.code != 0 or not out or out[0] not in ("running", "exit", "gone"):  # a cut-off answer
-            raise HostError(f"{self.name}: no clear answer about pid {pid} (code {r.code}: {r.stdout!r})")
+        return (f"if {self._group_probe(pid)}; then echo running; elif [ -s {status} ]; "
+                f"then echo exit $(cat {status}); else echo gone; fi")
+
+    def _state(self, pid: int, answer: str) -> int | None:
+        out = answer.split()
+        if not out or out[0] not in ("running", "exit", "gone"):  # a cut-off answer
+            raise HostError(f"{self.name}: no clear answer about pid {pid} ({answer!r})")
         if out[0] == "running":
             return None
         return int(out[1]) if out[0] == "exit" and out[1:] and out[1].lstrip("-").isdigit() else NO_STATUS
@@ -156,6 +176,10 @@ class LocalHost(Host):
         if pid not in self.children:
             return super().poll(pid, log)
         return self.children[pid].poll()  # -N: killed by signal N
+
+    def survey(self, groups: list[tuple[int, str]], files: list[tuple[str, int]]) -> tuple[list, list[bytes]]:
+        """Here each look costs no round trip: the children's own states, then the files."""
+        return [self.poll(pid, log) for pid, log in groups], [self.read_log(path, off)[0] for path, off in files]
 
     def alive(self, pid: int) -> bool:
         if pid in self.children:

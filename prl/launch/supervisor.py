@@ -29,23 +29,32 @@ class HostProcess:
         self.code: int | None = None  # exit status, once seen
         self.log_offset = 0
         self.mirrored = spec.host_log != str(spec.log)
+        self.seen = False  # `code` was just read by the supervisor's look at the host: the next poll takes it
 
     def start(self, heartbeat_s: int | None) -> None:
         self.spec.log.parent.mkdir(parents=True, exist_ok=True)
         beat = (heartbeat_file(self.spec.run_dir), heartbeat_s) if self.mirrored and heartbeat_s else None
+        self.seen = False
         self.pid = self.host.start(self.spec.cmd, self.spec.host_log, self.spec.env, beat)
 
     def poll(self) -> int | None:
-        if self.code is None and self.pid is not None:
+        if self.seen:
+            self.seen = False
+        elif self.code is None and self.pid is not None:
             self.code = self.host.poll(self.pid, self.spec.host_log)
         return self.code
 
     def pull_log(self) -> None:
         if self.mirrored and self.pid is not None:
-            data, self.log_offset = self.host.read_log(self.spec.host_log, self.log_offset)
-            if data:
-                with open(self.spec.log, "ab") as f:
-                    f.write(data)
+            data, _ = self.host.read_log(self.spec.host_log, self.log_offset)
+            self.append_log(data)
+
+    def append_log(self, data: bytes) -> None:
+        """Bytes of the host's log from `log_offset` on, appended to the workstation's copy."""
+        if data:
+            with open(self.spec.log, "ab") as f:
+                f.write(data)
+            self.log_offset += len(data)
 
     def tail(self, n: int = 15) -> list[str]:
         try:
@@ -64,7 +73,10 @@ class MetricsMirror:
         self.host, self.remote, self.local, self.offset = host, remote, local, 0
 
     def pull(self) -> None:
-        data, _ = self.host.read_log(self.remote, self.offset)
+        self.append(self.host.read_log(self.remote, self.offset)[0])
+
+    def append(self, data: bytes) -> None:
+        """Bytes of the host's metrics from `offset` on: their complete lines go to the workstation's."""
         end = data.rfind(b"\n") + 1
         if end:
             append_lines(self.local, data[:end])
@@ -112,11 +124,28 @@ class Supervisor:
         return {name: rc for name, rc in zip(self.procs, codes) if rc is not None}
 
     def sync(self) -> None:
-        """Stream remote logs and metrics into the workstation's run directory."""
+        """Stream remote logs and metrics into the workstation's run directory, and see which remote
+        processes exited (the next `exited` takes those states): one command per host."""
         self.beat()
-        jobs = [p.pull_log for p in self.procs.values() if p.mirrored] + [m.pull for m in self.mirrors]
-        for f in [self.pool.submit(j) for j in jobs]:
+        hosts = {p.spec.host for p in self.procs.values() if p.mirrored}
+        hosts |= {k for k, h in self.hosts.items() if any(m.host is h for m in self.mirrors)}
+        for f in [self.pool.submit(self.look, h) for h in sorted(hosts)]:
             f.result()
+
+    def look(self, host: str) -> None:
+        """One host's states, logs and metrics in one round trip (`Host.survey`)."""
+        procs = [p for p in self.procs.values() if p.mirrored and p.spec.host == host and p.pid is not None]
+        polled = [p for p in procs if p.code is None]
+        mirrors = [m for m in self.mirrors if m.host is self.hosts[host]]
+        states, data = self.hosts[host].survey([(p.pid, p.spec.host_log) for p in polled],
+                                               [(p.spec.host_log, p.log_offset) for p in procs]
+                                               + [(m.remote, m.offset) for m in mirrors])
+        for p, code in zip(polled, states):
+            p.code, p.seen = code, True
+        for p, chunk in zip(procs, data):
+            p.append_log(chunk)
+        for m, chunk in zip(mirrors, data[len(procs):]):
+            m.append(chunk)
 
     def stop_all(self, grace_s: float = 5.0) -> list[str]:
         """Stop every process group on every host; returns what could not be stopped (named)."""
