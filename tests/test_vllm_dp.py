@@ -130,12 +130,12 @@ def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
         model = hf_model(srv.run_dir / "model")
         publish(srv, 1, perturbed_state(model, seed=1))
         call(srv, lambda b: b.load_weights(1))
-        check_both_engines(srv, model, version=1)
+        check_engines(srv, model, version=1)
         sink = collective_sink(srv)
         send(sink, 2, perturbed_state(model, seed=2))
         assert sink.last.error is None and sink.last.servers == 1, sink.last  # its two engines' ranks joined
         call(srv, lambda b: b.load_weights(2))
-        check_both_engines(srv, model, version=2)
+        check_engines(srv, model, version=2)
         # two trainer ranks stream; each engine's worker takes only the experts it serves (it checks them
         # against its own expert map: one expert too many or too few fails the version by name)
         from test_collective import stream
@@ -145,7 +145,7 @@ def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
         call(srv, lambda b: b.load_weights(3))
         model = hf_model(srv.run_dir / "model")
         perturbed_state(model, seed=3)
-        check_both_engines(srv, model, version=3)
+        check_engines(srv, model, version=3)
     except Exception:
         print((srv.run_dir / "logs" / "inference-0.log").read_text()[-5000:])
         raise
@@ -153,17 +153,19 @@ def test_two_data_parallel_engines_serve_and_take_each_version(tmp_path):
         srv.stop()
 
 
-def check_both_engines(srv, model, version: int) -> None:
-    """Enough requests at once that both engines take some; every token is the version's, with its logprobs."""
+def check_engines(srv, model, version: int, engines: int = 2, atol: float = 2e-4) -> None:
+    """Enough requests at once that each of the `engines` data-parallel engines takes some; every token is the
+    version's, with its logprobs (within `atol`)."""
     before = per_engine(srv, "vllm:request_success_total")
 
     async def many(b):
-        return await asyncio.gather(*(b.generate(req(n=1, max_tokens=6, seed=s)) for s in range(8)))
+        return await asyncio.gather(*(b.generate(req(n=1, max_tokens=6, seed=s)) for s in range(4 * engines)))
 
     for resp in call(srv, many):
         c = resp.completions[0]
         assert set(c.versions) == {version}
         torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, PROMPT, c.token_ids),
-                                   atol=2e-4, rtol=0)
+                                   atol=atol, rtol=0)
     after = per_engine(srv, "vllm:request_success_total")
-    assert sorted(after) == ["0", "1"] and all(after[e] > before.get(e, 0) for e in after), (before, after)
+    assert sorted(after) == [str(e) for e in range(engines)], after
+    assert all(after[e] > before.get(e, 0) for e in after), (before, after)
