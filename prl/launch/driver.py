@@ -207,12 +207,17 @@ def check_backend(recipe: Recipe, folder) -> None:
 
 
 def check_task(recipe: Recipe) -> None:
-    """Import user task functions now (the recipe's and each eval set's), so a typo fails before any
-    process starts."""
-    try_task(recipe.task, recipe.run.seed, "task", 0)
+    """Import user task functions and open data files now (the recipe's, each eval set's, the warm start's), so a
+    typo fails before any process starts."""
+    from prl.evaluation.sets import recipe_tokenizer
+
+    tokenizer = recipe_tokenizer(recipe.model)
+    try_task(recipe.task, recipe.run.seed, "task", 0, tokenizer)
     for name, ev in recipe.eval.items():
-        if ev.task is not None:
-            try_task(ev.task, recipe.run.seed, f"eval.{name}.task", ev.start(recipe.task))
+        if ev.task is not None or ev.data is not None:
+            key = f"eval.{name}.data" if ev.data is not None else f"eval.{name}.task"
+            try_task(ev.set_task(recipe.task), recipe.run.seed, key, ev.start(recipe.task), tokenizer)
+    check_sft_data(recipe, tokenizer)
     check_held_out(recipe)
     check_env(recipe)
 
@@ -239,18 +244,42 @@ def warn_scan(recipe: Recipe, console: Console) -> None:
         console.print(f"prl run: warning: {line}", style="yellow", markup=False, highlight=False)
 
 
-def try_task(cfg, seed: int, key: str, index: int) -> None:
+def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
     from prl.tasks import make_task
 
     try:
         task = make_task(cfg, seed)
+        if cfg.data is not None:
+            from prl.recipe.schema import CHECKERS
+
+            task.dataset_fn.check(needs_answer=cfg.reward in CHECKERS)
     except ValueError as e:
         raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
     try:  # the user's own functions: whatever they raise is their bug, named in one line
-        task.reward("", task.example(index))
+        example = task.example(index)
+        task.reward("", example)
     except Exception as e:  # noqa: BLE001
         raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index} "
                           f"(its dataset, then its reward of an empty completion): {type(e).__name__}: {e}") from None
+    if tokenizer is not None:
+        from prl.tasks.prompts import PromptError
+
+        try:
+            task.prompt_ids(tokenizer, example["prompt"])
+        except PromptError as e:
+            raise RecipeError(f"invalid {key}, nothing was started: example {index}: {e}") from None
+
+
+def check_sft_data(recipe: Recipe, tokenizer) -> None:
+    """`sft.data` opens, its first rows hold the keys, and they render as the warm start renders them."""
+    if recipe.sft.data is None or not recipe.sft.steps_for(recipe.model):
+        return
+    from prl.envs.sft_data import check_sft_file
+
+    try:
+        check_sft_file(recipe.sft, recipe.task, tokenizer)
+    except ValueError as e:
+        raise RecipeError(f"invalid sft.data, nothing was started: {e}") from None
 
 
 def check_env(recipe: Recipe) -> None:

@@ -118,8 +118,8 @@ async def score(cfg, sup) -> dict[str, dict]:
         monitors = [asyncio.create_task(orch.pool.watch(s)) for s in orch.pool.servers]  # a server taken out rejoins
         results = {}
         for s in orch.evals.sets.values():  # one set at a time, every example of it at once
-            figures = await until_exit(run_set(s, orch.eval_sampler, asyncio.Semaphore(s.cfg.examples), None), watch)
-            results[s.name] = {**figures, "examples": s.cfg.examples, "samples": s.cfg.samples,
+            figures = await until_exit(run_set(s, orch.eval_sampler, asyncio.Semaphore(s.examples), None), watch)
+            results[s.name] = {**figures, "examples": s.examples, "samples": s.cfg.samples,
                                "verbatim_share": s.verbatim_share, "replaced": s.replaced}
         return results
     finally:

@@ -134,7 +134,7 @@ class InRunEvals:
                 async with orch.changed:
                     self.pinned -= 1
                     orch.changed.notify_all()
-        orch.log.emit("eval", set=s.name, step=point, version=version, examples=s.cfg.examples,
+        orch.log.emit("eval", set=s.name, step=point, version=version, examples=s.examples,
                       samples=s.cfg.samples, verbatim_share=s.verbatim_share, replaced=s.replaced,
                       started=round(started, 3), **figures)
 

@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from prl.envs import make_env
+from prl.envs import SkipExample, make_env
 from prl.envs.stats import summarize
 from prl.evaluation.sets import build_sets, run_streams
 from prl.inference.protocol import GenerateRequest, GenerateResponse
@@ -89,6 +89,9 @@ def turn_advantages(trajs) -> list[list[float]] | None:
                 adv.append(0.0)
         out.append(adv)
     return out
+
+
+SKIPS_LOGGED = 20  # example_skipped events a run writes; past them, orch_step's skipped_examples counts
 
 
 class GroupSampler:
@@ -174,6 +177,7 @@ class Orchestrator:
         self.served = -1
         self.inflight_groups = 0
         self.groups_started = 0  # since the last batch shipped
+        self.skipped_examples = 0  # examples the environment would not run (SkipExample), since the start
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
@@ -326,6 +330,7 @@ class Orchestrator:
         position, ahead = self.cursor.state()
         # read with the cursor, before any await: the groups filtered so far are those it consumed
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
+                  "skipped_examples": self.skipped_examples,
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
         self.groups_started = 0
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
@@ -380,8 +385,11 @@ class Orchestrator:
 
     async def run_group(self, index: int) -> None:
         sampler = GroupSampler(self.pool, index, self.rollouts)
+        skipped = None
         try:
             group = await self.rollout_group(index, sampler)
+        except SkipExample as e:  # its index is consumed, and a replacement starts
+            group, skipped = None, e
         except Exception as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation (stop) is not an error
             self.error = self.error or e
             group = None
@@ -392,7 +400,17 @@ class Orchestrator:
             self.inflight_groups -= 1
             if group and not self.buffer.add(group):  # filtered: a replacement starts
                 self.release([group])
+            if skipped is not None:
+                self.skip(index, skipped)
             self.changed.notify_all()
+
+    def skip(self, index: int, why: SkipExample) -> None:
+        """An example the environment will not run: consumed, counted, the first one said. Caller holds `self.changed`."""
+        self.committed -= 1
+        self.cursor.consume([index])
+        self.skipped_examples += 1
+        if self.skipped_examples <= SKIPS_LOGGED:
+            self.log.emit("example_skipped", index=index, why=str(why), total=self.skipped_examples)
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""

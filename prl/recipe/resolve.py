@@ -235,6 +235,7 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
         name="orchestrator", rl=recipe.rl, sampling=recipe.sampling, task=recipe.task, env=recipe.env,
         eval=recipe.eval, training_reach=recipe.training_reach(), backend=recipe.inference.backend,
         warm_start_examples=recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size,
+        sft=recipe.sft if recipe.sft.data is not None else None,
         startup_timeout_s=recipe.inference.startup_timeout_s,
         router_replay=recipe.trainer.router_replay, servers=[f"http://{s.host}:{s.port}" for s in servers],
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,

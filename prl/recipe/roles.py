@@ -108,6 +108,7 @@ class OrchestratorConfig(RoleConfig):
     eval: dict[str, EvalCfg] = {}  # the held-out sets it scores during the run
     training_reach: int = 0  # example indices training can take (`Recipe.training_reach`)
     warm_start_examples: int = 0  # demonstrations the trainer's warm start draws (sft steps x batch size)
+    sft: SftCfg | None = None  # the recipe's [sft] where the warm start reads a file (its prompts are training's)
     backend: str = "embedded"
     startup_timeout_s: int = 600
     router_replay: bool = False  # ask the servers for routed experts

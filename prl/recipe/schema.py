@@ -10,6 +10,7 @@ rewrite the config (derived values live in `prl.recipe.resolve`).
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Literal
 
@@ -19,6 +20,8 @@ from prl.parallel_dims import ParallelDims
 
 # a user's function or class, "module:name" (task.dataset, task.reward, env.tools, env.kind, `prl.envs`)
 CALLABLE = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+TASK_NAMES = ("reverse", "reverse_long_tail", "sort", "add")  # prl.tasks.builtin.BUILTIN
+CHECKERS = ("exact", "math", "choice")  # task.reward by name: prl.tasks.checkers.CHECKERS
 
 
 class Section(BaseModel):
@@ -108,17 +111,42 @@ class ModelCfg(Section):
 
 class TaskCfg(Section):
     """Built-in task by name, a reasoning-gym task as `reasoning_gym:<name>` (the `envs` extra; the
-    name and options are checked when `prl run` imports the task), or user functions as `module:function`."""
+    name and options are checked when `prl run` imports the task), user functions as `module:function`, or a
+    dataset file (`data`, docs/data.md)."""
 
     name: str = "reverse"
-    """A built-in task (reverse, reverse_long_tail, sort, add), "custom" (task.dataset and task.reward), or
-    `reasoning_gym:<name>`."""
+    """A built-in task (reverse, reverse_long_tail, sort, add), "custom" (task.dataset and task.reward), "file" (the
+    examples of task.data, which also implies it), or `reasoning_gym:<name>`."""
     dataset: str | None = Field(None, pattern=rf"^{CALLABLE}$")
     """A dataset function as "module:function" ((index, seed, min_len, max_len) -> {"prompt", "answer", ...}); replaces
     the named task's dataset; needed by name = "custom"."""
-    reward: str | None = Field(None, pattern=rf"^{CALLABLE}$")
-    """A reward function as "module:function" ((completion, example) -> a float in [0, 1]); replaces the named task's
-    reward; needed by name = "custom"."""
+    reward: str | None = None
+    """The reward: a checker of answers by name ("exact", "math", "choice": docs/data.md) or a function as
+    "module:function" ((completion, example) -> a float in [0, 1], or (reward, answer)); replaces the named task's
+    reward; needed by name = "custom" and by task.data."""
+    data: str | None = None
+    """A dataset file, one example a row: .jsonl, .json (a list of objects), .parquet, .csv, or a folder written by
+    Hugging Face datasets' save_to_disk; a path on this machine (on a cluster, on the orchestrator's and trainer's
+    hosts), nothing is downloaded. Shuffled per epoch by run.seed; rl.max_steps past one epoch starts another."""
+    prompt_key: str = Field("prompt", min_length=1)
+    """With task.data: the column holding the prompt, a string or a list of chat messages ({role, content})."""
+    answer_key: str = Field("answer", min_length=1)
+    """With task.data: the column holding the reference answer the checkers compare with (example["answer"]); the
+    row's other columns reach the reward as they are."""
+    rows: list[int] | None = None
+    """With task.data: the rows used, [start, end) counted from 0 (unset: every row), e.g. to keep the file's last
+    rows for an eval set."""
+    shuffle: bool = True
+    """With task.data: draw the rows in an order shuffled per epoch by run.seed (false: file order). Eval sets read
+    their rows in file order."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Single-turn prompts: render the prompt with the tokenizer's chat template (the user's message, then the
+    assistant's turn begins) - true, false, or "auto" (when the tokenizer has one; prl's tiny tokenizer has none)."""
+    system_prompt: str | None = None
+    """With the chat template: a system message before every prompt (a prompt's own system message is kept)."""
+    max_prompt_tokens: int = Field(512, gt=0)
+    """With task.data: the longest prompt in tokens, which the length checks and `prl plan` size from; a row whose
+    prompt is longer is skipped and counted (`skipped_examples`)."""
     min_len: int = Field(3, gt=0)
     """Shortest problem, passed to the dataset function (built-ins: letters of the word; add: digits of an operand, at
     most 4; reverse_long_tail: the median)."""
@@ -133,18 +161,39 @@ class TaskCfg(Section):
     def _known_name(cls, v: str) -> str:
         """Built-ins by name; `reasoning_gym:<name>` by shape only (importing reasoning-gym takes seconds)."""
         rg = v.partition(":")[2] if v.startswith("reasoning_gym:") else None
-        if v in ("reverse", "reverse_long_tail", "sort", "add", "custom") or (rg and rg.replace("_", "a").isalnum() and rg.isascii()):
+        if v in (*TASK_NAMES, "custom", "file") or (rg and rg.replace("_", "a").isalnum() and rg.isascii()):
             return v
-        raise ValueError(f"task.name = {v!r}: one of reverse, reverse_long_tail, sort, add, custom, or "
-                         f"reasoning_gym:<name>")
+        raise ValueError(f"task.name = {v!r}: one of {', '.join(TASK_NAMES)}, custom, file, or reasoning_gym:<name>")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: str | None) -> str | None:
+        if v is None or v in CHECKERS or re.fullmatch(CALLABLE, v):
+            return v
+        raise ValueError(f"task.reward = {v!r}: a checker ({', '.join(CHECKERS)}) or a function as 'module:function'")
+
+    @field_validator("rows")
+    @classmethod
+    def _rows(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
+            raise ValueError(f"rows = {v}: give [start, end) with 0 <= start < end, e.g. [0, 9000]")
+        return v
+
+    def is_file(self) -> bool:
+        return self.data is not None
 
     def longest_prompt(self) -> int:
-        """The longest prompt in tokens, sized from max_len: about 2 tokens a character plus the framing."""
-        return self.max_len * 2 + 8
+        """The longest prompt in tokens: a data file's max_prompt_tokens, else sized from max_len (about 2 tokens a
+        character plus the framing)."""
+        return self.max_prompt_tokens if self.is_file() else self.max_len * 2 + 8
+
+    def named_apart(self) -> bool:
+        """Whether the recipe sets a task name beside `data` (a process's config, written whole, sets every key)."""
+        return self.is_file() and "name" in self.model_fields_set and self.name != "file"
 
     def same_data(self, other: "TaskCfg") -> bool:
         """Whether `other` draws the same examples at the same index (its reward may differ)."""
-        keys = ("name", "dataset", "min_len", "max_len", "options")
+        keys = ("name", "dataset", "min_len", "max_len", "options", "data", "rows", "shuffle", "prompt_key")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
     @model_validator(mode="after")
@@ -155,7 +204,20 @@ class TaskCfg(Section):
             raise ValueError("task.name = 'custom' needs task.dataset and task.reward as 'module:function'")
         if self.options and not self.name.startswith("reasoning_gym:"):
             raise ValueError(f"task.options is for reasoning_gym tasks; task.name = {self.name!r} has none")
+        self._check_file()
         return self
+
+    def _check_file(self) -> None:
+        if self.name == "file" and self.data is None:
+            raise ValueError("task.name = 'file' needs task.data, the path of a dataset file")
+        if self.data is None:
+            if self.rows is not None:
+                raise ValueError("task.rows is for a dataset file (task.data); set task.data or drop it")
+            return
+        if self.dataset:
+            raise ValueError("task.data and task.dataset both give the examples: keep one")
+        if self.reward is None:
+            raise ValueError(f"task.data needs task.reward: a checker ({', '.join(CHECKERS)}) or 'module:function'")
 
 
 class SftCfg(Section):
@@ -174,6 +236,21 @@ class SftCfg(Section):
     """Demonstrations per warm-start step."""
     lr: float = Field(3e-3, gt=0)
     """Warm-start learning rate (AdamW, with trainer.warmup_steps and trainer.schedule over the warm-start steps)."""
+    data: str | None = None
+    """Demonstrations from a dataset file (formats as task.data): rows of task.prompt_key and completion_key (each a
+    string, or chat messages), or of messages_key (a conversation); the loss is on the completion (every assistant
+    message) only. Unset: the task's own demonstrations (its answers). Shuffled per epoch by run.seed."""
+    completion_key: str = Field("completion", min_length=1)
+    """With sft.data: the column holding what the model learns to write."""
+    messages_key: str = Field("messages", min_length=1)
+    """With sft.data: the column holding a whole conversation (a row without task.prompt_key)."""
+
+    @model_validator(mode="after")
+    def _data_steps(self):
+        if self.data is not None and self.steps is None:
+            raise ValueError("sft.data needs sft.steps: the warm-start steps to take (one epoch is the file's rows / "
+                             "sft.batch_size)")
+        return self
 
 
 class SandboxCfg(Section):
@@ -241,7 +318,7 @@ class EnvCfg(Section):
 
 
 class RlCfg(Section):
-    max_steps: int = Field(30, gt=0)
+    max_steps: int = Field(30, ge=0)
     """RL steps (trainer optimizer steps) of the run; trainer.schedule spans them."""
     batch_size: int = Field(64, gt=0)
     """Samples (completions) per trainer step; a multiple of group_size."""
@@ -332,10 +409,16 @@ class EvalCfg(Section):
     (`first_index`)."""
     env: EnvCfg | None = None
     """The environment the set runs in; unset: the recipe's `[env]`."""
-    examples: int = Field(32, gt=0)
+    data: str | None = None
+    """The set's examples from a dataset file (formats and keys as task.data, its rows in file order); the set's task
+    is the recipe's (or eval.<name>.task) reading this file. The training file itself needs `rows` apart from
+    task.rows."""
+    rows: list[int] | None = None
+    """With data: the rows of the file the set reads, [start, end); unset: every row (or the first `examples`)."""
+    examples: int | None = Field(None, gt=0)
     """Examples in the set: indices first_index .. first_index + examples - 1 of the task; for the recipe's own task
     with first_index unset, the first from 1000000000 on whose prompt training cannot draw (the eval's `replaced`
-    counts the indices left out)."""
+    counts the indices left out). Unset: 32, or every row of a dataset file."""
     first_index: int | None = Field(None, ge=0)
     """The set's first example index; unset: 1000000000 for the recipe's own task (training reaches rl.max_steps x
     (rl.batch_size / rl.group_size + the groups filtering may drop) indices, refused if it could reach this one), 0 for a task of the set's own."""
@@ -392,7 +475,26 @@ class EvalCfg(Section):
 
     def draws_training_data(self, recipe_task: "TaskCfg") -> bool:
         """Whether the set's examples come from the training task's stream (its own reward aside)."""
-        return self.task is None or self.task.same_data(recipe_task)
+        return self.set_task(recipe_task).same_data(recipe_task)
+
+    def set_task(self, recipe_task: "TaskCfg") -> "TaskCfg":
+        """The set's task: its own or the recipe's; with `data`, that task reading the set's file. A dataset file's
+        rows are read in file order."""
+        base = self.task or recipe_task
+        if self.data is not None:
+            keep = base.model_dump(include={"reward", "prompt_key", "answer_key", "chat_template", "system_prompt",
+                                            "max_prompt_tokens"}, exclude_none=True)
+            return TaskCfg.model_validate({**keep, "name": "file", "data": self.data, "rows": self.rows,
+                                           "shuffle": False})
+        if base.is_file() and self.task is not None:
+            return base.model_copy(update={"shuffle": False})
+        return base
+
+    def count(self, rows: int | None) -> int:
+        """Examples in the set; `rows`: the rows of its dataset file (None: not a file)."""
+        if rows is None:
+            return self.examples or 32
+        return min(self.examples or rows, rows)
 
 
 BUILTIN_OBJECTIVES = ("tis", "clip", "mask", "seq_mask", "none", "gspo", "gspo_token", "cispo")
@@ -1143,6 +1245,9 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _evals(self):
+        for key, task in [("task", self.task), *((f"eval.{n}.task", ev.task) for n, ev in self.eval.items())]:
+            if task is not None and task.named_apart():
+                raise ValueError(f"{key}.data gives the examples: drop {key}.name = {task.name!r} (or set it to 'file')")
         for name, ev in self.eval.items():
             check_eval(self, name, ev)
         return self
@@ -1176,10 +1281,28 @@ def check_eval(recipe: "Recipe", name: str, ev: EvalCfg) -> None:
         raise ValueError(f"{key}.samples ({ev.samples}) exceed its share of the in-flight budget ({key}.max_share "
                          f"{ev.max_share} x rl.max_inflight_rollouts {recipe.rl.max_inflight_rollouts}): one example "
                          f"would hold more than the set may; raise max_share or lower samples")
+    check_eval_data(recipe.task, key, ev)
     start, reach = ev.start(recipe.task), recipe.training_reach()
     if ev.draws_training_data(recipe.task) and start < reach:
         raise ValueError(f"{key}.first_index ({start}) overlaps the training indices 0..{reach - 1} (rl.max_steps x "
                          f"rl.batch_size / rl.group_size, with rl.overprovision and rl.max_filtered_per_step): leave it unset, or set it >= {reach}")
+
+
+def check_eval_data(task: TaskCfg, key: str, ev: EvalCfg) -> None:
+    """A set reading a dataset file reads none of the training file's rows."""
+    if ev.rows is not None and ev.data is None:
+        raise ValueError(f"{key}.rows is for a set's dataset file: set {key}.data")
+    if task.is_file() and ev.data is None and ev.task is None:
+        raise ValueError(f"{key}: the training task reads task.data = {task.data!r}; give the set a file of its own "
+                         f"({key}.data = \"test.jsonl\"), or the same file with {key}.rows apart from task.rows")
+    own = ev.set_task(task)
+    if not (task.is_file() and own.is_file()) or os.path.normpath(task.data) != os.path.normpath(own.data):
+        return
+    a, b = task.rows or [0, math.inf], own.rows or [0, math.inf]
+    if a[0] < b[1] and b[0] < a[1]:
+        raise ValueError(f"{key}: reads {own.data!r}, the training file, at rows training draws (task.rows = "
+                         f"{task.rows}, {key}.rows = {own.rows}): give both rows ranges that do not overlap, e.g. "
+                         f"task.rows = [0, 9000] and {key}.rows = [9000, 10000]")
 
 
 def check_placement(cluster: ClusterCfg, p: PlacementCfg, trainer_nproc: int) -> None:

@@ -1,6 +1,7 @@
 """Tasks: a dataset function (index -> {"prompt", "answer", ...}) and a reward function
-(completion text, example -> float in [0, 1]). Built-ins by name, reasoning-gym's tasks as
-`reasoning_gym:<name>` (`prl.tasks.reasoning_gym`), user tasks by `module:function`."""
+(completion text, example -> float in [0, 1], or (reward, answer)). Built-ins by name, reasoning-gym's
+tasks as `reasoning_gym:<name>` (`prl.tasks.reasoning_gym`), user tasks by `module:function`, dataset
+files (`task.data`, `prl.tasks.files`) and answer checkers by name (`prl.tasks.checkers`)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,37 @@ WARM_START_SEED_OFFSET = 7919  # the warm start's demonstrations are drawn from 
 @dataclass(frozen=True)
 class Task:
     dataset_fn: Callable[..., dict]
-    reward_fn: Callable[[str, dict], float]
+    reward_fn: Callable[[str, dict], float | tuple]
     seed: int
     min_len: int
     max_len: int
+    chat_template: bool | str = "auto"  # task.chat_template (prl.tasks.prompts)
+    system_prompt: str | None = None
+    max_prompt_tokens: int | None = None  # a dataset file's: longer prompts are skipped
+    rows: int | None = None  # a dataset file's rows (None: examples are generated)
 
     def example(self, index: int) -> dict:
         return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len)
 
+    def score(self, completion: str, example: dict) -> tuple[float, str | None]:
+        """The reward and the answer the completion gives, which maj@k votes on: a checker's (or a function's
+        returning (reward, answer)) extracted answer, "" where it found none; None where the function returns a
+        bare reward (the environment then votes on the text)."""
+        out = self.reward_fn(completion, example)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise TypeError(f"a reward function returns a float or (reward, answer), got a {len(out)}-tuple")
+            return float(out[0]), "" if out[1] is None else str(out[1])
+        return float(out), None
+
     def reward(self, completion: str, example: dict) -> float:
-        return float(self.reward_fn(completion, example))
+        return self.score(completion, example)[0]
+
+    def prompt_ids(self, tokenizer, prompt) -> list[int]:
+        """The prompt's token ids, rendered as the recipe says (`prl.tasks.prompts`)."""
+        from prl.tasks.prompts import prompt_ids
+
+        return prompt_ids(tokenizer, prompt, self.chat_template, self.system_prompt)
 
 
 def import_function(spec: str, key: str) -> Callable:
@@ -42,8 +64,8 @@ def import_function(spec: str, key: str) -> Callable:
 
 def make_task(cfg, seed: int) -> Task:
     """The recipe's task (`cfg`: its `prl.recipe.schema.TaskCfg`); a ValueError naming the key when a function,
-    a reasoning-gym task or its options cannot be used (`prl run` turns it into a refusal before anything
-    starts)."""
+    a reasoning-gym task, a data file or its options cannot be used (`prl run` turns it into a refusal before
+    anything starts)."""
     dataset, reward = BUILTIN.get(cfg.name, (None, None))
     if cfg.name.startswith("reasoning_gym:"):
         from prl.tasks.reasoning_gym import reasoning_gym_task
@@ -51,6 +73,20 @@ def make_task(cfg, seed: int) -> Task:
         dataset, reward = reasoning_gym_task(cfg.name.partition(":")[2], cfg.options)
     if cfg.dataset:
         dataset = import_function(cfg.dataset, "task.dataset")
+    rows = None
+    if cfg.data is not None:
+        from prl.tasks.files import file_dataset
+
+        dataset = file_dataset(cfg)
+        rows = len(dataset.source)
     if cfg.reward:
-        reward = import_function(cfg.reward, "task.reward")
-    return Task(dataset, reward, seed, cfg.min_len, cfg.max_len)
+        reward = checker(cfg.reward) or import_function(cfg.reward, "task.reward")
+    return Task(dataset, reward, seed, cfg.min_len, cfg.max_len, cfg.chat_template, cfg.system_prompt,
+                cfg.max_prompt_tokens if cfg.data is not None else None, rows)
+
+
+def checker(name: str) -> Callable | None:
+    """The built-in answer checker `name` (exact, math, choice), or None."""
+    from prl.tasks.checkers import CHECKERS
+
+    return CHECKERS.get(name)

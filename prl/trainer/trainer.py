@@ -59,6 +59,17 @@ def sft_sample(demo) -> Sample:
     return Sample(demo.prompt_ids, demo.completion_ids, [0.0] * n, [0] * n, advantage=1.0, mask=demo.mask)
 
 
+def warm_start_source(cfg, tokenizer):
+    """Where the warm start's demonstrations come from: `sft.data`'s rows, or the environment's own
+    (`Environment.demonstration`), drawn apart from RL's examples."""
+    seed = cfg.run.seed + WARM_START_SEED_OFFSET
+    if cfg.sft.data is not None:
+        from prl.envs.sft_data import SftFile
+
+        return SftFile(cfg.sft, cfg.task, tokenizer, seed)
+    return make_env(cfg.env, cfg.task, seed, tokenizer, cfg.sampling, 1, False)
+
+
 def vocab_size(model_dir) -> int | None:
     import json
 
@@ -249,11 +260,10 @@ class Trainer:
         if not steps:
             return
         opt, sched = self.make_optimizer(sft.lr, steps)
-        env = make_env(self.cfg.env, self.cfg.task, self.cfg.run.seed + WARM_START_SEED_OFFSET, self.tokenizer,
-                       self.cfg.sampling, 1, False)
+        demos_from = warm_start_source(self.cfg, self.tokenizer)
         for step in range(steps):
             t0 = time.perf_counter()
-            demos = [env.demonstration(step * sft.batch_size + i) for i in range(sft.batch_size)]
+            demos = [demos_from.demonstration(step * sft.batch_size + i) for i in range(sft.batch_size)]
             if step == 0:
                 self.check_turn_lengths(demos)
             samples = [sft_sample(d) for d in demos]
