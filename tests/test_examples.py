@@ -47,9 +47,12 @@ def command_blocks() -> dict[str, list[str]]:
     return out
 
 
+DATA = EXAMPLES / "data"  # the shipped dataset files and their generator (recipes/math-tiny.toml), not a guide
+
+
 def example_files() -> set[str]:
     return {str(p.relative_to(ROOT)) for p in EXAMPLES.rglob("*")
-            if p.is_file() and p.suffix in (".py", ".toml") and "__pycache__" not in p.parts}
+            if p.is_file() and p.suffix in (".py", ".toml") and "__pycache__" not in p.parts and DATA not in p.parents}
 
 
 def test_every_file_the_tutorial_shows_is_the_example_file_and_every_example_file_is_shown():
@@ -60,7 +63,7 @@ def test_every_file_the_tutorial_shows_is_the_example_file_and_every_example_fil
 
 
 def test_every_example_has_a_command_block():
-    assert set(command_blocks()) == {p.name for p in EXAMPLES.iterdir() if p.is_dir()}
+    assert set(command_blocks()) == {p.name for p in EXAMPLES.iterdir() if p.is_dir() and p != DATA}
 
 
 def argv_of(line: str, output_dir: Path) -> list[str]:
@@ -96,6 +99,29 @@ def assert_trained(run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "done" and summary["rl_steps"] == steps, summary
     assert len([e for e in events(run_dir, "trainer_step") if e.get("stage") == "rl"]) == steps
+
+
+def test_shipped_data_files_are_what_their_script_writes(tmp_path):
+    """examples/data/word-problems is the generator's output at its defaults, and its test split shares no prompt
+    with the files training reads."""
+    subprocess.run([sys.executable, str(DATA / "make_word_problems.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = DATA / "word-problems"
+    for name in ("train.jsonl", "sft.jsonl", "test.jsonl"):
+        assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
+    prompts = {n: {json.loads(line)["prompt"] for line in (shipped / n).open()} for n in ("train.jsonl", "sft.jsonl",
+                                                                                           "test.jsonl")}
+    assert not prompts["test.jsonl"] & (prompts["train.jsonl"] | prompts["sft.jsonl"])
+
+
+@pytest.mark.slow
+def test_custom_data_example(tmp_path):
+    """A data file, the math checker and a held-out row range of the same file: trained, and the set scored its 50
+    rows at the start and the end."""
+    run_dir, _ = run_example("custom_data", tmp_path)
+    assert_trained(run_dir)
+    evals = events(run_dir, "eval")
+    assert [(e["step"], e["examples"], e["verbatim_share"]) for e in evals] == [(0, 50, 0.0), (4, 50, 0.0)], evals
 
 
 @pytest.mark.slow

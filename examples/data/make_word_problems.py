@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "word-problems"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=4000)
-    ap.add_argument("--sft", type=int, default=2000)
+    ap.add_argument("--sft", type=int, default=8000)
     ap.add_argument("--test", type=int, default=200)
     a = ap.parse_args()
     rng, seen, out = random.Random(a.seed), set(), Path(a.out)

@@ -162,10 +162,21 @@ def check_held_out(recipe, tokenizer=None) -> None:
     build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tokenizer, training=training)
 
 
+def distinct(drawn: int, task, path: str | None = None) -> int:
+    """Of `drawn` examples, how many can differ: a dataset file (`path`, else the task's) repeats after its rows."""
+    from prl.tasks.files import open_source
+
+    path = path or task.data
+    if path is None:
+        return drawn
+    return min(drawn, len(open_source(path, task.rows if path == task.data else None, True)))
+
+
 def scan_warnings(recipe) -> list[str]:
     """A line for each set where training draws more of a stream than the `TRAINING_SCAN` prompts compared
     with the set's: a prompt only a later index draws may be in it, uncounted."""
-    drawn = {"RL examples": recipe.training_reach(), "warm-start demonstrations": warm_start_examples(recipe)}
+    drawn = {"RL examples": distinct(recipe.training_reach(), recipe.task),
+             "warm-start demonstrations": distinct(warm_start_examples(recipe), recipe.task, recipe.sft.data)}
     past = [f"{n} {what}" for what, n in drawn.items() if n > TRAINING_SCAN]
     if not past:
         return []

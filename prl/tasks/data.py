@@ -1,7 +1,7 @@
 """Dataset files as a source of examples (`task.data`, `sft.data`, an eval set's `data`).
 
 A file is opened as `Rows` (its row count and `row(i) -> dict`), read lazily where the format allows:
-- `.jsonl`: one JSON object a line; an index of line offsets (8 bytes a row) is built by one pass, and
+- `.jsonl`: one JSON object a line; an index of line offsets (8 bytes a row, 16 past 4 GB) is built by one pass, and
   a row is read from the file when asked for;
 - a folder written by Hugging Face `datasets.save_to_disk`: its Arrow files memory-mapped (`datasets`,
   the `data` extra);
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-SCAN_CHUNK = 1 << 24  # bytes read at a time while indexing a jsonl file
+SCAN_CHUNK = 1 << 22  # bytes read at a time while indexing a jsonl file
 
 
 class DataError(ValueError):
@@ -78,14 +79,13 @@ class JsonlRows:
     def row(self, i: int) -> dict:
         if self.file is None:
             self.file = open(self.path, "rb")  # noqa: SIM115 - held for the process's life, one per source
-        self.file.seek(int(self.starts[i]))
-        line = self.file.read(int(self.ends[i] - self.starts[i]))
+        line = read_at(self.file, int(self.starts[i]), int(self.ends[i]))
         try:
             out = json.loads(line)
         except ValueError as e:
             raise DataError(f"{self.path}: row {i} is not JSON: {one_line(e)}") from None
         if not isinstance(out, dict):
-            raise DataError(f"{self.path}: row {i} is a {type(out).__name__}, not an object")
+            raise DataError(f"{self.path}: row {i} is not a JSON object (a {type(out).__name__})")
         return out
 
 
@@ -96,10 +96,26 @@ def line_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
         while chunk := f.read(SCAN_CHUNK):
             newlines.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + size)
             size += len(chunk)
-    ends = np.concatenate([*newlines, np.array([size], dtype=np.int64)]).astype(np.int64)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-    keep = ends - starts > 1  # a blank line, or "\r" alone, holds no row
-    return starts[keep], ends[keep]
+    dtype = np.uint32 if size < 2**32 else np.int64
+    ends = np.empty(sum(map(len, newlines)) + 1, dtype)
+    np.concatenate(newlines, out=ends[:-1], casting="unsafe") if newlines else None
+    ends[-1] = size
+    del newlines
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    np.add(ends[:-1], 1, out=starts[1:])
+    keep = ends > starts  # ends >= starts always
+    short = np.flatnonzero(keep & (ends - starts <= 2))  # "\r", " " and the like hold no row
+    if len(short):
+        with open(path, "rb") as f:
+            keep[short] = [bool(read_at(f, int(starts[i]), int(ends[i])).strip()) for i in short]
+    if not keep.all():
+        starts, ends = starts[keep], ends[keep]
+    return starts, ends
+
+
+def read_at(f, start: int, end: int) -> bytes:
+    return os.pread(f.fileno(), end - start, start)
 
 
 def json_rows(path: Path) -> ListRows:
@@ -200,7 +216,7 @@ class DataSource:
             if len(self.orders) >= 2:  # groups finish out of order across an epoch's end: keep two epochs
                 self.orders.pop(next(iter(self.orders)))
             dtype = np.int32 if self.count < 2**31 else np.int64
-            self.orders[key] = np.random.default_rng([seed, epoch]).permutation(self.count).astype(dtype)
+            self.orders[key] = np.random.default_rng([seed, epoch]).permutation(np.arange(self.count, dtype=dtype))
         return self.orders[key]
 
     def example(self, index: int, seed: int) -> dict:

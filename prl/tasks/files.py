@@ -20,7 +20,7 @@ def shared_rows(path: str):
 def open_source(path: str, rows: list[int] | None, shuffle: bool) -> DataSource:
     start, end = rows or (0, None)
     try:
-        return DataSource(shared_rows(os.path.normpath(path)), start, end, shuffle)
+        return DataSource(shared_rows(os.path.realpath(path)), start, end, shuffle)
     except DataError as e:
         raise DataError(f"{path}: {e}" if not str(e).startswith(path) else str(e)) from None
 

@@ -1,0 +1,194 @@
+"""Dataset files as a source of examples (`task.data`, eval sets' `data`, `sft.data`), the one prompt
+rendering with chat templates, and the refusals of bad files and keys before anything starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from prl.envs import SkipExample, make_env
+from prl.envs.sft_data import SftFile
+from prl.launch.driver import RecipeError, preflight
+from prl.model.tiny import EOS_ID, char_tokenizer
+from prl.recipe.load import load_recipe
+from prl.recipe.schema import EnvCfg, SamplingCfg, SftCfg, TaskCfg
+from prl.tasks import make_task
+from prl.tasks.data import DataSource, ListRows
+from prl.trainer.trainer import sft_sample
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_envs import chat_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"prompt": f"add:{i}+{i + 1}=", "answer": i + i + 1, "level": i % 3} for i in range(23)]
+
+
+def write_formats(d: Path) -> dict[str, Path]:
+    """The same rows as jsonl (a blank line and CRLF inside), json, csv, parquet and a datasets folder."""
+    import datasets
+
+    out = {"jsonl": d / "r.jsonl", "json": d / "r.json", "csv": d / "r.csv", "parquet": d / "r.parquet",
+           "folder": d / "folder"}
+    lines = [json.dumps(r) for r in ROWS]
+    out["jsonl"].write_bytes(("\r\n".join(lines[:5]) + "\n\n" + "\n".join(lines[5:])).encode())
+    out["json"].write_text(json.dumps(ROWS))
+    with open(out["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        w.writeheader()
+        w.writerows(ROWS)
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.to_parquet(str(out["parquet"]))
+    ds.save_to_disk(str(out["folder"]))
+    return out
+
+
+def test_every_format_reads_to_the_same_examples(tmp_path):
+    files = write_formats(tmp_path)
+    seen = {}
+    for kind, path in files.items():
+        task = make_task(TaskCfg(data=str(path), reward="math"), seed=5)
+        assert task.rows == len(ROWS)
+        examples = [task.example(i) for i in range(2 * len(ROWS))]
+        # csv holds text only: the other columns pass through as the file holds them
+        seen[kind] = [(e["prompt"], e["answer"], str(e["level"])) for e in examples]
+    assert all(v == seen["jsonl"] for v in seen.values()), {k: v[:2] for k, v in seen.items()}
+    assert sorted(seen["jsonl"][:len(ROWS)]) == sorted((r["prompt"], str(r["answer"]), str(r["level"])) for r in ROWS)
+
+
+def test_each_epoch_is_a_new_shuffle_reproducible_from_the_seed():
+    rows = ListRows([{"i": i} for i in range(50)])
+    a, b, other = DataSource(rows), DataSource(rows), DataSource(rows)
+    order = lambda src, seed, epoch: [src.row_of(epoch * 50 + k, seed) for k in range(50)]  # noqa: E731
+    first, second = order(a, 0, 0), order(a, 0, 1)
+    assert sorted(first) == sorted(second) == list(range(50))  # each epoch draws every row once
+    assert first != second and first != list(range(50))
+    assert order(b, 0, 1) == second and order(b, 0, 0) == first  # the same seed, another process, any order asked
+    assert order(other, 1, 0) != first
+    ranged = DataSource(rows, 10, 20, shuffle=False)
+    assert [ranged.row_of(k, 0) for k in range(12)] == [*range(10, 20), 10, 11]
+
+
+def test_rows_range_and_file_order_for_eval_sets(tmp_path):
+    files = write_formats(tmp_path)
+    cfg = TaskCfg(data=str(files["jsonl"]), reward="exact", rows=[3, 9], shuffle=False)
+    task = make_task(cfg, seed=0)
+    assert task.rows == 6 and [task.example(i)["prompt"] for i in range(7)] == [ROWS[i]["prompt"] for i in (*range(3, 9), 3)]
+
+
+def test_chat_template_prompt_is_the_tokenizers_own_rendering(tmp_path):
+    from prl.model.build import load_tokenizer
+
+    chat_tokenizer().save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    task = make_task(TaskCfg(data=str(write_formats(tmp_path)["jsonl"]), reward="math", system_prompt="be brief"), 0)
+    prompt = task.example(0)["prompt"]
+    want = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}],
+                                   add_generation_prompt=True)["input_ids"]
+    assert task.prompt_ids(tok, prompt) == want
+    env = make_env(EnvCfg(), TaskCfg(data=str(tmp_path / "r.jsonl"), reward="math", system_prompt="be brief"), 0,
+                   tok, SamplingCfg(), 1, False)
+    assert env.demonstration(0).prompt_ids == want  # the warm start renders as sampling does
+    raw = make_task(TaskCfg(data=str(tmp_path / "r.jsonl"), reward="math", chat_template=False), 0)
+    assert raw.prompt_ids(tok, prompt) == tok(prompt).input_ids
+    tiny = char_tokenizer()  # no template: "auto" keeps the raw format
+    assert task.prompt_ids(tiny, prompt) == tiny(prompt).input_ids
+
+
+def test_prompt_past_max_prompt_tokens_is_skipped(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "a" * 40, "answer": "1"}) + "\n")
+    env = make_env(EnvCfg(), TaskCfg(data=str(path), reward="exact", max_prompt_tokens=39), 0, char_tokenizer(),
+                   SamplingCfg(), 2, False)
+    with pytest.raises(SkipExample, match="40 tokens"):
+        env.prompt_ids(env.example(0))
+
+
+def sft_rows(path: Path) -> None:
+    rows = [{"prompt": "add:1+2=", "completion": "1+2=3"},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                          {"role": "user", "content": "and"}, {"role": "assistant", "content": "ok"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_sft_file_loss_is_on_the_completion_only(tmp_path):
+    sft_rows(tmp_path / "sft.jsonl")
+    sft = SftCfg(data=str(tmp_path / "sft.jsonl"), steps=1)
+    tiny = char_tokenizer()
+    demos = SftFile(sft, TaskCfg(), tiny, seed=0)
+    demos.source.shuffle = False
+    d = demos.demonstration(0)
+    assert tiny.decode(d.prompt_ids) == "add:1+2=" and d.completion_ids == tiny("1+2=3").input_ids + [EOS_ID]
+    sample = sft_sample(d)
+    assert sample.prompt_ids == d.prompt_ids and sum(sample.mask) == len(d.completion_ids)
+    # a conversation through a chat template: every assistant turn is trained, the user's turns are context
+    tok = chat_tokenizer()
+    c = SftFile(sft, TaskCfg(), tok, seed=0)
+    c.source.shuffle = False
+    d = c.demonstration(1)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "and"}, {"role": "assistant", "content": "ok"}]
+    whole = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
+    assert d.prompt_ids + d.completion_ids == whole
+    trained = "".join(tok.decode([t]) for t, m in zip(d.completion_ids, d.mask) if m)
+    assert trained == "yo<|im_end|>\nok<|im_end|>\n", trained
+    assert tok.decode(d.prompt_ids).endswith("<|im_start|>assistant\n")
+
+
+def recipe_with(tmp_path, *sets: str):
+    return load_recipe(ROOT / "recipes/math-tiny.toml", [f"run.output_dir={tmp_path}", *sets])
+
+
+BAD = {
+    "missing file": (['task.data="{d}/nope.jsonl"'], "no such file"),
+    "hub name": (['task.data="openai/gsm8k"'], "downloads nothing"),
+    "row without the prompt key": (['task.data="{d}/noprompt.jsonl"'], "has no 'prompt' column"),
+    "a checker without answers": (['task.data="{d}/noanswer.jsonl"'], "has no 'answer' column"),
+    "parquet that does not parse": (['task.data="{d}/bad.parquet"'], "cannot be read as parquet"),
+    "empty file": (['task.data="{d}/empty.jsonl"'], "holds no rows"),
+    "not JSON": (['task.data="{d}/notjson.jsonl"'], "row 0 is not JSON"),
+    "a split folder": (['task.data="{d}/splits"'], "give one split's folder"),
+    "sft file without keys": (['sft.data="{d}/noprompt.jsonl"'], "has neither 'prompt' and 'completion'"),
+    "template the tokenizer lacks": (["task.chat_template=true"], "has no chat template"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "noprompt.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    (d / "noanswer.jsonl").write_text('{"prompt": "1+1="}\n')
+    (d / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+    (d / "empty.jsonl").write_text("\n")
+    (d / "notjson.jsonl").write_text("{prompt: 1}\n")
+    (d / "splits" / "train").mkdir(parents=True)
+    (d / "splits" / "dataset_dict.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_files_and_keys_are_refused_in_one_line(case, bad_files, tmp_path):
+    sets, words = BAD[case]
+    recipe = recipe_with(tmp_path, *(s.format(d=bad_files) for s in sets))
+    with pytest.raises(RecipeError) as e:
+        preflight(recipe)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_schema_refusals_name_the_key(tmp_path):
+    for sets, words in [(['task.name="add"'], "drop task.name = 'add'"),
+                        (['task.reward="regex"'], "a checker (exact, math, choice)"),
+                        (["task.rows=[5, 2]"], "rows = [5, 2]"),
+                        (['eval.test.data="examples/data/word-problems/train.jsonl"'], "the training file"),
+                        (['eval.test.data="examples/data/word-problems/train.jsonl"', "eval.test.rows=[3900, 4000]",
+                          "task.rows=[0, 3950]"], "rows training draws")]:
+        with pytest.raises(Exception) as e:
+            recipe_with(tmp_path, *sets)
+        assert words in str(e.value), (sets, str(e.value))
+    with pytest.raises(ValueError, match="sft.data needs sft.steps"):
+        SftCfg(data="x.jsonl")
+    with pytest.raises(ValueError, match="task.rows is for a dataset file"):
+        TaskCfg(rows=[0, 10])
