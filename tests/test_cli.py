@@ -64,6 +64,8 @@ CASES = {
     "run: --resume missing": (["run", "--resume", "{d}/missing", "--dry-run"], "missing"),
     "run: --resume corrupt": (["run", "--resume", "{d}/corrupt", "--dry-run"], "recipe.json"),
     "run: unknown option": (["run", str(RECIPE), "--bogus"], "--bogus"),
+    "run: a data file that is not there": (["run", str(ROOT / "recipes/math-tiny.toml"), "--dry-run", "--set",
+                                             'task.data="{d}/none.jsonl"'], "no such file"),
     "run: whole-sample objective under CP": (
         ["run", str(RECIPE), "--dry-run", "--set", 'trainer.loss.correction="gspo_token"', "--set",
          'trainer.loss.normalize="token"', "--set", 'model.arch="glm_moe_dsa"', "--set", "trainer.nproc=2",

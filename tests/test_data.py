@@ -192,3 +192,30 @@ def test_schema_refusals_name_the_key(tmp_path):
         SftCfg(data="x.jsonl")
     with pytest.raises(ValueError, match="task.rows is for a dataset file"):
         TaskCfg(rows=[0, 10])
+
+
+def pair_reward(completion: str, example: dict):
+    """A user's reward that names the answer it read (the first word)."""
+    word = completion.split()[0] if completion.split() else None
+    return float(word == example["answer"]), word
+
+
+def test_checker_answers_are_what_maj_at_k_votes_on(tmp_path):
+    from prl.envs import Trajectory
+    from prl.evaluation.runner import figures
+
+    path = write_formats(tmp_path)["jsonl"]
+    task = make_task(TaskCfg(data=str(path), reward="math"), 0)
+    gold = {"answer": "0.5"}
+    assert task.score("so it is 1/2", gold) == (1.0, "1/2") and task.score("\\boxed{0.5}", gold) == (1.0, "1/2")
+    assert task.score("no idea", gold) == (0.0, "")  # no answer: a vote for none
+    user = make_task(TaskCfg(data=str(path), reward="test_data:pair_reward"), 0)
+    assert user.score("7 apples", {"answer": "7"}) == (1.0, "7") and user.score("", {"answer": "7"}) == (0.0, "")
+    # three samples: two write 1/2 differently (one vote, correct), one writes 3: maj@3 is right
+    texts = ["\\boxed{1/2}", "0.5", "3"]
+    group = [Trajectory([1], [2], [0.0], [0], *task.score(t, gold)[:1], answer=task.score(t, gold)[1]) for t in texts]
+    out = figures([group], [3], 1.0, 0)
+    assert out["maj@3"] == 1.0 and out["pass@3"] == 1.0
+    wrong = [Trajectory([1], [2], [0.0], [0], *task.score(t, gold)[:1], answer=task.score(t, gold)[1])
+             for t in ["3", "3.0", "1/2"]]
+    assert figures([wrong], [3], 1.0, 0)["maj@3"] == 0.0  # "3" and "3.0" are one vote for 3

@@ -279,18 +279,32 @@ def test_orchestrator_killed_then_hung(tmp_path):
     orchestrator starts again at the lowest prompt not trained and skips those trained past it, so no
     prompt is lost and none trained twice (`check_run`). The weights go by the stream from two trainer
     ranks: the restarted orchestrator asks the server for the version it serves, whose folder holds no
-    tensors, and the server answers that it serves it."""
+    tensors, and the server answers that it serves it. The examples are rows of a dataset file whose epochs wrap
+    within the run: the cursor is the same across restarts for a file source."""
     orchestrator = process("orchestrator")
+    data = reverse_files(tmp_path)
     run_dir = two_faults(tmp_path, "orchestrator kill+stop", ("the orchestrator", orchestrator, signal.SIGKILL),
                          ("the orchestrator", orchestrator, signal.SIGSTOP), restarted("orchestrator"),
                          "--set", "rl.overprovision=0.5", "--set", "trainer.nproc=2",
-                         "--set", 'trainer.weight_transfer="stream"')
+                         "--set", 'trainer.weight_transfer="stream"', *data)
     assert not [e for e in events(run_dir, "server_state") if e["state"] == "down"], "no server was taken out"
     restarts = events(run_dir, "restart")
     assert [e["name"] for e in restarts] == ["orchestrator", "orchestrator"]
     assert "hung" in restarts[1]["cause"]
     positions = [e["data_position"] for e in events(run_dir, "orch_step")]
     assert positions == sorted(positions), "the data order continues across restarts"
+
+
+def reverse_files(tmp_path: Path) -> list[str]:
+    """The examples as dataset files (`task.data`; the training file's 300 rows are fewer than the run draws, so
+    its epochs wrap), a held-out file for the eval set, and the `--set`s that use them."""
+    from prl.tasks.builtin import reverse_dataset
+
+    for name, rows, seed in (("train.jsonl", 300, 0), ("heldout.jsonl", 64, 1)):
+        examples = [reverse_dataset(i, seed, 3, 6) for i in range(rows)]
+        (tmp_path / name).write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return ["--set", f'task.data="{tmp_path}/train.jsonl"', "--set", 'task.reward="prl.tasks.builtin:edit_similarity"',
+            "--set", "task.max_prompt_tokens=20", "--set", f'eval.heldout.data="{tmp_path}/heldout.jsonl"']
 
 
 def test_a_process_past_its_restarts_stops_the_run(tmp_path):

@@ -86,11 +86,28 @@ def dry_run(recipe: Recipe, console: Console, run_dir: Path | None = None) -> in
     console.print()
     console.print(format_plan(specs, recipe), markup=False, highlight=False, soft_wrap=True)
     console.print(plan_summary(recipe), markup=False, highlight=False)
+    for line in data_lines(recipe):
+        console.print(line, markup=False, highlight=False)
     if recipe.trainer.lora.enabled:
         console.print(lora_line(recipe), markup=False, highlight=False)
     for item in checks.not_built(recipe):
         console.print(f"prl run would refuse: {item}", style="yellow", markup=False, highlight=False)
     return 0
+
+
+def data_lines(recipe: Recipe) -> list[str]:
+    """The run's dataset files with the rows each gives (opened by the preflight already)."""
+    from prl.tasks.files import open_source
+
+    files = [("task.data", recipe.task.data, recipe.task.rows), ("sft.data", recipe.sft.data, None),
+             *((f"eval.{n}.data", ev.set_task(recipe.task).data, ev.set_task(recipe.task).rows)
+               for n, ev in recipe.eval.items())]
+    out = []
+    for key, path, rows in files:
+        if path is not None:
+            span = f" [{rows[0]}, {rows[1]})" if rows else ""
+            out.append(f"# {key}: {path}{span}, {len(open_source(path, rows, False))} rows")
+    return out
 
 
 def lora_line(recipe: Recipe) -> str:

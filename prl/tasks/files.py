@@ -3,7 +3,6 @@ the recipe's keys, every other column passed to the reward as it is."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 from prl.tasks.data import DataError, DataSource, open_rows
@@ -11,18 +10,23 @@ from prl.tasks.data import DataError, DataSource, open_rows
 CHECKED_ROWS = 8  # rows whose keys the launch checks
 
 
-@functools.lru_cache(maxsize=16)
+READERS: dict[str, object] = {}  # one reader per file in a process (the warm start, RL and eval sets share its index)
+
+
 def shared_rows(path: str):
-    """One reader per file in a process (the warm start, RL and eval sets on one file share its index)."""
-    return open_rows(path)
+    key = os.path.realpath(path)
+    if key not in READERS:
+        READERS[key] = open_rows(path)  # its errors name the path as the recipe gives it
+    return READERS[key]
 
 
 def open_source(path: str, rows: list[int] | None, shuffle: bool) -> DataSource:
     start, end = rows or (0, None)
+    reader = shared_rows(path)
     try:
-        return DataSource(shared_rows(os.path.realpath(path)), start, end, shuffle)
+        return DataSource(reader, start, end, shuffle)
     except DataError as e:
-        raise DataError(f"{path}: {e}" if not str(e).startswith(path) else str(e)) from None
+        raise DataError(f"{path}: {e}") from None
 
 
 class FileDataset:
