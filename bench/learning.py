@@ -5,7 +5,8 @@
 
 For each recipe: mean reward of the first and last 5 RL steps, the improvement, the wall time of the
 whole `prl run` (start-up included), and the mean reward per 10 RL steps, read from the run's own
-summary.json and metrics.jsonl. Ends with one JSON line of the figures, keyed by recipe name.
+summary.json and metrics.jsonl, and each eval set's pass@1 at every step it scored. Ends with one JSON line of
+the figures, keyed by recipe name.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def env_figures(run_dir: Path) -> dict:
     return out
 
 
+def eval_figures(run_dir: Path) -> dict:
+    """Each held-out set's pass@1 at every step it scored (`eval` events), e.g. {"test": {"0": 0.15, "200": 0.2}}."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r.get("kind") == "eval" and "pass@1" in r:
+            out.setdefault(r["set"], {})[str(r["step"])] = r["pass@1"]
+    return {"eval_pass1": out} if out else {}
+
+
 def one(recipe: str, overrides: list[str], out: Path) -> dict:
     name = Path(recipe).stem
     cmd = [str(ROOT / "bin" / "prl"), "run", recipe, "--no-tui", "--set", f"run.output_dir={out}",
@@ -65,7 +76,7 @@ def one(recipe: str, overrides: list[str], out: Path) -> dict:
     tens = [round(sum(per_step[i:i + 10]) / len(per_step[i:i + 10]), 3) for i in range(0, len(per_step), 10)]
     return {"first5": round(summary["first5_reward"], 3), "last5": round(summary["last5_reward"], 3),
             "improvement": round(summary["improvement"], 3), "rl_steps": summary["rl_steps"],
-            "wall_s": summary["wall_s"], "per_10_steps": tens, **env_figures(run_dir)}
+            "wall_s": summary["wall_s"], "per_10_steps": tens, **env_figures(run_dir), **eval_figures(run_dir)}
 
 
 def main() -> None:
@@ -81,7 +92,8 @@ def main() -> None:
                   f"({r['improvement']:+.3f}) over {r['rl_steps']} steps, {r['wall_s']:.0f} s; "
                   f"per 10 steps {' '.join(f'{x:.2f}' for x in r['per_10_steps'])}"
                   + "".join(f"; {k} {r[k]}" for k in ("rl_s", "first_attempt_per_10", "second_turn_per_10",
-                                                      "tool_calls_per_turn_per_10") if k in r), flush=True)
+                                                      "tool_calls_per_turn_per_10", "eval_pass1") if k in r),
+                  flush=True)
     print(json.dumps(report))
 
 
