@@ -138,3 +138,11 @@ def test_registry_and_gold_types():
     assert checkers.CHECKERS == {"exact": checkers.exact, "math": checkers.math, "choice": checkers.choice}
     assert checkers.math("12", {"answer": 12}) == (1.0, "12")  # a gold that is not a string
     assert checkers.exact("3", {"answer": 3}) == (1.0, "3")
+
+
+def test_choice_does_not_read_the_words_i_and_a_as_letters():
+    choice = checkers.choice
+    assert choice("Answer: I think the correct option is (B)", {"answer": "B"}) == (1.0, "B")
+    assert choice("Answer: A good guess is (D)", {"answer": "D"}) == (1.0, "D")
+    assert choice("Answer: I", {"answer": "I"}) == (1.0, "I")
+    assert choice("The answer is B because it fits", {"answer": "B"}) == (1.0, "B")

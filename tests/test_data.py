@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -146,7 +147,9 @@ BAD = {
     "missing file": (['task.data="{d}/nope.jsonl"'], "no such file"),
     "hub name": (['task.data="openai/gsm8k"'], "downloads nothing"),
     "row without the prompt key": (['task.data="{d}/noprompt.jsonl"'], "has no 'prompt' column"),
-    "a checker without answers": (['task.data="{d}/noanswer.jsonl"'], "has no 'answer' column"),
+    "a checker without answers": (['task.data="{d}/noanswer.jsonl"'], "has no 'answer', which the checker"),
+    "a prompt that is a number": (['task.data="{d}/numprompt.jsonl"'], "the prompt (int) is neither a string"),
+    "every prompt too long": (["task.max_prompt_tokens=10"], "all longer than task.max_prompt_tokens = 10"),
     "parquet that does not parse": (['task.data="{d}/bad.parquet"'], "cannot be read as parquet"),
     "empty file": (['task.data="{d}/empty.jsonl"'], "holds no rows"),
     "not JSON": (['task.data="{d}/notjson.jsonl"'], "row 0 is not JSON"),
@@ -161,6 +164,7 @@ def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "noprompt.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
     (d / "noanswer.jsonl").write_text('{"prompt": "1+1="}\n')
+    (d / "numprompt.jsonl").write_text('{"prompt": 5, "answer": "2"}\n')
     (d / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
     (d / "empty.jsonl").write_text("\n")
     (d / "notjson.jsonl").write_text("{prompt: 1}\n")
@@ -219,3 +223,56 @@ def test_checker_answers_are_what_maj_at_k_votes_on(tmp_path):
     wrong = [Trajectory([1], [2], [0.0], [0], *task.score(t, gold)[:1], answer=task.score(t, gold)[1])
              for t in ["3", "3.0", "1/2"]]
     assert figures([wrong], [3], 1.0, 0)["maj@3"] == 0.0  # "3" and "3.0" are one vote for 3
+
+
+def test_a_run_reads_back_its_own_recipe_and_holds_paths_absolute(tmp_path, monkeypatch):
+    """A written recipe (recipe.json holds every key) validates again, as --resume and prl eval read it; a data path
+    given relative to the folder prl runs in is held absolute."""
+    from prl.recipe.load import validate
+
+    monkeypatch.chdir(ROOT / "examples/custom_data")
+    recipe = load_recipe("recipe.toml")
+    assert recipe.task.data == str(ROOT / "examples/custom_data/problems.jsonl")
+    assert recipe.eval["heldout"].data == recipe.task.data
+    again = validate(json.loads(recipe.model_dump_json()), "recipe.json")
+    assert again.task == recipe.task and again.eval == recipe.eval
+
+
+def test_the_training_file_by_another_path_is_still_the_training_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(Exception, match="the training file"):
+        recipe_with(tmp_path, 'eval.test.data="examples/data/../data/word-problems/train.jsonl"')
+
+
+def test_a_bad_row_deep_in_the_file_is_skipped_not_fatal(tmp_path):
+    """The launch checks the first rows; a bad one met later is a SkipExample naming the file and the row, which the
+    orchestrator, an eval set and the warm start pass over."""
+    from prl.trainer.trainer import warm_start_demos
+
+    rows = [{"prompt": f"add:{i}=", "answer": str(i)} for i in range(12)]
+    rows[9] = {"prompt": ["not", "messages"], "answer": "9"}
+    rows[10] = {"prompt": "add:10=", "answer": [1, 0]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "[11]\n")
+    env = make_env(EnvCfg(), TaskCfg(data=str(path), reward="math", shuffle=False), 0, char_tokenizer(),
+                   SamplingCfg(), 1, False)
+    assert env.example(8)["answer"] == "8"
+    for index, words in ((9, "row 9: the prompt (list) is neither"), (10, "row 10: the answer ('answer', list)"),
+                         (12, "row 12 is not a JSON object")):
+        with pytest.raises(SkipExample, match=re.escape(words)):
+            env.example(index)
+    demos, nxt, why = warm_start_demos(env, 8, 2)
+    assert nxt == 12 and len(demos) == 2 and len(why) == 2  # rows 8 and 11; 9 and 10 skipped
+
+
+def test_sft_prompt_with_an_assistant_turn_trains_the_completion_only(tmp_path):
+    path = tmp_path / "fewshot.jsonl"
+    shot = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2"}]
+    path.write_text(json.dumps({"prompt": shot, "completion": "4"}) + "\n")
+    tok = chat_tokenizer()
+    d = SftFile(SftCfg(data=str(path), steps=1), TaskCfg(system_prompt="sys"), tok, seed=0).demonstration(0)
+    assert "".join(tok.decode([t]) for t, m in zip(d.completion_ids, d.mask) if m) == "4<|im_end|>\n"
+    assert tok.decode(d.prompt_ids).startswith("<|im_start|>system\nsys")
+    raw = SftFile(SftCfg(data=str(path), steps=1), TaskCfg(system_prompt="sys", chat_template=False), tok, seed=0)
+    r = raw.demonstration(0)  # no template: no system prompt (as RL renders it), the whole prompt's text
+    assert tok.decode(r.prompt_ids) == "1+1\n2\n2+2" and r.completion_ids == tok("4").input_ids + [tok.eos_token_id]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from prl.inference.protocol import GenerateRequest, GenerateResponse
+from prl.tasks.data import SkipExample  # noqa: F401 - part of the seam: an environment raises it
 
 
 class Sampler(Protocol):
@@ -28,12 +29,6 @@ class Sampler(Protocol):
     its turns go to the server that holds its KV, while that one is up and has room."""
 
     async def generate(self, req: GenerateRequest, conversation: object = None) -> GenerateResponse: ...
-
-
-class SkipExample(Exception):
-    """An example the environment will not run (a dataset row whose prompt is longer than the task allows):
-    training consumes its index and starts the next one, counted (`skipped_examples`); an eval set leaves it out
-    of its figures, counted (`skipped`). The message says why."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prl.envs import Environment, make_env
+from prl.envs import Environment, SkipExample, make_env
 from prl.tasks import WARM_START_SEED_OFFSET
 from prl.tasks.files import row_count
 
@@ -76,9 +76,20 @@ def training_prompts(streams: list[Stream]) -> set | None:
     if not streams:
         return None
     try:
-        return {prompt_of(example(i)) for example, reach in streams for i in range(min(reach, TRAINING_SCAN))}
+        return {p for example, reach in streams for p in prompts(example, range(min(reach, TRAINING_SCAN)))}
     except (KeyError, TypeError):
         return None
+
+
+def prompts(example: Callable[[int], dict], indices) -> list:
+    """The prompts of the examples at `indices`, past those a run skips (`SkipExample`: a row that is no example)."""
+    out = []
+    for i in indices:
+        try:
+            out.append(prompt_of(example(i)))
+        except SkipExample:
+            continue
+    return out
 
 
 def prompt_of(example: dict):
@@ -105,8 +116,8 @@ def held_out(name: str, example: Callable[[int], dict], first: int, examples: in
 def verbatim_share(example: Callable[[int], dict], indices, seen: set) -> float | None:
     """The share of the examples' prompts that training shows word for word; None where they have none."""
     try:
-        prompts = [prompt_of(example(i)) for i in indices]
-        return round(sum(p in seen for p in prompts) / len(prompts), 4)
+        got = prompts(example, indices)
+        return round(sum(p in seen for p in got) / len(got), 4) if got else None
     except (KeyError, TypeError):
         return None
 
@@ -121,12 +132,9 @@ def run_streams(cfg, train_env: Environment, tokenizer) -> list[Stream]:
 def streams(env, task, seed: int, sampling, tokenizer, rl: list[Stream], demos: int, sft_data=None) -> list[Stream]:
     """`rl` (RL's stream) and the warm start's `demos` demonstrations, from an environment built as the
     trainer builds the warm start's (`sft_data`: the recipe's [sft] where it reads a file)."""
-    if sft_data is not None:
-        from prl.envs.sft_data import SftFile
+    from prl.envs.sft_data import warm_start_source
 
-        warm = SftFile(sft_data, task, tokenizer, seed + WARM_START_SEED_OFFSET)
-    else:
-        warm = make_env(env, task, seed + WARM_START_SEED_OFFSET, tokenizer, sampling, 1, False)
+    warm = warm_start_source(env, task, sft_data, seed + WARM_START_SEED_OFFSET, tokenizer, sampling)
     return [*rl, (warm.example, demos)]
 
 

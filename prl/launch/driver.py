@@ -226,9 +226,7 @@ def check_backend(recipe: Recipe, folder) -> None:
 def check_task(recipe: Recipe) -> None:
     """Import user task functions and open data files now (the recipe's, each eval set's, the warm start's), so a
     typo fails before any process starts."""
-    from prl.evaluation.sets import recipe_tokenizer
-
-    tokenizer = recipe_tokenizer(recipe.model)
+    tokenizer = local_tokenizer(recipe)
     try_task(recipe.task, recipe.run.seed, "task", 0, tokenizer)
     for name, ev in recipe.eval.items():
         if ev.task is not None or ev.data is not None:
@@ -237,6 +235,16 @@ def check_task(recipe: Recipe) -> None:
     check_sft_data(recipe, tokenizer)
     check_held_out(recipe)
     check_env(recipe)
+
+
+def local_tokenizer(recipe: Recipe):
+    """The run's tokenizer where its folder is on this machine (None: the prompt checks wait for the run)."""
+    from prl.evaluation.sets import recipe_tokenizer
+
+    try:
+        return recipe_tokenizer(recipe.model)
+    except Exception:  # noqa: BLE001 - a folder elsewhere (a cluster's) or a broken one: refused by its own check
+        return None
 
 
 def check_held_out(recipe: Recipe) -> None:
@@ -266,25 +274,35 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
 
     try:
         task = make_task(cfg, seed)
-        if cfg.data is not None:
-            from prl.recipe.schema import CHECKERS
-
-            task.dataset_fn.check(needs_answer=cfg.reward in CHECKERS)
+        firsts = task.dataset_fn.first_rows() if cfg.data is not None else [task.example(index)]
     except ValueError as e:
         raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
-    try:  # the user's own functions: whatever they raise is their bug, named in one line
-        example = task.example(index)
-        task.reward("", example)
+    except Exception as e:  # noqa: BLE001 - the user's dataset function: whatever it raises is named in one line
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index}: "
+                          f"{type(e).__name__}: {e}") from None
+    try:  # the user's own reward: whatever it raises is their bug, named in one line
+        task.reward("", firsts[0])
     except Exception as e:  # noqa: BLE001
-        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index} "
-                          f"(its dataset, then its reward of an empty completion): {type(e).__name__}: {e}") from None
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}'s reward failed on an empty "
+                          f"completion of example {index}: {type(e).__name__}: {e}") from None
     if tokenizer is not None:
-        from prl.tasks.prompts import PromptError
+        check_prompts(task, firsts, tokenizer, key)
 
-        try:
-            task.prompt_ids(tokenizer, example["prompt"])
-        except PromptError as e:
-            raise RecipeError(f"invalid {key}, nothing was started: example {index}: {e}") from None
+
+def check_prompts(task, examples: list[dict], tokenizer, key: str) -> None:
+    """The examples' prompts render (the chat template, the system prompt); a dataset file whose first rows are all
+    longer than `task.max_prompt_tokens` is refused (the run would skip every row)."""
+    from prl.tasks.prompts import PromptError
+
+    try:
+        lengths = [len(task.prompt_ids(tokenizer, e["prompt"])) for e in examples]
+    except PromptError as e:
+        raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
+    cap = task.max_prompt_tokens
+    if cap is not None and min(lengths) > cap:
+        raise RecipeError(f"invalid {key}, nothing was started: the first {len(lengths)} rows' prompts are "
+                          f"{min(lengths)}-{max(lengths)} tokens, all longer than task.max_prompt_tokens = {cap} "
+                          f"(longer rows are skipped): raise it")
 
 
 def check_sft_data(recipe: Recipe, tokenizer) -> None:

@@ -104,6 +104,7 @@ def stopped(signum, frame):
 
 async def score(cfg, sup) -> dict[str, dict]:
     from prl.backends.base import BackendError
+    from prl.envs import SkipExample
     from prl.evaluation.runner import run_set
     from prl.orchestrator.orchestrator import Orchestrator
 
@@ -118,7 +119,10 @@ async def score(cfg, sup) -> dict[str, dict]:
         monitors = [asyncio.create_task(orch.pool.watch(s)) for s in orch.pool.servers]  # a server taken out rejoins
         results = {}
         for s in orch.evals.sets.values():  # one set at a time, every example of it at once
-            figures = await until_exit(run_set(s, orch.eval_sampler, asyncio.Semaphore(s.examples), None), watch)
+            try:
+                figures = await until_exit(run_set(s, orch.eval_sampler, asyncio.Semaphore(s.examples), None), watch)
+            except SkipExample as e:  # every example skipped
+                raise EvalError(str(e)) from None
             results[s.name] = {**figures, "examples": s.examples, "samples": s.cfg.samples,
                                "verbatim_share": s.verbatim_share, "replaced": s.replaced}
         return results

@@ -92,6 +92,7 @@ def turn_advantages(trajs) -> list[list[float]] | None:
 
 
 SKIPS_LOGGED = 20  # example_skipped events a run writes; past them, orch_step's skipped_examples counts
+SKIPS_IN_A_ROW = 1000  # examples skipped with none run between them: the data is not usable, the run stops
 
 
 class GroupSampler:
@@ -178,6 +179,7 @@ class Orchestrator:
         self.inflight_groups = 0
         self.groups_started = 0  # since the last batch shipped
         self.skipped_examples = 0  # examples the environment would not run (SkipExample), since the start
+        self.skipped_in_a_row = 0  # since the last group that ran
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
@@ -402,15 +404,22 @@ class Orchestrator:
                 self.release([group])
             if skipped is not None:
                 self.skip(index, skipped)
+            elif group is not None:
+                self.skipped_in_a_row = 0
             self.changed.notify_all()
 
     def skip(self, index: int, why: SkipExample) -> None:
         """An example the environment will not run: consumed, counted, the first one said. Caller holds `self.changed`."""
         self.committed -= 1
+        self.groups_started -= 1
         self.cursor.consume([index])
         self.skipped_examples += 1
+        self.skipped_in_a_row += 1
         if self.skipped_examples <= SKIPS_LOGGED:
             self.log.emit("example_skipped", index=index, why=str(why), total=self.skipped_examples)
+        if self.skipped_in_a_row >= SKIPS_IN_A_ROW:
+            self.error = self.error or RuntimeError(f"{SKIPS_IN_A_ROW} examples skipped in a row, none run (the last, "
+                                                    f"example {index}: {why}); fix the data or its keys")
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""

@@ -38,7 +38,22 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
         apply_override(data, item, path)
+    absolute_data_paths(data)
     return validate(data, str(path), set_keys=set_keys(overrides))
+
+
+def absolute_data_paths(data: dict) -> None:
+    """Dataset files given relative to the folder prl runs in, made absolute where they exist, so a resumed run or
+    `prl eval` started elsewhere reads the same file (one that does not exist is left as given, and refused)."""
+    tables = [data.get("task"), data.get("sft")]
+    for ev in (data.get("eval") or {}).values():
+        if isinstance(ev, dict):
+            tables += [ev, ev.get("task")]
+    for table in tables:
+        if isinstance(table, dict) and isinstance(table.get("data"), str):
+            given = Path(table["data"]).expanduser()
+            if not given.is_absolute() and given.exists():
+                table["data"] = str(given.resolve())
 
 
 def set_keys(overrides: list[str] | None) -> list[str]:

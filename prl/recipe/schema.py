@@ -109,6 +109,12 @@ class ModelCfg(Section):
         return self
 
 
+def check_rows(v: list[int] | None) -> list[int] | None:
+    if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
+        raise ValueError(f"rows = {v}: give [start, end) with 0 <= start < end, e.g. [0, 9000]")
+    return v
+
+
 class TaskCfg(Section):
     """Built-in task by name, a reasoning-gym task as `reasoning_gym:<name>` (the `envs` extra; the
     name and options are checked when `prl run` imports the task), user functions as `module:function`, or a
@@ -175,9 +181,7 @@ class TaskCfg(Section):
     @field_validator("rows")
     @classmethod
     def _rows(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
-            raise ValueError(f"rows = {v}: give [start, end) with 0 <= start < end, e.g. [0, 9000]")
-        return v
+        return check_rows(v)
 
     def is_file(self) -> bool:
         return self.data is not None
@@ -186,10 +190,6 @@ class TaskCfg(Section):
         """The longest prompt in tokens: a data file's max_prompt_tokens, else sized from max_len (about 2 tokens a
         character plus the framing)."""
         return self.max_prompt_tokens if self.is_file() else self.max_len * 2 + 8
-
-    def named_apart(self) -> bool:
-        """Whether the recipe sets a task name beside `data` (a process's config, written whole, sets every key)."""
-        return self.is_file() and "name" in self.model_fields_set and self.name != "file"
 
     def same_data(self, other: "TaskCfg") -> bool:
         """Whether `other` draws the same examples at the same index (its reward may differ)."""
@@ -214,6 +214,8 @@ class TaskCfg(Section):
             if self.rows is not None:
                 raise ValueError("task.rows is for a dataset file (task.data); set task.data or drop it")
             return
+        if self.name not in ("file", TaskCfg.model_fields["name"].default):
+            raise ValueError(f"task.data gives the examples: drop task.name = {self.name!r} (or set it to 'file')")
         if self.dataset:
             raise ValueError("task.data and task.dataset both give the examples: keep one")
         if self.reward is None:
@@ -452,6 +454,11 @@ class EvalCfg(Section):
     training with them once the set outlasts rl.max_async_level steps. Off: weights load mid-set and `later_share`
     says how much of the set a newer version sampled."""
 
+    @field_validator("rows")
+    @classmethod
+    def _rows(cls, v: list[int] | None) -> list[int] | None:
+        return check_rows(v)
+
     @field_validator("pass_k")
     @classmethod
     def _ks(cls, v: list[int]) -> list[int]:
@@ -484,8 +491,12 @@ class EvalCfg(Section):
         if self.data is not None:
             keep = base.model_dump(include={"reward", "prompt_key", "answer_key", "chat_template", "system_prompt",
                                             "max_prompt_tokens"}, exclude_none=True)
-            return TaskCfg.model_validate({**keep, "name": "file", "data": self.data, "rows": self.rows,
-                                           "shuffle": False})
+            try:
+                return TaskCfg.model_validate({**keep, "name": "file", "data": self.data, "rows": self.rows,
+                                               "shuffle": False})
+            except ValueError as e:
+                why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+                raise ValueError(f"the set's data: {why}") from None
         if base.is_file() and self.task is not None:
             return base.model_copy(update={"shuffle": False})
         return base
@@ -1245,9 +1256,6 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _evals(self):
-        for key, task in [("task", self.task), *((f"eval.{n}.task", ev.task) for n, ev in self.eval.items())]:
-            if task is not None and task.named_apart():
-                raise ValueError(f"{key}.data gives the examples: drop {key}.name = {task.name!r} (or set it to 'file')")
         for name, ev in self.eval.items():
             check_eval(self, name, ev)
         return self
@@ -1295,8 +1303,11 @@ def check_eval_data(task: TaskCfg, key: str, ev: EvalCfg) -> None:
     if task.is_file() and ev.data is None and ev.task is None:
         raise ValueError(f"{key}: the training task reads task.data = {task.data!r}; give the set a file of its own "
                          f"({key}.data = \"test.jsonl\"), or the same file with {key}.rows apart from task.rows")
-    own = ev.set_task(task)
-    if not (task.is_file() and own.is_file()) or os.path.normpath(task.data) != os.path.normpath(own.data):
+    try:
+        own = ev.set_task(task)
+    except ValueError as e:
+        raise ValueError(f"{key}.data: {e} (set it in [task] or [{key}.task])") from None
+    if not (task.is_file() and own.is_file()) or os.path.realpath(task.data) != os.path.realpath(own.data):
         return
     a, b = task.rows or [0, math.inf], own.rows or [0, math.inf]
     if a[0] < b[1] and b[0] < a[1]:

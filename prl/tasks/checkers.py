@@ -34,7 +34,8 @@ FRAC = re.compile(r"^\\frac(\{[^{}]*\}|\d)(\{[^{}]*\}|\d)$")
 UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\{?\\circ\}?")  # dropped when reading a number
 THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 STRONG_CHOICE = re.compile(r"\\boxed\{\s*(?:\\text\{)?\s*\(?([A-Ja-j])\)?\s*\}?\s*\}"
-                           r"|(?i:answer)(?:\s+is)?\s*[:=]?\s*\**\s*(?:\(([A-Ja-j])\)|([A-J]))(?!\w)")
+                           r"|(?i:answer)(?:\s+is)?\s*[:=]?\s*\**\s*(?:\(([A-Ja-j])\)|([B-HJ])(?!\w)"
+                           r"|([AI])(?=\s*(?:[.,;:!*)\]]|$)))")  # "Answer: I think..." names no choice
 WEAK_CHOICE = re.compile(r"\(([A-J])\)|(?:^|\s)\(?([A-J])\)?[.:]?\s*$|^\s*\(?([A-Ja-j])\)?[.]?\s*$")
 
 

@@ -22,11 +22,23 @@ from pathlib import Path
 import numpy as np
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-SCAN_CHUNK = 1 << 22  # bytes read at a time while indexing a jsonl file
+SCAN_CHUNK = 1 << 22
+BLANK_CHECK = 16  # lines this short are read while indexing, and dropped when they hold only white space  # bytes read at a time while indexing a jsonl file
 
 
 class DataError(ValueError):
     """A data file or key that cannot be used, in one line (the caller adds the recipe key)."""
+
+
+class SkipExample(Exception):
+    """An example a run will not use (a dataset row that cannot be read, or whose prompt is longer than the task
+    allows): training consumes its index and starts the next one, counted (`skipped_examples`); an eval set leaves
+    it out of its figures, counted (`skipped`); the warm start draws the next. The message says why."""
+
+
+class BadRow(DataError, SkipExample):
+    """A row of a dataset file that cannot be an example: refused when the launch checks the first rows, skipped
+    (and counted) when a run meets it later."""
 
 
 def open_rows(path: str | Path):
@@ -83,9 +95,9 @@ class JsonlRows:
         try:
             out = json.loads(line)
         except ValueError as e:
-            raise DataError(f"{self.path}: row {i} is not JSON: {one_line(e)}") from None
+            raise BadRow(f"{self.path}: row {i} is not JSON: {one_line(e)}") from None
         if not isinstance(out, dict):
-            raise DataError(f"{self.path}: row {i} is not a JSON object (a {type(out).__name__})")
+            raise BadRow(f"{self.path}: row {i} is not a JSON object (a {type(out).__name__})")
         return out
 
 
@@ -105,7 +117,7 @@ def line_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
     starts[0] = 0
     np.add(ends[:-1], 1, out=starts[1:])
     keep = ends > starts  # ends >= starts always
-    short = np.flatnonzero(keep & (ends - starts <= 2))  # "\r", " " and the like hold no row
+    short = np.flatnonzero(keep & (ends - starts <= BLANK_CHECK))  # "\r", "  " and the like hold no row
     if len(short):
         with open(path, "rb") as f:
             keep[short] = [bool(read_at(f, int(starts[i]), int(ends[i])).strip()) for i in short]

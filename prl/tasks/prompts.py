@@ -40,8 +40,12 @@ def check_messages(prompt) -> list[dict]:
 
 
 def render(tokenizer, msgs: list[dict], generation_prompt: bool) -> list[int]:
-    """`msgs` in the tokenizer's chat template, as token ids."""
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+    """`msgs` in the tokenizer's chat template, as token ids; PromptError where the template refuses them (a
+    template may raise, e.g. on a system message it does not take)."""
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja's errors and the template's own raise_exception
+        raise PromptError(f"the chat template cannot render the prompt: {type(e).__name__}: {e}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

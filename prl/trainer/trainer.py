@@ -25,6 +25,7 @@ from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
 from prl.envs import env_workload, make_env
+from prl.envs.sft_data import warm_start_source
 from prl.tasks import WARM_START_SEED_OFFSET
 from prl.model.policy import BASE_CHECKPOINT, FULL, Reference, policy_for
 from prl.model.weights import published_versions
@@ -59,15 +60,21 @@ def sft_sample(demo) -> Sample:
     return Sample(demo.prompt_ids, demo.completion_ids, [0.0] * n, [0] * n, advantage=1.0, mask=demo.mask)
 
 
-def warm_start_source(cfg, tokenizer):
-    """Where the warm start's demonstrations come from: `sft.data`'s rows, or the environment's own
-    (`Environment.demonstration`), drawn apart from RL's examples."""
-    seed = cfg.run.seed + WARM_START_SEED_OFFSET
-    if cfg.sft.data is not None:
-        from prl.envs.sft_data import SftFile
+def warm_start_demos(source, start: int, count: int) -> tuple[list, int, list[str]]:
+    """`count` demonstrations from index `start` on, past those the source skips (a row that cannot be one, a
+    prompt longer than the task allows): (demonstrations, the next index, why each was skipped)."""
+    from prl.envs import SkipExample
 
-        return SftFile(cfg.sft, cfg.task, tokenizer, seed)
-    return make_env(cfg.env, cfg.task, seed, tokenizer, cfg.sampling, 1, False)
+    demos, skipped, index = [], [], start
+    while len(demos) < count:
+        try:
+            demos.append(source.demonstration(index))
+        except SkipExample as e:
+            skipped.append(str(e))
+            if len(skipped) > max(1000, 10 * count):
+                raise RuntimeError(f"sft: {len(skipped)} demonstrations skipped in a row, the last: {e}") from None
+        index += 1
+    return demos, index, skipped
 
 
 def vocab_size(model_dir) -> int | None:
@@ -260,10 +267,16 @@ class Trainer:
         if not steps:
             return
         opt, sched = self.make_optimizer(sft.lr, steps)
-        demos_from = warm_start_source(self.cfg, self.tokenizer)
+        cfg = self.cfg
+        demos_from = warm_start_source(cfg.env, cfg.task, cfg.sft, cfg.run.seed + WARM_START_SEED_OFFSET,
+                                       self.tokenizer, cfg.sampling)
+        index, skipped = 0, 0
         for step in range(steps):
             t0 = time.perf_counter()
-            demos = [demos_from.demonstration(step * sft.batch_size + i) for i in range(sft.batch_size)]
+            demos, index, why = warm_start_demos(demos_from, index, sft.batch_size)
+            if why and not skipped:
+                self.log_main("example_skipped", stage="sft", why=why[0], total=len(why))
+            skipped += len(why)
             if step == 0:
                 self.check_turn_lengths(demos)
             samples = [sft_sample(d) for d in demos]
@@ -271,7 +284,8 @@ class Trainer:
             stats = self.forward_backward(mbs, kind="sft")
             stats["grad_norm"] = self.optimizer_step(opt, sched)
             stats["loss"] = stats.pop("loss_sum") / max(stats["loss_tokens"], 1)
-            self.log_main("trainer_step", stage="sft", step=step, total=steps, fwd_bwd_s=time.perf_counter() - t0, **stats)
+            self.log_main("trainer_step", stage="sft", step=step, total=steps, fwd_bwd_s=time.perf_counter() - t0,
+                          skipped_examples=skipped, **stats)
 
     def check_turn_lengths(self, demos) -> None:
         """Say when demonstrations teach turns longer than `sampling.max_tokens`: sampling cuts such a

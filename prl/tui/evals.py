@@ -16,7 +16,7 @@ from rich.text import Text
 
 from prl.tui.curves import finite
 
-BOOKKEEPING = ("t", "step", "version", "examples", "samples", "replaced", "started", "wall_s")  # not figures
+BOOKKEEPING = ("t", "step", "version", "examples", "samples", "replaced", "started", "wall_s", "skipped")  # not figures
 PASS_AT = re.compile(r"pass@(\d+)$")
 
 
