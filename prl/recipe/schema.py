@@ -241,7 +241,8 @@ class SftCfg(Section):
     data: str | None = None
     """Demonstrations from a dataset file (formats as task.data): rows of task.prompt_key and completion_key (each a
     string, or chat messages), or of messages_key (a conversation); the loss is on the completion (every assistant
-    message) only. Unset: the task's own demonstrations (its answers). Shuffled per epoch by run.seed."""
+    message) only. Unset: the task's own demonstrations (its answers). Shuffled per epoch by the warm start's seed
+    (run.seed + 7919)."""
     completion_key: str = Field("completion", min_length=1)
     """With sft.data: the column holding what the model learns to write."""
     messages_key: str = Field("messages", min_length=1)
