@@ -106,7 +106,7 @@ def reverse_tiny_sets(overrides=()):
     tok = char_tokenizer()
     cfg = SimpleNamespace(env=recipe.env, task=recipe.task, run=recipe.run, sampling=recipe.sampling,  # as resolved
                           training_reach=recipe.training_reach(),
-                          warm_start_examples=recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size)
+                          warm_start_examples=recipe.sft.steps_for(recipe.model) * recipe.sft.batch_size, sft=None)
     train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tok, recipe.sampling, recipe.rl.group_size, False)
     sets = build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tok,
                       training=run_streams(cfg, train_env, tok))
