@@ -276,3 +276,36 @@ def test_sft_prompt_with_an_assistant_turn_trains_the_completion_only(tmp_path):
     raw = SftFile(SftCfg(data=str(path), steps=1), TaskCfg(system_prompt="sys", chat_template=False), tok, seed=0)
     r = raw.demonstration(0)  # no template: no system prompt (as RL renders it), the whole prompt's text
     assert tok.decode(r.prompt_ids) == "1+1\n2\n2+2" and r.completion_ids == tok("4").input_ids + [tok.eos_token_id]
+
+
+@pytest.mark.slow
+def test_an_sft_run_from_a_file_alone_exports_its_checkpoint(tmp_path):
+    """rl.max_steps = 0 with sft.data: the warm start learns from the file (its loss falls), the held-out set scores
+    the step-0 checkpoint, the run ends done, and `prl ckpt export` writes a folder transformers loads."""
+    import subprocess
+
+    from conftest import prl_cmd
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"add:{a}+{b}=", "completion": str(a + b)}) + "\n"
+                           for a in range(10) for b in range(10)))
+    sets = ["run.output_dir=" + str(tmp_path), "rl.max_steps=0", f'sft.data="{sft}"', "sft.steps=30", "sft.lr=3e-3",
+            "eval.heldout.examples=8", "eval.heldout.samples=1"]
+    run = subprocess.run(prl_cmd("run", "recipe.toml", "--no-tui", *(x for s in sets for x in ("--set", s))),
+                         cwd=ROOT / "examples/custom_data", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run_dir = tmp_path / "custom-data"
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sft_steps = [e for e in events if e["kind"] == "trainer_step" and e.get("stage") == "sft"]
+    assert len(sft_steps) == 30 and sft_steps[-1]["loss"] < 0.6 * sft_steps[0]["loss"]
+    assert not [e for e in events if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [0]
+    assert not [e for e in events if e["kind"] in ("error", "restart")]
+    assert json.loads((run_dir / "summary.json").read_text())["state"] == "done"
+    out = tmp_path / "hf"
+    export = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--step", "0", "--out", out), capture_output=True,
+                            text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
