@@ -310,9 +310,13 @@ def check_sft_data(recipe: Recipe, tokenizer) -> None:
     if recipe.sft.data is None or not recipe.sft.steps_for(recipe.model):
         return
     from prl.envs.sft_data import check_sft_file
+    from prl.tasks.files import open_source
 
     try:
-        check_sft_file(recipe.sft, recipe.task, tokenizer)
+        if tokenizer is None:  # the model's folder is elsewhere: the file opens, its rows wait for the trainer
+            open_source(recipe.sft.data, None, False)
+        else:
+            check_sft_file(recipe.sft, recipe.task, tokenizer)
     except ValueError as e:
         raise RecipeError(f"invalid sft.data, nothing was started: {e}") from None
 

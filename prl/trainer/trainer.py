@@ -24,7 +24,7 @@ from prl.metrics import EventLog, reporting_errors
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
-from prl.envs import env_workload, make_env
+from prl.envs import env_workload
 from prl.envs.sft_data import warm_start_source
 from prl.tasks import WARM_START_SEED_OFFSET
 from prl.model.policy import BASE_CHECKPOINT, FULL, Reference, policy_for
