@@ -27,6 +27,7 @@ from collections.abc import Callable
 from prl.envs import SkipExample, make_env
 from prl.envs.stats import summarize
 from prl.evaluation.sets import build_sets, run_streams
+from prl.tasks.files import row_count
 from prl.inference.protocol import GenerateRequest, GenerateResponse
 from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
@@ -180,6 +181,7 @@ class Orchestrator:
         self.groups_started = 0  # since the last batch shipped
         self.skipped_examples = 0  # examples the environment would not run (SkipExample), since the start
         self.skipped_in_a_row = 0  # since the last group that ran
+        self.data_rows = row_count(r.task)  # a dataset file's rows (None: generated examples)
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
@@ -332,7 +334,7 @@ class Orchestrator:
         position, ahead = self.cursor.state()
         # read with the cursor, before any await: the groups filtered so far are those it consumed
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
-                  "skipped_examples": self.skipped_examples,
+                  "skipped_examples": self.skipped_examples, **self.data_epoch(position),
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
         self.groups_started = 0
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
@@ -407,6 +409,10 @@ class Orchestrator:
             elif group is not None:
                 self.skipped_in_a_row = 0
             self.changed.notify_all()
+
+    def data_epoch(self, position: int) -> dict:
+        """A dataset file's epoch the data position is in (`data_epoch`), or nothing for generated examples."""
+        return {"data_epoch": position // self.data_rows} if self.data_rows else {}
 
     def skip(self, index: int, why: SkipExample) -> None:
         """An example the environment will not run: consumed, counted, the first one said. Caller holds `self.changed`."""

@@ -414,7 +414,7 @@ class EvalCfg(Section):
     """The environment the set runs in; unset: the recipe's `[env]`."""
     data: str | None = None
     """The set's examples from a dataset file (formats and keys as task.data, its rows in file order); the set's task
-    is the recipe's (or eval.<name>.task) reading this file. The training file itself needs `rows` apart from
+    is the recipe's (or `eval.<name>.task`) reading this file. The training file itself needs `rows` apart from
     task.rows."""
     rows: list[int] | None = None
     """With data: the rows of the file the set reads, [start, end); unset: every row (or the first `examples`)."""
