@@ -224,6 +224,35 @@ def report(
     console.print(f"wrote {path} and PNGs of its curves in {path.parent / (path.stem + '_png')}", markup=False)
 
 
+@app.command()
+def samples(
+    run_dir: Path = typer.Argument(..., help="a run directory, e.g. runs/reverse-tiny"),
+    step: str = typer.Option("latest", "--step", help="a step's number, 'latest' or 'all'"),
+    worst: bool = typer.Option(False, "--worst", help="lowest reward first"),
+    best: bool = typer.Option(False, "--best", help="highest reward first"),
+    grep: Optional[str] = typer.Option(None, "--grep", help="only samples whose prompt or completion holds TEXT"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object a sample"),
+):
+    """Print what the model wrote: the samples a run keeps of each step (run.samples_per_step), with their rewards."""
+    import json
+
+    from prl.launch.samples import SamplesError, read_samples, select, show
+
+    if worst and best:
+        raise fail("samples", "--worst and --best: give one")
+    try:
+        chosen = select(read_samples(run_dir), step, "worst" if worst else "best" if best else None, grep)
+    except SamplesError as e:
+        raise fail("samples", str(e)) from None
+    if as_json:
+        print("\n".join(json.dumps(s) for s in chosen))
+        return
+    if not chosen:
+        console.print(f"prl samples: no sample of step {step} holds {grep!r}", markup=False, highlight=False)
+        return
+    console.print("\n\n".join(show(s) for s in chosen), markup=False, highlight=False)
+
+
 @app.command("eval")
 def eval_(
     run_dir: Optional[Path] = typer.Argument(None, help="a run directory: score one of its checkpoints"),

@@ -81,6 +81,7 @@ CASES = {
     "status --json: not a run": (["status", "--json", "{d}/notarun"], "not a prl run directory"),
     "status --json: missing": (["status", "--json", "{d}/missing"], "no such directory"),
     "runs: missing": (["runs", "{d}/missing"], "no such directory"),
+    "samples: not a run": (["samples", "{d}/notarun"], "not a prl run directory"),
     "stop: not a run": (["stop", "{d}/notarun"], "not a prl run directory"),
     "stop: finished run": (["stop", "{d}/done"], "not running"),
     "report: not a run": (["report", "{d}/notarun", "--out", "{d}/r.html"], "notarun"),

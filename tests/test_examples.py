@@ -122,6 +122,10 @@ def test_custom_data_example(tmp_path):
     assert_trained(run_dir)
     evals = events(run_dir, "eval")
     assert [(e["step"], e["examples"], e["verbatim_share"]) for e in evals] == [(0, 50, 0.0), (4, 50, 0.0)], evals
+    kept = [json.loads(line) for line in (run_dir / "samples" / "steps.jsonl").read_text().splitlines()]
+    assert sorted({k["step"] for k in kept}) == [0, 1, 2, 3] and all(len(k["prompt"]) > 20 for k in kept)
+    shown = subprocess.run(prl_cmd("samples", run_dir, "--best"), capture_output=True, text=True)
+    assert shown.returncode == 0 and "step 3" in shown.stdout and "completion: " in shown.stdout, shown
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer, GroupFilter, uniform
 from prl.orchestrator.evals import InRunEvals
+from prl.orchestrator.samples import SampleWriter
 from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
@@ -182,6 +183,7 @@ class Orchestrator:
         self.skipped_examples = 0  # examples the environment would not run (SkipExample), since the start
         self.skipped_in_a_row = 0  # since the last group that ran
         self.data_rows = row_count(r.task)  # a dataset file's rows (None: generated examples)
+        self.samples = SampleWriter(cfg.run_path, r.run.samples_per_step, r.run.seed, self.tokenizer)
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
@@ -337,6 +339,7 @@ class Orchestrator:
                   "skipped_examples": self.skipped_examples, **self.data_epoch(position),
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
         self.groups_started = 0
+        self.samples.write_step(step, groups)
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
         batch = TrainBatch(step=step, micro_batches=rows,
                            data_position=position, data_ahead=ahead, prompt_indices=[g.prompt_index for g in groups])

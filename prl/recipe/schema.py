@@ -60,6 +60,9 @@ class RunCfg(Section):
     is hung: it is killed and restarted."""
     wandb: WandbCfg | None = None
     """Log the run to Weights & Biases; off unless set, e.g. wandb = { project = "rl", mode = "offline" }."""
+    samples_per_step: int = Field(4, ge=0)
+    """Rollouts of each step kept as text in RUN_DIR/samples/steps.jsonl (the step's best and worst by reward, then
+    others), which `prl samples RUN` prints; 0 keeps none."""
 
 
 class ModelCfg(Section):
