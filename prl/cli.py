@@ -231,9 +231,11 @@ def samples(
     worst: bool = typer.Option(False, "--worst", help="lowest reward first"),
     best: bool = typer.Option(False, "--best", help="highest reward first"),
     grep: Optional[str] = typer.Option(None, "--grep", help="only samples whose prompt or completion holds TEXT"),
+    eval_set: Optional[str] = typer.Option(None, "--eval", help="an eval set's completions instead ([eval.SET])"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object a sample"),
 ):
-    """Print what the model wrote: the samples a run keeps of each step (run.samples_per_step), with their rewards."""
+    """Print what the model wrote: the samples a run keeps of each step (run.samples_per_step), or every completion
+    of an eval set (--eval SET), with their rewards."""
     import json
 
     from prl.launch.samples import SamplesError, read_samples, select, show
@@ -241,7 +243,7 @@ def samples(
     if worst and best:
         raise fail("samples", "--worst and --best: give one")
     try:
-        chosen = select(read_samples(run_dir), step, "worst" if worst else "best" if best else None, grep)
+        chosen = select(read_samples(run_dir, eval_set), step, "worst" if worst else "best" if best else None, grep)
     except SamplesError as e:
         raise fail("samples", str(e)) from None
     if as_json:

@@ -234,8 +234,12 @@ class CountingPool:
     def __init__(self, log_path, budget: int):
         from prl.metrics import EventLog
 
+        from prl.model.tiny import char_tokenizer
+        from prl.orchestrator.samples import SampleWriter
+
         self.log, self.changed, self.budget = EventLog(log_path, "orchestrator"), asyncio.Condition(), budget
         self.inflight, self.seen = 0, []  # (samples in flight, budget) at each request
+        self.samples = SampleWriter(log_path.parent, 4, 0, char_tokenizer())  # where the set's completions go
 
     def inflight_budget(self) -> int:
         return self.budget

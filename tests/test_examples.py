@@ -124,6 +124,8 @@ def test_custom_data_example(tmp_path):
     assert [(e["step"], e["examples"], e["verbatim_share"]) for e in evals] == [(0, 50, 0.0), (4, 50, 0.0)], evals
     kept = [json.loads(line) for line in (run_dir / "samples" / "steps.jsonl").read_text().splitlines()]
     assert sorted({k["step"] for k in kept}) == [0, 1, 2, 3] and all(len(k["prompt"]) > 20 for k in kept)
+    scored = (run_dir / "samples" / "eval_heldout.jsonl").read_text().splitlines()
+    assert len(scored) == 100 and {json.loads(x)["step"] for x in scored} == {0, 4}  # every completion of both points
     shown = subprocess.run(prl_cmd("samples", run_dir, "--best"), capture_output=True, text=True)
     assert shown.returncode == 0 and "step 3" in shown.stdout and "completion: " in shown.stdout, shown
 

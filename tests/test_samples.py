@@ -53,3 +53,18 @@ def test_prl_samples_prints_a_step_worst_first_and_as_json(tmp_path):
     assert [json.loads(x)["completion"] for x in got.stdout.splitlines()] == ["ba"]
     bad = subprocess.run(prl_cmd("samples", tmp_path, "--step", "9"), capture_output=True, text=True)
     assert bad.returncode == 2 and "steps 0..2" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_eval_sets_completions_are_written_and_shown(tmp_path):
+    from prl.envs import Trajectory
+
+    tok = char_tokenizer()
+    writer = SampleWriter(tmp_path, 2, 0, tok)
+    group = [Trajectory(tok("rev:ab=").input_ids, tok(c).input_ids, [0.0] * 2, [5] * 2, r, answer=c)
+             for c, r in (("ba", 1.0), ("ab", 0.0))]
+    writer.write_eval("heldout", 5, [100, 101], [group, None])  # 101 was skipped
+    (tmp_path / "metrics.jsonl").write_text("")
+    out = subprocess.run(prl_cmd("samples", tmp_path, "--eval", "heldout"), capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.count("step 5  example 100") == 2 and "answer 'ba'" in out.stdout
+    none = subprocess.run(prl_cmd("samples", tmp_path, "--eval", "test"), capture_output=True, text=True)
+    assert none.returncode == 2 and "sets: heldout" in none.stderr

@@ -48,10 +48,11 @@ class SeededSampler:
 
 
 async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], gate: AbstractAsyncContextManager,
-                  version: int | None) -> dict:
+                  version: int | None, keep: Callable[[list, list], None] | None = None) -> dict:
     """The set's figures at weights `version` (None: the oldest version its tokens carry, the one the
     servers started with); each example runs inside `gate` (which bounds how many are in flight);
-    `sampler_for(index)`: the pool bound to one example."""
+    `sampler_for(index)`: the pool bound to one example; `keep(indices, groups)`: given every scored group (a
+    skipped example's is None), e.g. to write the completions."""
 
     async def one(k: int, index: int) -> list[Trajectory] | None:
         async with gate:
@@ -63,6 +64,8 @@ async def run_set(s: EvalSet, sampler_for: Callable[[int], Sampler], gate: Abstr
 
     t0 = time.perf_counter()
     groups = await asyncio.gather(*(one(k, i) for k, i in enumerate(s.indices())))
+    if keep is not None:
+        keep(list(s.indices()), groups)
     kept = [g for g in groups if g is not None]
     if not kept:
         raise SkipExample(f"eval.{s.name}: every example was skipped (prompts longer than task.max_prompt_tokens?)")

@@ -13,14 +13,21 @@ class SamplesError(ValueError):
     """A run without samples, or a step it has none of, in one line."""
 
 
-def read_samples(run_dir: Path) -> list[dict]:
+def read_samples(run_dir: Path, eval_set: str | None = None) -> list[dict]:
+    """The run's kept samples of its RL steps, or (`eval_set`) every completion that eval set scored."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise SamplesError(f"{run_dir}: no such directory (give a run directory, e.g. runs/reverse-tiny)")
-    path = run_dir / "samples" / STEPS_FILE
+    path = run_dir / "samples" / (STEPS_FILE if eval_set is None else f"eval_{eval_set}.jsonl")
     if not path.is_file():
-        why = "not a prl run directory" if not (run_dir / "metrics.jsonl").is_file() else "no samples written yet"
-        raise SamplesError(f"{run_dir}: {why} ({path} is missing; a run writes run.samples_per_step samples a step)")
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise SamplesError(f"{run_dir}: not a prl run directory (no metrics.jsonl; `prl runs` lists the runs)")
+        if eval_set is not None:
+            sets = sorted(p.stem.removeprefix("eval_") for p in (run_dir / "samples").glob("eval_*.jsonl"))
+            raise SamplesError(f"--eval {eval_set}: the run has no completions of that set (sets: "
+                               f"{', '.join(sets) or 'none yet'})")
+        raise SamplesError(f"{run_dir}: no samples written yet ({path} is missing; a run writes "
+                           f"run.samples_per_step samples a step)")
     out = []
     for line in path.read_text().splitlines():
         try:
@@ -56,8 +63,10 @@ def select(samples: list[dict], step: str, order: str | None, grep: str | None) 
 def show(s: dict) -> str:
     """One sample as text: a header line, the prompt, then the completion (multi-turn: each turn marked)."""
     versions = ",".join(map(str, s.get("versions", [])))
-    head = (f"step {s['step']}  example {s['prompt_index']}  reward {s['reward']:.3f}  advantage {s['advantage']:+.3f}"
-            f"  version {versions}  {s.get('tokens', '?')} tokens")
+    extra = f"  advantage {s['advantage']:+.3f}" if "advantage" in s else ""
+    extra += f"  answer {s['answer']!r}" if "answer" in s else ""
+    head = (f"step {s['step']}  example {s['prompt_index']}  reward {s['reward']:.3f}{extra}  version {versions}  "
+            f"{s.get('tokens', '?')} tokens")
     body = [head, "  prompt:     " + indent(s["prompt"])]
     if s.get("turns"):
         for t in s["turns"]:

@@ -121,7 +121,8 @@ class InRunEvals:
         self.gates.add(gate)
         started = time.time()
         try:
-            figures = await run_set(s, orch.eval_sampler, gate, version)
+            figures = await run_set(s, orch.eval_sampler, gate, version,
+                                    keep=lambda indices, groups: orch.samples.write_eval(s.name, point, indices, groups))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - an eval that fails is reported; training goes on

@@ -1,6 +1,7 @@
 """What the model wrote, kept as text: a bounded sample of every step's rollouts (`run.samples_per_step`: the
 step's best and worst by reward, then others drawn by the step's seed) in `RUN_DIR/samples/steps.jsonl`, one
-JSON object a sample, read back by `prl samples` (`prl.launch.samples`).
+JSON object a sample, and every completion each eval set scores at each of its steps in
+`RUN_DIR/samples/eval_NAME.jsonl`, read back by `prl samples` (`prl.launch.samples`).
 
 A sample holds its step, prompt index, prompt and completion as text, the reward and advantage, the weights
 versions of its model tokens and the environment's info; a multi-turn completion also holds its turns
@@ -41,11 +42,18 @@ def turns(tokenizer, completion_ids: list[int], mask: list[int] | None) -> list[
 
 
 def record(tokenizer, step: int, prompt_index: int, sample, info: dict) -> dict:
+    """A trained sample (`Sample`: with its advantage) or an eval set's trajectory (`Trajectory`: with the answer
+    maj@k votes on) as text."""
+    mask = sample.mask or [1] * len(sample.versions)
     out = {"step": step, "prompt_index": prompt_index,
            "prompt": tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
            "completion": tokenizer.decode(sample.completion_ids, skip_special_tokens=True),
-           "reward": round(float(sample.reward), 6), "advantage": round(float(sample.advantage), 6),
-           "versions": sorted(set(sample.model_versions())), "tokens": len(sample.completion_ids)}
+           "reward": round(float(sample.reward), 6),
+           "versions": sorted({v for v, m in zip(sample.versions, mask) if m}), "tokens": len(sample.completion_ids)}
+    if hasattr(sample, "advantage"):
+        out["advantage"] = round(float(sample.advantage), 6)
+    if getattr(sample, "answer", None) is not None:
+        out["answer"] = sample.answer
     parts = turns(tokenizer, sample.completion_ids, sample.mask)
     if parts is not None:
         out["turns"] = parts
@@ -67,7 +75,18 @@ class SampleWriter:
         chosen = pick([s.reward for _, s, _ in members], self.per_step, self.seed * 1_000_003 + step)
         if not chosen:
             return
-        lines = [json.dumps(record(self.tokenizer, step, *members[i]), default=str) for i in chosen]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+        self.append(self.path, [record(self.tokenizer, step, *members[i]) for i in chosen])
+
+    def write_eval(self, name: str, step: int, indices: list[int], groups: list) -> None:
+        """Every completion an eval set scored at `step` (a skipped example's none), to samples/eval_NAME.jsonl."""
+        records = [record(self.tokenizer, step, index, t, t.info or {})
+                   for index, group in zip(indices, groups) if group is not None for t in group]
+        self.append(self.path.parent / f"eval_{name}.jsonl", records)
+
+    @staticmethod
+    def append(path: Path, records: list[dict]) -> None:
+        if not records:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write("\n".join(json.dumps(r, default=str) for r in records) + "\n")
