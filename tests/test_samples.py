@@ -68,3 +68,16 @@ def test_an_eval_sets_completions_are_written_and_shown(tmp_path):
     assert out.returncode == 0 and out.stdout.count("step 5  example 100") == 2 and "answer 'ba'" in out.stdout
     none = subprocess.run(prl_cmd("samples", tmp_path, "--eval", "test"), capture_output=True, text=True)
     assert none.returncode == 2 and "sets: heldout" in none.stderr
+
+
+def test_the_dashboard_shows_the_latest_sample(tmp_path):
+    from prl.tui.state import RunState
+    from prl.tui.view import sample_lines
+
+    write_run(tmp_path)
+    with open(tmp_path / "samples" / "steps.jsonl", "a") as f:
+        f.write('{"step": 3, "cut by a kill')  # a line a killed orchestrator left half-written
+    state = RunState().update_from(tmp_path / "metrics.jsonl")
+    assert state.latest_sample["step"] == 2
+    [line] = sample_lines(state)
+    assert "latest sample  step 2  reward" in line.plain and "'rev:ab=' -> " in line.plain

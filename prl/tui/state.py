@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class RunState:
     seen: dict[str, int] = field(default_factory=dict)  # events per source: the driver's proof of life
     curves: CurveSet = field(default_factory=CurveSet)  # the whole run, one value per step
     evals: EvalLog = field(default_factory=EvalLog)  # every eval, per set in step order
+    latest_sample: dict | None = None  # the last sample the orchestrator kept (samples/steps.jsonl), where it is here
     offset: int = 0
 
     def apply(self, e: dict) -> None:
@@ -66,6 +68,7 @@ class RunState:
         events, self.offset = read_events(path, self.offset)
         for e in events:
             self.apply(e)
+        self.latest_sample = last_sample(Path(path).parent) or self.latest_sample
         return self
 
     def reward_curve(self) -> list[float]:
@@ -91,6 +94,23 @@ class RunState:
                     p["state"] = "gone"
             elif driver_gone:
                 p["state"] = "stopping (driver gone)"
+
+
+def last_sample(run_dir: Path, tail: int = 16384) -> dict | None:
+    """The last whole sample line of `run_dir/samples/steps.jsonl` (read from its end), or None."""
+    path = run_dir / "samples" / "steps.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def pid_alive(pid: int) -> bool:

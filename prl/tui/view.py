@@ -129,10 +129,19 @@ def servers_table(s: RunState) -> Table:
     return t
 
 
+def sample_lines(s: RunState) -> list[Text]:
+    """The latest kept sample, one line: its step, reward, prompt and completion (`prl samples` shows them whole)."""
+    x = s.latest_sample
+    if not x:
+        return []
+    line = f"latest sample  step {x['step']}  reward {x['reward']:.3f}  {x['prompt']!r} -> {x['completion']!r}"
+    return [Text(line, no_wrap=True, overflow="ellipsis")]
+
+
 def render(s: RunState, curves: bool = False, width: int = 100, hint: str = "") -> Panel:
     """The dashboard; with `curves` the whole-run curves panel too (key `c` in the live view)."""
     parts = [processes_table(s), *restarts_lines(s), progress(s), metrics_table(s), *evals_table(s),
-             servers_table(s)]
+             servers_table(s), *sample_lines(s)]
     if curves:
         parts.append(curves_table([(s.run.get("name", "run"), s.curves)], width - 4))  # inside the panel
     for name, line in s.errors.items():
