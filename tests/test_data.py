@@ -309,3 +309,23 @@ def test_an_sft_run_from_a_file_alone_exports_its_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+
+
+def reward_five(completion: str, example: dict):
+    return 5.0
+
+
+def reward_text(completion: str, example: dict):
+    return "1" if completion else "0"
+
+
+@pytest.mark.parametrize("fn,words", [("reward_five", "the reward is 5.0, outside [0, 1]"),
+                                      ("reward_text", "the reward is a str ('0')")])
+def test_a_reward_outside_0_1_or_not_a_number_is_refused_before_start(fn, words, tmp_path):
+    recipe = recipe_with(tmp_path, f'task.reward="test_data:{fn}"')
+    with pytest.raises(RecipeError) as e:
+        preflight(recipe)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    task = make_task(recipe.task, 0)
+    with pytest.raises((TypeError, ValueError), match="reward is"):  # and at run time, never trained silently
+        task.reward("x", task.example(0))

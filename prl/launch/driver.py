@@ -280,11 +280,13 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
     except Exception as e:  # noqa: BLE001 - the user's dataset function: whatever it raises is named in one line
         raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index}: "
                           f"{type(e).__name__}: {e}") from None
-    try:  # the user's own reward: whatever it raises is their bug, named in one line
-        task.reward("", firsts[0])
+    try:  # the user's own reward: whatever it raises, or a value outside [0, 1], is named in one line
+        for example in firsts:
+            for completion in ("", str(example.get("answer", ""))):
+                task.reward(completion, example)
     except Exception as e:  # noqa: BLE001
-        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}'s reward failed on an empty "
-                          f"completion of example {index}: {type(e).__name__}: {e}") from None
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}'s reward on example {index} "
+                          f"(an empty completion, then its answer): {type(e).__name__}: {e}") from None
     if tokenizer is not None:
         check_prompts(task, firsts, tokenizer, key)
 

@@ -37,8 +37,8 @@ class Task:
         if isinstance(out, tuple):
             if len(out) != 2:
                 raise TypeError(f"a reward function returns a float or (reward, answer), got a {len(out)}-tuple")
-            return float(out[0]), "" if out[1] is None else str(out[1])
-        return float(out), None
+            return checked_reward(out[0]), "" if out[1] is None else str(out[1])
+        return checked_reward(out), None
 
     def reward(self, completion: str, example: dict) -> float:
         return self.score(completion, example)[0]
@@ -48,6 +48,20 @@ class Task:
         from prl.tasks.prompts import prompt_ids
 
         return prompt_ids(tokenizer, prompt, self.chat_template, self.system_prompt)
+
+
+def checked_reward(value) -> float:
+    """A reward as a float in [0, 1]; a TypeError or ValueError saying what came back otherwise (a string "1" or a
+    5.0 would train silently)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and type(value).__name__ not in FLOATS:
+        raise TypeError(f"the reward is a {type(value).__name__} ({value!r:.40}): return a float in [0, 1]")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"the reward is {value}, outside [0, 1]: scale it into [0, 1]")
+    return value
+
+
+FLOATS = ("float32", "float64", "float16", "int32", "int64")  # numpy scalars a reward may return
 
 
 def import_function(spec: str, key: str) -> Callable:
