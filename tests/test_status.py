@@ -134,3 +134,21 @@ def test_the_steps_exchanges_reach_status(tmp_path):
             "comm_s": 1.25, "exposed_comm_s": 0.25, "fwd_bwd_s": 3.0}
     path.write_text(path.read_text() + json.dumps(step) + "\n")
     assert "1.25s in flight, 0.25s exposed (80% hidden behind compute)" in status(tmp_path / "a")
+
+
+def test_plain_output_prints_each_step_once_and_a_tenth_of_the_warm_start():
+    """`--no-tui`: every RL step once, in order, even when the driver looks after several (and not a step a restarted
+    trainer replays); a warm-start line per tenth."""
+    from prl.launch.driver import progress_lines
+    from prl.tui.state import RunState
+
+    s, printed = RunState(), {"sft": -1, "rl": -1}
+    for step in range(20):
+        s.apply({"kind": "trainer_step", "stage": "sft", "step": step, "total": 20, "loss": 1.0})
+    lines = progress_lines(s, printed)
+    assert [x.split()[2] for x in lines] == [f"{k}/20" for k in range(2, 21, 2)]
+    for step in (0, 1, 2, 1, 2, 3):  # steps 1 and 2 replayed after a restart
+        s.apply({"kind": "orch_step", "step": step, "reward": 0.5})
+        s.apply({"kind": "trainer_step", "stage": "rl", "step": step, "total": 4, "loss": 0.1, "version": step + 1})
+    assert [x.split()[1] for x in progress_lines(s, printed)] == ["1/4", "2/4", "3/4", "4/4"]
+    assert progress_lines(s, printed) == []

@@ -473,7 +473,7 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    last_step, poll, curves = -1, Poll(), False
+    printed, poll, curves = {"sft": -1, "rl": -1}, Poll(), False
     with KeyReader() if tui else contextlib.nullcontext() as keys:
         try:
             if live:
@@ -487,9 +487,9 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
                 if live:
                     curves ^= "c" in keys.pressed()  # the key `c` shows or hides the whole-run curves
                     live.update(render(state, curves, console.width, hint=f"c: {'hide' if curves else 'show'} curves"))
-                elif state.trainer.get("step", -1) != last_step:
-                    last_step = state.trainer["step"]
-                    console.print(step_line(state), markup=False, highlight=False)
+                else:
+                    for line in progress_lines(state, printed):
+                        console.print(line, markup=False, highlight=False)
                 if outcome:
                     return outcome
                 time.sleep(0.2)
@@ -524,11 +524,28 @@ def poll_exits(sup: Supervisor, log: EventLog, poll: Poll, faults: Faults) -> Ou
     return outcome
 
 
-def step_line(s: RunState) -> str:
-    tr, curve = s.trainer, s.reward_curve()
-    reward = f"{curve[-1]:.3f}" if curve else "-"
-    return (f"step {tr['step'] + 1}/{tr['total']}  reward {reward}  loss {tr.get('loss', 0):.4f}  "
-            f"mismatch_kl {tr.get('mismatch_kl', 0):.2e}  version {tr.get('version')}  "
+def progress_lines(s: RunState, printed: dict) -> list[str]:
+    """Without the dashboard: a line per tenth of the warm start, then one per RL step, each once (a step a restarted
+    trainer replays is not printed again; `printed`: the last step of each stage printed)."""
+    out = []
+    while s.steps:
+        e = s.steps.popleft()
+        stage, step = ("sft", e["step"]) if e.get("stage") == "sft" else ("rl", e["step"])
+        if step <= printed[stage]:
+            continue
+        printed[stage] = step
+        if stage == "sft":
+            if (step + 1) % max(1, e["total"] // 10) == 0 or step + 1 == e["total"]:
+                out.append(f"warm start {step + 1}/{e['total']}  loss {e.get('loss', 0):.4f}")
+        else:
+            out.append(step_line(e, s))
+    return out
+
+
+def step_line(tr: dict, s: RunState) -> str:
+    reward = s.rewards.get(tr["step"])
+    return (f"step {tr['step'] + 1}/{tr['total']}  reward {'-' if reward is None else f'{reward:.3f}'}  "
+            f"loss {tr.get('loss', 0):.4f}  mismatch_kl {tr.get('mismatch_kl', 0):.2e}  version {tr.get('version')}  "
             f"stale_dropped {s.orch.get('stale_dropped_total', 0)}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prl.tui.curves import CurveSet
 from prl.tui.evals import EvalLog
 
 
+STEPS_KEPT = 10_000  # trainer_step events kept for the plain output to print (the dashboard reads none)
 LOCAL_HOSTS = ("local", "workstation")  # pids of processes on other hosts mean nothing here
 
 
@@ -33,6 +35,7 @@ class RunState:
     curves: CurveSet = field(default_factory=CurveSet)  # the whole run, one value per step
     evals: EvalLog = field(default_factory=EvalLog)  # every eval, per set in step order
     latest_sample: dict | None = None  # the last sample the orchestrator kept (samples/steps.jsonl), where it is here
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))  # trainer_step events, for `--no-tui`
     offset: int = 0
 
     def apply(self, e: dict) -> None:
@@ -46,6 +49,7 @@ class RunState:
             self.processes.setdefault(e["name"], {}).update(e)
         elif kind == "trainer_step":
             (self.sft if e.get("stage") == "sft" else self.trainer).update(e)
+            self.steps.append(e)
         elif kind == "orch_step":
             self.orch.update(e)
             self.rewards[e["step"]] = e["reward"]
