@@ -127,6 +127,8 @@ def keys(section: Optional[str] = typer.Argument(None, help="one table, e.g. tra
         text = keys_text(section)
     except (KeyError, ValueError) as e:
         raise fail("keys", str(e.args[0] if e.args else e)) from None
+    if sys.stdout.isatty():  # Markdown escapes `<name>` in headings for HTML; a terminal shows it as written
+        text = text.replace("&lt;", "<").replace("&gt;", ">")
     print(text, end="")
 
 

@@ -594,7 +594,7 @@ def finish(run_dir: Path, outcome: Outcome, console: Console, wall_s: float) -> 
     if summary["rl_steps"]:
         console.print(
             f"reward: first 5 RL steps {summary['first5_reward']:.3f}, last 5 {summary['last5_reward']:.3f} "
-            f"(+{summary['improvement']:.3f}) over {summary['rl_steps']} steps in {wall_s:.0f}s; "
+            f"({summary['improvement']:+.3f}) over {summary['rl_steps']} steps in {wall_s:.0f}s; "
             f"summary in {run_dir / 'summary.json'}", markup=False, highlight=False,
         )
     from prl.tui.evals import eval_line
