@@ -329,3 +329,9 @@ def test_a_reward_outside_0_1_or_not_a_number_is_refused_before_start(fn, words,
     task = make_task(recipe.task, 0)
     with pytest.raises((TypeError, ValueError), match="reward is"):  # and at run time, never trained silently
         task.reward("x", task.example(0))
+
+
+def test_a_task_module_that_is_not_on_the_path_says_where_prl_looks(tmp_path):
+    with pytest.raises(ValueError, match=r"no module named 'my_rewards' \(run prl from the folder that holds "
+                                         r"my_rewards.py, or add that folder to PYTHONPATH\)"):
+        make_task(TaskCfg(data=str(write_formats(tmp_path)["jsonl"]), reward="my_rewards:score"), 0)

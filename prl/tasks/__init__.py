@@ -69,6 +69,12 @@ def import_function(spec: str, key: str) -> Callable:
     module_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name or module_name.startswith(f"{e.name}."):
+            raise ValueError(f"{key} = {spec!r}: cannot import: no module named {module_name!r} (run prl from the "
+                             f"folder that holds {module_name.replace('.', '/')}.py, or add that folder to PYTHONPATH)"
+                             ) from None
+        raise ValueError(f"{key} = {spec!r}: cannot import ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import, in one line
         raise ValueError(f"{key} = {spec!r}: cannot import ({type(e).__name__}: {e})") from None
     if not callable(fn):
