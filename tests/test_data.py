@@ -19,6 +19,7 @@ from prl.recipe.load import load_recipe
 from prl.recipe.schema import EnvCfg, SamplingCfg, SftCfg, TaskCfg
 from prl.tasks import make_task
 from prl.tasks.data import DataSource, ListRows
+from prl.tasks.files import row_count
 from prl.trainer.trainer import sft_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,8 +52,9 @@ def test_every_format_reads_to_the_same_examples(tmp_path):
     files = write_formats(tmp_path)
     seen = {}
     for kind, path in files.items():
-        task = make_task(TaskCfg(data=str(path), reward="math"), seed=5)
-        assert task.rows == len(ROWS)
+        cfg = TaskCfg(data=str(path), reward="math")
+        task = make_task(cfg, seed=5)
+        assert row_count(cfg) == len(ROWS)
         examples = [task.example(i) for i in range(2 * len(ROWS))]
         # csv holds text only: the other columns pass through as the file holds them
         seen[kind] = [(e["prompt"], e["answer"], str(e["level"])) for e in examples]
@@ -77,7 +79,7 @@ def test_rows_range_and_file_order_for_eval_sets(tmp_path):
     files = write_formats(tmp_path)
     cfg = TaskCfg(data=str(files["jsonl"]), reward="exact", rows=[3, 9], shuffle=False)
     task = make_task(cfg, seed=0)
-    assert task.rows == 6 and [task.example(i)["prompt"] for i in range(7)] == [ROWS[i]["prompt"] for i in (*range(3, 9), 3)]
+    assert row_count(cfg) == 6 and [task.example(i)["prompt"] for i in range(7)] == [ROWS[i]["prompt"] for i in (*range(3, 9), 3)]
 
 
 def test_chat_template_prompt_is_the_tokenizers_own_rendering(tmp_path):

@@ -99,9 +99,9 @@ def data_lines(recipe: Recipe) -> list[str]:
     """The run's dataset files with the rows each gives (opened by the preflight already)."""
     from prl.tasks.files import open_source
 
+    sets = {n: ev.set_task(recipe.task) for n, ev in recipe.eval.items()}
     files = [("task.data", recipe.task.data, recipe.task.rows), ("sft.data", recipe.sft.data, None),
-             *((f"eval.{n}.data", ev.set_task(recipe.task).data, ev.set_task(recipe.task).rows)
-               for n, ev in recipe.eval.items())]
+             *((f"eval.{n}.data", t.data, t.rows) for n, t in sets.items())]
     out = []
     for key, path, rows in files:
         if path is not None:
@@ -233,7 +233,7 @@ def check_task(recipe: Recipe) -> None:
             key = f"eval.{name}.data" if ev.data is not None else f"eval.{name}.task"
             try_task(ev.set_task(recipe.task), recipe.run.seed, key, ev.start(recipe.task), tokenizer)
     check_sft_data(recipe, tokenizer)
-    check_held_out(recipe)
+    check_held_out(recipe, tokenizer)
     check_env(recipe)
 
 
@@ -247,13 +247,13 @@ def local_tokenizer(recipe: Recipe):
         return None
 
 
-def check_held_out(recipe: Recipe) -> None:
+def check_held_out(recipe: Recipe, tokenizer=None) -> None:
     """The eval sets build as the orchestrator will build them (its environments, the run's tokenizer): each
     held-out set of the training task finds its examples among prompts training cannot draw."""
     from prl.evaluation.sets import EvalSetError, check_held_out as check
 
     try:
-        check(recipe)
+        check(recipe, tokenizer)
     except EvalSetError as e:
         raise RecipeError(f"{e}; nothing was started") from None
     except Exception as e:  # noqa: BLE001 - the user's environment or dataset: named in one line

@@ -326,8 +326,13 @@ class Orchestrator:
         """Groups that will never be trained (dropped as stale, or filtered): their prompts are consumed,
         not retried, and their budget freed, so replacements start (under newer weights). Caller holds
         `self.changed`."""
-        self.committed -= len(groups)
-        self.cursor.consume(g.prompt_index for g in groups)
+        self.consume_unrun([g.prompt_index for g in groups])
+
+    def consume_unrun(self, indices: list[int]) -> None:
+        """Example indices that will never be trained: consumed by the cursor, their budget freed. Caller holds
+        `self.changed`."""
+        self.committed -= len(indices)
+        self.cursor.consume(indices)
         self.changed.notify_all()
 
     async def ship(self, step: int, groups: list[Group], ages: dict, wait_s: float) -> None:
@@ -419,9 +424,8 @@ class Orchestrator:
 
     def skip(self, index: int, why: SkipExample) -> None:
         """An example the environment will not run: consumed, counted, the first one said. Caller holds `self.changed`."""
-        self.committed -= 1
+        self.consume_unrun([index])
         self.groups_started -= 1
-        self.cursor.consume([index])
         self.skipped_examples += 1
         self.skipped_in_a_row += 1
         if self.skipped_examples <= SKIPS_LOGGED:

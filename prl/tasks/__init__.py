@@ -24,7 +24,6 @@ class Task:
     chat_template: bool | str = "auto"  # task.chat_template (prl.tasks.prompts)
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None  # a dataset file's: longer prompts are skipped
-    rows: int | None = None  # a dataset file's rows (None: examples are generated)
 
     def example(self, index: int) -> dict:
         return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len)
@@ -93,16 +92,14 @@ def make_task(cfg, seed: int) -> Task:
         dataset, reward = reasoning_gym_task(cfg.name.partition(":")[2], cfg.options)
     if cfg.dataset:
         dataset = import_function(cfg.dataset, "task.dataset")
-    rows = None
     if cfg.data is not None:
         from prl.tasks.files import file_dataset
 
         dataset = file_dataset(cfg)
-        rows = len(dataset.source)
     if cfg.reward:
         reward = checker(cfg.reward) or import_function(cfg.reward, "task.reward")
     return Task(dataset, reward, seed, cfg.min_len, cfg.max_len, cfg.chat_template, cfg.system_prompt,
-                cfg.max_prompt_tokens if cfg.data is not None else None, rows)
+                cfg.max_prompt_tokens if cfg.data is not None else None)
 
 
 def checker(name: str) -> Callable | None:
