@@ -315,3 +315,41 @@ def test_vllm_busy_time_and_weight_loads_are_measured(tmp_path):
 
     with FakeVllm() as fake:
         asyncio.run(main(fake))
+
+
+def test_a_down_servers_monitor_ends_when_cancelled_as_its_health_check_gives_up(tmp_path):
+    """A cancel that lands in the loop turn where the monitor's health check gives up must end the
+    monitor. (Python 3.11's asyncio.wait_for returns the inner result then and drops the cancel: the
+    monitor of a killed server looped on and prl eval never returned.)"""
+    import socket
+
+    from prl.backends.embedded import EmbeddedBackend
+    from prl.metrics import EventLog
+    from prl.orchestrator.servers import ServerPool
+
+    class GivesUp(EmbeddedBackend):
+        monitor: asyncio.Task
+
+        async def wait_ready(self, timeout: float = 120.0) -> None:
+            try:
+                await super().wait_ready(0.3)  # nothing listens there: BackendError
+            finally:
+                asyncio.get_running_loop().call_soon(self.monitor.cancel)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: every connection is refused
+
+        async def main():
+            backend = GivesUp(f"http://127.0.0.1:{port}", "s")
+            pool = ServerPool([backend], EventLog(tmp_path / "metrics.jsonl", "orchestrator"), asyncio.Condition(),
+                              hang_timeout_s=30.0)
+            backend.monitor = asyncio.create_task(pool.watch(pool.servers[0]))  # down: it tries to rejoin
+            try:
+                done, _ = await asyncio.wait({backend.monitor}, timeout=60)  # a guard: it ends at once
+                assert backend.monitor in done and backend.monitor.cancelled(), "the cancel was swallowed"
+            finally:
+                backend.monitor.cancel()
+                await backend.close()
+
+        asyncio.run(main())

@@ -103,8 +103,9 @@ class ToolBox:
         if why:
             return CallResult(f"error: {name}: {why}", "bad_arguments")
         try:
-            out = await asyncio.wait_for(in_thread(lambda: tool.fn(**args)), self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                out = await in_thread(lambda: tool.fn(**args))
+        except TimeoutError:
             return CallResult(f"error: {name} took longer than {self.timeout_s:g} s", "timeout")
         except Exception as e:  # noqa: BLE001 - a tool's failure is the model's information, not ours
             return CallResult(f"error: {name} raised {type(e).__name__}: {e}", "raised")

@@ -218,8 +218,9 @@ class ServerPool:
 
     async def check(self, server: Server) -> None:
         try:
-            m = await asyncio.wait_for(server.backend.metrics(), self.hang_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.hang_timeout_s):
+                m = await server.backend.metrics()
+        except TimeoutError:
             await self.mark_down(server, f"/metrics not answered for {self.hang_timeout_s:.0f}s", hung=True)
             return
         except BackendError as e:
@@ -240,8 +241,9 @@ class ServerPool:
         checks); a server that does not answer now is left out."""
         for server in (s for s in self.servers if s.up):
             try:
-                m = await asyncio.wait_for(server.backend.metrics(), self.hang_timeout_s)
-            except (BackendError, asyncio.TimeoutError):
+                async with asyncio.timeout(self.hang_timeout_s):
+                    m = await server.backend.metrics()
+            except (BackendError, TimeoutError):
                 continue
             self.log.emit("server", name=server.name, **m.model_dump())
 
@@ -251,16 +253,18 @@ class ServerPool:
             self.log.emit("unresponsive", name=server.name,
                           cause=f"down and not back for {max(self.startup_timeout_s, self.hang_timeout_s):.0f}s")
         server.backend.reset()  # before wait_ready, which learns the new server's state
-        try:
-            await asyncio.wait_for(server.backend.wait_ready(5.0), self.hang_timeout_s)
-        except (BackendError, asyncio.TimeoutError):
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (the monitor then never ends)
+            async with asyncio.timeout(self.hang_timeout_s):
+                await server.backend.wait_ready(5.0)
+        except (BackendError, TimeoutError):
             return  # still down (the driver is restarting it)
         t0 = time.perf_counter()
         async with self.weights_lock:
             if self.served >= 0:
                 try:  # bounded: a server hung while loading must not hold the relay of new versions
-                    await asyncio.wait_for(server.backend.load_weights(self.served), self.hang_timeout_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.hang_timeout_s):
+                        await server.backend.load_weights(self.served)
+                except TimeoutError:
                     self.log.emit("unresponsive", name=server.name,
                                   cause=f"loading v{self.served} took over {self.hang_timeout_s:.0f}s")
                     return

@@ -6,7 +6,7 @@ run is launched (`prl.launch.checks.load`)."""
 from __future__ import annotations
 
 import re
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,6 @@ from pydantic import ValidationError
 
 from prl.recipe.schema import Recipe
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class RecipeError(ValueError):

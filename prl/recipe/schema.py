@@ -956,7 +956,7 @@ class ClusterCfg(Section):
     """Extras of this project to install on the hosts (e.g. ["vllm"])."""
     venv: str | None = None
     """An environment to use (created if missing); default: one per wheel in workdir/venvs."""
-    min_python: str = "3.10"
+    min_python: str = "3.11"
     """The oldest Python version cluster.python may be (`prl doctor` checks every host)."""
     min_free_gb: float = Field(1.0, ge=0)
     """GB that must be free in each host's workdir (`prl doctor` checks every host)."""
