@@ -63,5 +63,10 @@ def reporting_errors(log: EventLog, name: str):
             log.emit("error", name=name, type="SystemExit", line=str(e.code)[:300])
         raise
     except BaseException as e:
-        log.emit("error", name=name, type=type(e).__name__, line=f"{type(e).__name__}: {e}"[:300])
+        from prl.usercode import UserCodeError
+
+        if isinstance(e, UserCodeError):  # already one line naming the user's function
+            log.emit("error", name=name, type="UserCodeError", line=str(e)[:600], user=True)
+        else:
+            log.emit("error", name=name, type=type(e).__name__, line=f"{type(e).__name__}: {e}"[:300])
         raise

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, prl_cmd
 from prl.launch.checks import load
 from prl.recipe import RecipeError, load_recipe
+from prl.recipe.schema import TaskCfg
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
@@ -122,6 +123,51 @@ def test_set_overrides_are_typed(tmp_path):
         load_recipe(write(tmp_path, ""), ["trainer.lrx=1"])
     with pytest.raises(RecipeError, match="KEY=VALUE"):
         load_recipe(write(tmp_path, ""), ["trainer.lr"])
+
+
+@pytest.mark.parametrize("text,key,words", [
+    ("[inference]\ncompile = 'yes'\n", "inference.compile", "got the string 'yes': write the value without quotes"),
+    ("[rl]\nmax_steps = '10'\n", "rl.max_steps", "valid integer (got the string '10'"),
+    ("[rl]\nmax_steps = 10.0\n", "rl.max_steps", "valid integer (got float 10.0)"),
+    ("[trainer]\ncheckpoint_every = true\n", "trainer.checkpoint_every", "valid integer"),
+])
+def test_recipe_types_are_strict(tmp_path, text, key, words):
+    """A quoted number, a "yes" or a float where an integer goes is refused with the type, never coerced;
+    an integer where a float goes is a number."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, text))
+    assert key in str(e.value) and words in str(e.value), str(e.value)
+    assert load_recipe(write(tmp_path, "[trainer]\nlr = 1\n")).trainer.lr == 1.0
+    with pytest.raises(RecipeError, match="--set inference.compile: .*got the string 'yes'"):
+        load_recipe(write(tmp_path, ""), ["inference.compile=yes"])
+
+
+def test_eval_tables_start_from_the_recipes_task_and_env(tmp_path):
+    """Setting one key of an eval set's [task] or [env] keeps the recipe's others; naming another task source or
+    environment kind starts from the defaults (a task keeps only how prompts render)."""
+    path = write(tmp_path, "[task]\nname = 'reverse'\nmin_len = 2\nmax_len = 5\nsystem_prompt = 'Be brief.'\n"
+                           "[env]\nkind = 'tools'\ntools = ['prl.envs.tools:calculator']\nmax_turns = 3\n"
+                           "[eval.a.task]\nreward = 'exact'\n[eval.a.env]\nmax_turns = 6\n"
+                           "[eval.b.task]\nname = 'add'\n[eval.b.env]\nkind = 'single_turn'\n")
+    r = load_recipe(path)
+    a, b = r.eval["a"], r.eval["b"]
+    assert (a.task.name, a.task.min_len, a.task.max_len, a.task.reward) == ("reverse", 2, 5, "exact")
+    assert (a.env.kind, a.env.tools, a.env.max_turns) == ("tools", ["prl.envs.tools:calculator"], 6)
+    assert (b.task.name, b.task.min_len, b.task.system_prompt) == ("add", TaskCfg().min_len, "Be brief.")
+    assert (b.env.kind, b.env.max_turns) == ("single_turn", 4)
+
+
+def test_set_reaches_a_table_a_read_back_recipe_leaves_unset(tmp_path):
+    """`prl eval --set eval.h.env.max_turns=6` on a run's recipe.json, where the set's env is null; a key
+    under a value is refused as --set's, not the file's."""
+    from prl.recipe.load import apply_override
+
+    data = {"eval": {"h": {"env": None, "examples": 4}}}
+    apply_override(data, "eval.h.env.max_turns=6", tmp_path / "recipe.json")
+    assert data == {"eval": {"h": {"env": {"max_turns": 6}, "examples": 4}}}
+    with pytest.raises(RecipeError) as e:
+        apply_override(data, "eval.h.examples.x=1", tmp_path / "recipe.json")
+    assert str(e.value) == "--set eval.h.examples.x: examples is a value, not a table of keys"
 
 
 def test_cli_rejects_bad_recipe_and_starts_nothing(tmp_path):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "prl"
 
 # a folder may import its own floor or below; the config layer (recipe) sits under all it configures
 FLOORS = {
-    "metrics": 0, "system": 0, "parallel_dims": 0,
+    "metrics": 0, "system": 0, "parallel_dims": 0, "usercode": 0,
     "recipe": 1,
     "model": 2, "tasks": 2, "transport": 2, "sandbox": 2,
     "inference": 3, "trainer": 3, "backends": 3, "envs": 3,

@@ -69,7 +69,14 @@ def seam_gaps(cls: type[Environment]) -> list[str]:
     abstract = sorted(getattr(cls, "__abstractmethods__", ()))
     if abstract:
         gaps.append(f"define {', '.join(abstract)}")
+    for name in ASYNC_METHODS:
+        method = getattr(cls, name, None)
+        if method is not None and not inspect.iscoroutinefunction(method):
+            gaps.append(f"{name} must be a coroutine: write `async def {name}(...)`")
     return gaps
+
+
+ASYNC_METHODS = ("rollout", "respond")  # awaited by prl: a plain def returns its value, not an awaitable
 
 
 def env_workload(env, sampling) -> EnvWorkload:

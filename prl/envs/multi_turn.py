@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 
 from prl.envs.base import EnvContext, Environment, Sampler, Trajectory
 from prl.inference.protocol import GenerateRequest, decode_routing
+from prl.usercode import UserCodeError
 
 
 @dataclass
@@ -105,7 +107,7 @@ class MultiTurnEnv(Environment):
         ep = Episode(self.prompt_ids(example))
         while True:
             await self.sample_turn(ep, sampler)
-            reply = await self.respond(ep, ep.last_text, example)
+            reply = await self.checked_respond(ep, example)
             if reply is None:
                 break
             if ep.turns >= self.max_turns or len(ep.ids) + len(reply) >= self.max_total_tokens:
@@ -114,9 +116,39 @@ class MultiTurnEnv(Environment):
             ep.add_env(reply)
         if self.fmt.templated:  # a long history's template and tokenizer: off the loop
             await asyncio.to_thread(self.count_fork, ep, example)
-        return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.score(ep, example),
+        return Trajectory(ep.prompt_ids, ep.ids, ep.logprobs, ep.versions, self.checked_score(ep, example),
                           routing=self.routing_of(ep), mask=ep.mask, info=self.info(ep),
                           turn_rewards=self.turn_rewards(ep, example), turn_states=self.turn_states(ep))
+
+    async def checked_respond(self, ep: Episode, example: dict) -> list[int] | None:
+        """`respond`'s answer, checked where it crosses into prl: None, or token ids of this tokenizer."""
+        name = f"{type(self).__name__}.respond"
+        out = self.respond(ep, ep.last_text, example)
+        if not inspect.isawaitable(out):
+            raise UserCodeError(f"{name} is not a coroutine: write it as `async def respond(...)`")
+        reply = await out
+        if reply is None:
+            return None
+        if isinstance(reply, str):
+            raise UserCodeError(f"{name} returned text ({reply!r:.40}); it returns token ids or None: "
+                                f"self.fmt.reply_ids(\"feedback\", text) encodes an answer")
+        if not isinstance(reply, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in reply):
+            raise UserCodeError(f"{name} returned {type(reply).__name__} ({reply!r:.40}); it returns token ids "
+                                f"(a list of int) or None")
+        vocab = len(self.tokenizer)
+        bad = next((i for i in reply if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise UserCodeError(f"{name} returned token id {bad}, outside the tokenizer's {vocab} ids")
+        return list(reply)
+
+    def checked_score(self, ep: Episode, example: dict) -> float:
+        from prl.tasks import checked_reward
+
+        value = self.score(ep, example)
+        try:
+            return checked_reward(value)
+        except (TypeError, ValueError) as e:
+            raise UserCodeError(f"{type(self).__name__}.score: {e}") from None
 
     async def sample_turn(self, ep: Episode, sampler: Sampler) -> None:
         held = sum(len(r) for r in ep.routing)  # input positions whose routing this episode holds

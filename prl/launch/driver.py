@@ -41,6 +41,7 @@ from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
 from prl.tui.keys import KeyReader
 from prl.tui.view import render
+from prl.usercode import EXIT_USER_ERROR, UserCodeError
 
 
 
@@ -285,8 +286,9 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
             for completion in ("", str(example.get("answer", ""))):
                 task.reward(completion, example)
     except Exception as e:  # noqa: BLE001
+        what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
         raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}'s reward on example {index} "
-                          f"(an empty completion, then its answer): {type(e).__name__}: {e}") from None
+                          f"(an empty completion, then its answer): {what}") from None
     if tokenizer is not None:
         check_prompts(task, firsts, tokenizer, key)
 
@@ -563,6 +565,10 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         log.emit("process", name=name, state="failed", exit_code=rc)
         with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
             p.pull_log()
+        if rc == EXIT_USER_ERROR and p.spec.role == "orchestrator":  # the user's code: restarting would fail again
+            line = next((ln for ln in reversed(p.tail(15)) if ln.startswith("prl: ")), "prl: your code failed")[5:]
+            return Outcome("failed", f"{line}; the example and its traceback: {log.path.parent / 'user_error.json'} "
+                                     f"(env.on_error = 'drop' drops such examples instead)", 1, failed=name)
         why = exit_reason(rc)
         try:
             if faults.restart(name, f"{name} {why}"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ from prl.recipe.roles import OrchestratorConfig
 from prl.transport import ports
 from prl.transport.batch import Sample, TrainBatch, pack
 from prl.transport.trainer_client import TrainerClient
+from prl.usercode import EXIT_USER_ERROR, UserCodeError, blame, write_example
 
 
 def group_advantages(rewards: list[float], mode: str) -> list[float]:
@@ -182,6 +184,8 @@ class Orchestrator:
         self.groups_started = 0  # since the last batch shipped
         self.skipped_examples = 0  # examples the environment would not run (SkipExample), since the start
         self.skipped_in_a_row = 0  # since the last group that ran
+        self.examples_ended = 0  # groups that ended (ran, skipped or failed) since the start
+        self.user_errors = self.user_errors_total = 0  # examples dropped for the user's errors: since the last batch, in all
         self.data_rows = row_count(r.task)  # a dataset file's rows (None: generated examples)
         self.samples = SampleWriter(cfg.run_path, r.run.samples_per_step, r.run.seed, self.tokenizer)
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
@@ -341,9 +345,9 @@ class Orchestrator:
         position, ahead = self.cursor.state()
         # read with the cursor, before any await: the groups filtered so far are those it consumed
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
-                  "skipped_examples": self.skipped_examples, **self.data_epoch(position),
+                  "skipped_examples": self.skipped_examples, "user_errors": self.user_errors, **self.data_epoch(position),
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
-        self.groups_started = 0
+        self.groups_started = self.user_errors = 0
         self.samples.write_step(step, groups)
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
         batch = TrainBatch(step=step, micro_batches=rows,
@@ -397,23 +401,27 @@ class Orchestrator:
 
     async def run_group(self, index: int) -> None:
         sampler = GroupSampler(self.pool, index, self.rollouts)
-        skipped = None
+        skipped = failed = None
         try:
             group = await self.rollout_group(index, sampler)
         except SkipExample as e:  # its index is consumed, and a replacement starts
             group, skipped = None, e
         except Exception as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation (stop) is not an error
-            self.error = self.error or e
-            group = None
+            group, failed = None, blame(e)
+            if failed is None:  # prl's own: the orchestrator restarts
+                self.error = self.error or e
         finally:
             if not sampler.started:  # ended before its first request
                 self.rollouts.pending -= 1
         async with self.changed:
             self.inflight_groups -= 1
+            self.examples_ended += 1
             if group and not self.buffer.add(group):  # filtered: a replacement starts
                 self.release([group])
             if skipped is not None:
                 self.skip(index, skipped)
+            elif failed is not None:
+                self.user_error(index, failed.on_example(index))
             elif group is not None:
                 self.skipped_in_a_row = 0
             self.changed.notify_all()
@@ -433,6 +441,34 @@ class Orchestrator:
         if self.skipped_in_a_row >= SKIPS_IN_A_ROW:
             self.error = self.error or RuntimeError(f"{SKIPS_IN_A_ROW} examples skipped in a row, none run (the last, "
                                                     f"example {index}: {why}); fix the data or its keys")
+
+    def user_error(self, index: int, error: UserCodeError) -> None:
+        """The user's code failed on example `index`: the run stops at once, the example written beside it; with
+        env.on_error = "drop", the example is dropped and counted, and the run stops past env.max_error_share.
+        Caller holds `self.changed`."""
+        env = self.cfg.env
+        if env.on_error == "stop":
+            self.write_user_example(error)
+            self.error = self.error or error
+            return
+        self.consume_unrun([index])
+        self.groups_started -= 1
+        self.user_errors += 1
+        self.user_errors_total += 1
+        if self.user_errors_total <= SKIPS_LOGGED:
+            self.log.emit("user_error", index=index, line=str(error)[:400], total=self.user_errors_total)
+        if self.examples_ended >= 20 and self.user_errors_total > env.max_error_share * self.examples_ended:
+            self.write_user_example(error)
+            self.error = self.error or UserCodeError(
+                f"{self.user_errors_total} of {self.examples_ended} examples dropped for errors in your code, more "
+                f"than env.max_error_share = {env.max_error_share:g}; the last: {error}", detail=error.detail)
+
+    def write_user_example(self, error: UserCodeError) -> None:
+        try:
+            example = self.env.example(error.index)
+        except Exception as e:  # noqa: BLE001 - the dataset itself may be what failed
+            example = f"(the example could not be built: {type(e).__name__}: {e})"
+        write_example(self.cfg.run_path, error, example)
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""
@@ -481,7 +517,11 @@ def main(config_path: str) -> None:
     from prl.recipe.resolve import load_process_config
 
     cfg = load_process_config(config_path)
-    with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
-        orch = Orchestrator(cfg)
-        asyncio.run(orch.run())
+    try:
+        with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
+            orch = Orchestrator(cfg)
+            asyncio.run(orch.run())
+    except UserCodeError as e:  # the user's to fix: said in one line, and the driver does not restart
+        print(f"prl: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
     print(f"orchestrator: shipped steps {orch.start_step}..{cfg.rl.max_steps - 1}", flush=True)

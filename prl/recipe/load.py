@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prl.recipe.schema import Recipe
+from prl.recipe.schema import Recipe, TaskCfg
 
 
 
@@ -35,6 +35,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     for item in overrides or []:
         apply_override(data, item, path)
     absolute_data_paths(data)
+    inherit_eval_tables(data)
     return validate(data, str(path), set_keys=set_keys(overrides))
 
 
@@ -50,6 +51,32 @@ def absolute_data_paths(data: dict) -> None:
             given = Path(table["data"]).expanduser()
             if not given.is_absolute() and given.exists():
                 table["data"] = str(given.resolve())
+
+
+TASK_SOURCE = ("name", "dataset", "data")  # what says where a task's examples come from
+TASK_PRESENTATION = ("chat_template", "system_prompt", "max_prompt_tokens")  # how any task's prompts render
+
+
+def inherit_eval_tables(data: dict) -> None:
+    """An eval set's `task` and `env` tables start from the recipe's and override only the keys they set. A set
+    whose task names another source (name, dataset or data) keeps only the recipe's prompt rendering; one whose env
+    names another kind starts from the defaults."""
+    for ev in (data.get("eval") or {}).values():
+        if not isinstance(ev, dict):
+            continue
+        task, env = ev.get("task"), ev.get("env")
+        if isinstance(task, dict) and isinstance(data.get("task"), dict):
+            base = data["task"]
+            if any(k in task and task[k] != base.get(k, DEFAULT_TASK.get(k)) for k in TASK_SOURCE):
+                base = {k: v for k, v in base.items() if k in TASK_PRESENTATION}
+            ev["task"] = {**base, **task}
+        if isinstance(env, dict) and isinstance(data.get("env"), dict):
+            base = data["env"]
+            if env.get("kind", base.get("kind", "single_turn")) == base.get("kind", "single_turn"):
+                ev["env"] = {**base, **env}
+
+
+DEFAULT_TASK = {k: TaskCfg.model_fields[k].default for k in TASK_SOURCE}
 
 
 def set_keys(overrides: list[str] | None) -> list[str]:
@@ -72,9 +99,16 @@ def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
+        elif item["type"] in STRICT_TYPES and isinstance(item.get("input"), str):
+            msg += f" (got the string {item['input']!r:.40}: write the value without quotes)"
+        elif item["type"] in STRICT_TYPES:
+            msg += f" (got {type(item.get('input')).__name__} {item.get('input')!r:.40})"
         given = next((k for k in set_keys if key == k or key.startswith(k + ".")), None)
         lines.append(f"--set {given}: {msg}" if given else f"{source}: {key}: {msg}")
     return "\n".join(lines)
+
+
+STRICT_TYPES = ("bool_type", "int_type", "float_type", "string_type", "list_type", "dict_type")  # no coercion
 
 
 def refusal(msg: str, source: str, set_keys: list[str] = ()) -> str:
@@ -92,9 +126,11 @@ def apply_override(data: dict[str, Any], item: str, source: Path) -> None:
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or unset in a recipe.json read back (an eval set's env)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
-            raise RecipeError(f"{source}: --set {key}: {part} is not a section")
+            raise RecipeError(f"--set {key}: {part} is a value, not a table of keys")
     node[parts[-1]] = parse_value(raw.strip())
 
 

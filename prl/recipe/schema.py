@@ -25,7 +25,7 @@ CHECKERS = ("exact", "math", "choice")  # task.reward by name: prl.tasks.checker
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True, strict=True)
 
 
 class WandbCfg(Section):
@@ -163,7 +163,9 @@ class TaskCfg(Section):
     """Longest problem, in min_len's unit; prl also sizes the longest prompt from it (2 tokens a character plus 8) to
     check that a sample fits."""
     options: dict[str, Any] = {}
-    """reasoning_gym tasks: the dataset's config, e.g. { size = 500, min_digits = 2 }."""
+    """reasoning_gym tasks: the dataset's config, e.g. { size = 500, min_digits = 2 }. With the user's own
+    `task.dataset` or `task.reward` function: keyword arguments passed to each of them (a function that does not take
+    one is refused at launch), e.g. { tolerance = 0.01 }."""
 
     @field_validator("name")
     @classmethod
@@ -205,8 +207,10 @@ class TaskCfg(Section):
             raise ValueError(f"task.min_len ({self.min_len}) must be <= task.max_len ({self.max_len})")
         if self.name == "custom" and not (self.dataset and self.reward):
             raise ValueError("task.name = 'custom' needs task.dataset and task.reward as 'module:function'")
-        if self.options and not self.name.startswith("reasoning_gym:"):
-            raise ValueError(f"task.options is for reasoning_gym tasks; task.name = {self.name!r} has none")
+        users = self.dataset or (self.reward and ":" in self.reward)  # the user's own functions take them
+        if self.options and not self.name.startswith("reasoning_gym:") and not users:
+            raise ValueError(f"task.options is for reasoning_gym tasks and the user's task.dataset and task.reward "
+                             f"functions; task.name = {self.name!r} has none")
         self._check_file()
         return self
 
@@ -312,9 +316,23 @@ class EnvCfg(Section):
     fail only)."""
     sandbox: SandboxCfg = SandboxCfg()
     """kind = "code": where the programs run (limits, workers)."""
+    options: dict[str, Any] = {}
+    """Your own environment class ("module:Class"): its settings, read in `from_context` as `ctx.cfg.options`
+    (e.g. { hint_every = 2 })."""
+    on_error: Literal["stop", "drop"] = "stop"
+    """When your own code (a task's dataset or reward, an environment's methods) raises or returns what prl cannot use
+    during the run: "stop" ends the run at once in one line naming the function, file, line and example, written to
+    user_error.json in the run folder; "drop" drops that example (counted as `user_errors`) and stops only past
+    max_error_share. prl's own failures restart as before."""
+    max_error_share: float = Field(0.1, gt=0, le=1)
+    """on_error = "drop": the run stops once more than this share of the examples ended were dropped (counted from the
+    20th example on)."""
 
     @model_validator(mode="after")
     def _tools(self):
+        if self.options and ":" not in self.kind:
+            raise ValueError(f"env.options is for your own environment class (env.kind = 'module:Class'); "
+                             f"env.kind = {self.kind!r} has none")
         if self.kind == "tools" and not self.tools:
             raise ValueError("env.kind = 'tools' needs env.tools, e.g. ['mypkg.tools:lookup']")
         bad = [t for t in self.tools if not re.fullmatch(CALLABLE, t)]

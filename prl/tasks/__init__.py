@@ -6,10 +6,12 @@ files (`task.data`, `prl.tasks.files`) and answer checkers by name (`prl.tasks.c
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Callable
 
 from prl.tasks.builtin import BUILTIN
+from prl.usercode import UserCodeError
 
 WARM_START_SEED_OFFSET = 7919  # the warm start's demonstrations are drawn from run.seed + this, apart from RL's
 
@@ -24,20 +26,28 @@ class Task:
     chat_template: bool | str = "auto"  # task.chat_template (prl.tasks.prompts)
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None  # a dataset file's: longer prompts are skipped
+    # task.options, as keyword arguments of the user's own dataset and reward functions
+    dataset_options: dict = field(default_factory=dict, hash=False)
+    reward_options: dict = field(default_factory=dict, hash=False)
 
     def example(self, index: int) -> dict:
-        return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len)
+        return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len,
+                               **self.dataset_options)
 
     def score(self, completion: str, example: dict) -> tuple[float, str | None]:
         """The reward and the answer the completion gives, which maj@k votes on: a checker's (or a function's
         returning (reward, answer)) extracted answer, "" where it found none; None where the function returns a
-        bare reward (the environment then votes on the text)."""
-        out = self.reward_fn(completion, example)
-        if isinstance(out, tuple):
-            if len(out) != 2:
-                raise TypeError(f"a reward function returns a float or (reward, answer), got a {len(out)}-tuple")
-            return checked_reward(out[0]), "" if out[1] is None else str(out[1])
-        return checked_reward(out), None
+        bare reward (the environment then votes on the text). What the function returns is checked here, where it
+        crosses into prl: a UserCodeError naming it otherwise."""
+        out = self.reward_fn(completion, example, **self.reward_options)
+        try:
+            if isinstance(out, tuple):
+                if len(out) != 2:
+                    raise TypeError(f"returns a float or (reward, answer), got a {len(out)}-tuple")
+                return checked_reward(out[0]), "" if out[1] is None else str(out[1])
+            return checked_reward(out), None
+        except (TypeError, ValueError) as e:
+            raise UserCodeError(f"task.reward {function_name(self.reward_fn)}: {e}") from None
 
     def reward(self, completion: str, example: dict) -> float:
         return self.score(completion, example)[0]
@@ -61,6 +71,10 @@ def checked_reward(value) -> float:
 
 
 FLOATS = ("float32", "float64", "float16", "int32", "int64")  # numpy scalars a reward may return
+
+
+def function_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def import_function(spec: str, key: str) -> Callable:
@@ -98,8 +112,31 @@ def make_task(cfg, seed: int) -> Task:
         dataset = file_dataset(cfg)
     if cfg.reward:
         reward = checker(cfg.reward) or import_function(cfg.reward, "task.reward")
+    mine = not cfg.name.startswith("reasoning_gym:")  # reasoning-gym's take task.options themselves
+    dataset_options = options_for(cfg.options, "task.dataset", dataset, ("index", "seed", "min_len", "max_len")) \
+        if mine and cfg.dataset else {}
+    reward_options = options_for(cfg.options, "task.reward", reward, ("completion", "example")) \
+        if mine and cfg.reward and checker(cfg.reward) is None else {}
     return Task(dataset, reward, seed, cfg.min_len, cfg.max_len, cfg.chat_template, cfg.system_prompt,
-                cfg.max_prompt_tokens if cfg.data is not None else None)
+                cfg.max_prompt_tokens if cfg.data is not None else None, dataset_options, reward_options)
+
+
+def options_for(options: dict, key: str, fn: Callable, positional: tuple[str, ...]) -> dict:
+    """task.options as keyword arguments of the user's function at `key`; a ValueError naming the option it
+    does not take."""
+    if not options:
+        return {}
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return dict(options)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(options)
+    missing = [k for k in options if k not in sig.parameters or k in positional]
+    if missing:
+        raise ValueError(f"task.options {missing[0]!r}: {key} {function_name(fn)} takes no such keyword argument "
+                         f"(add it, or **options, to its parameters)")
+    return dict(options)
 
 
 def checker(name: str) -> Callable | None:

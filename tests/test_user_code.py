@@ -1,0 +1,114 @@
+"""A user's code that fails during a real run (`prl run` with every process): one line naming the user's
+function, file and line and the example, no restart, no traceback; `env.on_error = "drop"` finishes, counting;
+`task.options` and `env.options` reach the user's code; a `respond` that returns text or is not a coroutine is
+named."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, prl_cmd
+
+pytestmark = pytest.mark.slow
+
+REWARD = '''
+def reward(completion, example, fail_if_starts=None):
+    """Raises on a sampled completion (never on the launch probe's "" or answer) of the examples whose answer
+    starts with `fail_if_starts` (a task option)."""
+    if completion not in ("", example["answer"]) and example["answer"].startswith(fail_if_starts):
+        return 1 / 0
+    return float(completion.strip() == example["answer"])
+'''
+
+ENV = '''
+from prl.envs import MultiTurnEnv
+
+
+class Echo(MultiTurnEnv):
+    @classmethod
+    def from_context(cls, ctx):
+        env = cls(**cls.context_args(ctx))
+        env.say = ctx.cfg.options["say"]
+        return env
+
+    async def respond(self, ep, text, example):
+        return self.say  # text, not token ids
+
+    def score(self, ep, example):
+        return 0.0
+
+
+class Plain(Echo):
+    def respond(self, ep, text, example):
+        return None
+'''
+
+
+def recipe(tmp_path: Path) -> Path:
+    """reverse-tiny without its eval set, 3 RL steps, no warm start, and the user's modules beside it."""
+    text = (ROOT / "recipes" / "reverse-tiny.toml").read_text().split("# Held-out evaluation")[0]
+    (tmp_path / "mytask.py").write_text(REWARD)
+    (tmp_path / "myenv.py").write_text(ENV)
+    path = tmp_path / "r.toml"
+    path.write_text(text.replace("steps = 60", "steps = 0").replace("max_steps = 120", "max_steps = 3"))
+    return path
+
+
+def run(tmp_path: Path, *sets: str, dry: bool = False) -> subprocess.CompletedProcess:
+    args = ["--dry-run"] if dry else ["--no-tui"]
+    sets = ("run.output_dir=runs", "task.reward=mytask:reward", *sets)
+    return subprocess.run(prl_cmd("run", recipe(tmp_path), *args, *[a for s in sets for a in ("--set", s)]),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def events(tmp_path: Path, kind: str) -> list[dict]:
+    lines = (tmp_path / "runs" / "reverse-tiny" / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def test_a_reward_that_raises_stops_the_run_in_one_line_naming_its_file_and_line(tmp_path):
+    p = run(tmp_path, "task.options={fail_if_starts = ''}")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "Traceback" not in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("prl run: failed:"))
+    assert f"reward ({tmp_path / 'mytask.py'}:6) raised ZeroDivisionError: division by zero (example " in line, line
+    assert "user_error.json" in line and "env.on_error = 'drop'" in line, line
+    written = json.loads((tmp_path / "runs" / "reverse-tiny" / "user_error.json").read_text())
+    assert "ZeroDivisionError" in written["traceback"] and written["example"]["answer"] and written["index"] >= 0
+    assert not events(tmp_path, "restart"), "the user's error is not a fault to restart from"
+
+
+def test_with_on_error_drop_the_run_finishes_counting_what_it_dropped(tmp_path):
+    p = run(tmp_path, "task.options={fail_if_starts = 'a'}", "env.on_error=drop", "env.max_error_share=0.5")
+    assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    counted = sum(e["user_errors"] for e in events(tmp_path, "orch_step"))
+    said = events(tmp_path, "user_error")
+    assert counted >= 1 and len(said) >= min(counted, 20), (counted, said)
+    assert all("mytask.py:6) raised ZeroDivisionError" in e["line"] for e in said)
+    assert not events(tmp_path, "restart")
+
+
+def test_an_environment_whose_respond_returns_text_is_named_and_gets_its_options(tmp_path):
+    p = run(tmp_path, "env.kind=myenv:Echo", "env.options={say = 'hello from options'}", "env.format=tiny",
+            "env.max_total_tokens=64")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert "Echo.respond returned text ('hello from options'); it returns token ids or None" in out, out[-3000:]
+    assert not events(tmp_path, "restart")
+
+
+def test_a_respond_that_is_not_a_coroutine_is_refused_before_anything_starts(tmp_path):
+    p = run(tmp_path, "env.kind=myenv:Plain", "env.options={say = 'x'}", dry=True)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert "respond must be a coroutine: write `async def respond(...)`" in out, out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_task_option_the_users_function_does_not_take_is_refused_before_anything_starts(tmp_path):
+    p = run(tmp_path, "task.options={tolerance = 0.1}", dry=True)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    out = p.stdout + p.stderr
+    assert "task.options 'tolerance': task.reward mytask:reward takes no such keyword argument" in out, out
