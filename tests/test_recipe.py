@@ -220,6 +220,19 @@ def test_what_vllm_cannot_do_on_cpu_is_refused_before_launch(tmp_path, override,
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_gpu_backend_on_a_machine_without_a_gpu_is_refused_before_launch(tmp_path):
+    from prl.launch.driver import gpu_present
+
+    if gpu_present():
+        pytest.skip("the refusal applies to a machine without a GPU")
+    for extra in (["--dry-run"], ["--no-tui", "--set", f"run.output_dir={tmp_path}/runs"]):
+        p = subprocess.run(prl_cmd("run", ROOT / "recipes/reverse-tiny.toml", "--set", "trainer.backend=nccl", *extra),
+                           capture_output=True, text=True, timeout=120)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2 and "trainer.backend = 'nccl' needs an NVIDIA GPU" in out and "Traceback" not in out, out
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_broken_pretrained_folder_is_refused_before_launch(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()

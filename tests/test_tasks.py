@@ -124,3 +124,13 @@ def test_unknown_reasoning_gym_task_fails_before_start(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "task.name" in out and "no_such_task" in out and "nothing was started" in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_characters_the_tiny_tokenizer_does_not_know_are_named():
+    """prl's tiny tokenizer knows a small alphabet: a prompt's other characters would silently become <unk>."""
+    from prl.model.tiny import char_tokenizer
+    from prl.tasks.prompts import unknown_characters
+
+    tok = char_tokenizer()
+    assert unknown_characters(tok, ["reverse: abc", [{"role": "user", "content": "ab"}]]) == []
+    assert unknown_characters(tok, ["héllo wörld", [{"role": "user", "content": "€5"}]]) == ["é", "ö", "€"]

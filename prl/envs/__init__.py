@@ -17,7 +17,7 @@ from prl.envs.single_turn import SingleTurnEnv
 from prl.recipe.schema import CALLABLE
 
 __all__ = ["BUILTIN", "EnvContext", "EnvWorkload", "Environment", "Episode", "MultiTurnEnv", "Sampler", "SingleTurnEnv",
-           "SkipExample", "Trajectory", "env_class", "env_workload", "longest_sample", "make_env"]
+           "SkipExample", "Trajectory", "env_class", "env_workload", "length_key", "longest_sample", "make_env"]
 
 BUILTIN = {
     "single_turn": "prl.envs.single_turn:SingleTurnEnv",
@@ -93,6 +93,11 @@ def longest_sample(env, task, sampling) -> int:
     """A sample's tokens at most: the task's longest prompt (`TaskCfg.longest_prompt`) and what follows it
     (one turn: sampling.max_tokens; with turns, every turn's model and environment tokens)."""
     return task.longest_prompt() + env_workload(env, sampling).max_tokens
+
+
+def length_key(env) -> str:
+    """The key that bounds what follows a prompt: the whole trajectory's with turns, one completion's without."""
+    return "env.max_total_tokens" if env_class(env.kind).multi_turn else "sampling.max_tokens"
 
 
 def make_env(env, task, seed: int, tokenizer, sampling, group_size: int, router_replay: bool,

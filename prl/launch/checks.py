@@ -143,10 +143,10 @@ def check_lengths(recipe: Recipe) -> None:
     longest = envs.longest_sample(recipe.env, recipe.task, recipe.sampling)
     if recipe.model.path is None and longest > recipe.model.max_position_embeddings:
         raise ValueError(f"model.max_position_embeddings ({recipe.model.max_position_embeddings}) is shorter than the "
-                         f"longest sample ({longest} tokens); raise it or lower sampling.max_tokens")
+                         f"longest sample ({longest} tokens); raise it or lower {envs.length_key(recipe.env)}")
     if recipe.trainer.micro_batch_tokens < longest:
         raise ValueError(f"trainer.micro_batch_tokens ({recipe.trainer.micro_batch_tokens}) must hold one whole "
-                         f"sample ({longest} tokens)")
+                         f"sample ({longest} tokens); raise it or lower {envs.length_key(recipe.env)}")
 
 
 def check_evals(recipe: Recipe) -> None:

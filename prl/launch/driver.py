@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.live import Live
 
 from prl.backends import registry
-from prl.envs import env_class, longest_sample
-from prl.system import gpu_present  # noqa: F401 - re-exported: tests ask the driver
+from prl.envs import env_class, length_key, longest_sample
+from prl.system import gpu_present
 from prl.launch import checks
 from prl.launch.configs import resolve
 from prl.launch.faults import Faults, RestartFailed
@@ -157,7 +157,7 @@ def check_model(recipe: Recipe, folder) -> None:
     longest = longest_sample(recipe.env, recipe.task, recipe.sampling)
     if folder.max_position_embeddings and longest > folder.max_position_embeddings:
         raise RecipeError(f"model.path: {m.path} holds {folder.max_position_embeddings} positions, shorter than the "
-                          f"longest sample ({longest} tokens); lower sampling.max_tokens")
+                          f"longest sample ({longest} tokens); lower {length_key(recipe.env)}")
     if recipe.trainer.router_replay and folder.model_type not in with_feature("r3"):
         raise RecipeError(f"trainer.router_replay: model_type {folder.model_type!r} of {m.path} has no routing "
                           f"adapter (known: {with_feature('r3')}); set trainer.router_replay = false")
@@ -184,11 +184,19 @@ def preflight(recipe: Recipe) -> None:
     """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
     folder = local_folder(recipe)
     check_model(recipe, folder)
+    check_device(recipe)
     check_backend(recipe, folder)
     check_kv_pool(recipe)
     check_task(recipe)
     check_objective(recipe)
     check_wandb(recipe)
+
+
+def check_device(recipe: Recipe) -> None:
+    """What needs an NVIDIA GPU, refused on this machine without one (a cluster's hosts: `prl doctor`)."""
+    if recipe.cluster is None and recipe.trainer.backend == "nccl" and not gpu_present():
+        raise RecipeError("trainer.backend = 'nccl' needs an NVIDIA GPU and this machine has none (nvidia-smi lists "
+                          "none): set it to 'auto' (nccl with a GPU, gloo without) or 'gloo'; nothing was started")
 
 
 def check_objective(recipe: Recipe) -> None:
@@ -266,8 +274,29 @@ def warn_scan(recipe: Recipe, console: Console) -> None:
     """Where training draws past the prompts an eval set is compared with, one line per set."""
     from prl.evaluation.sets import scan_warnings
 
-    for line in scan_warnings(recipe):
+    for line in [*scan_warnings(recipe), *prompt_warnings(recipe)]:
         console.print(f"prl run: warning: {line}", style="yellow", markup=False, highlight=False)
+
+
+def prompt_warnings(recipe: Recipe) -> list[str]:
+    """Characters of the first examples' prompts the run's tokenizer does not know (they become its unknown token)."""
+    from prl.tasks import make_task
+    from prl.tasks.prompts import unknown_characters
+
+    tokenizer = local_tokenizer(recipe)
+    if tokenizer is None:
+        return []
+    try:
+        task = make_task(recipe.task, recipe.run.seed)
+        firsts = task.dataset_fn.first_rows() if recipe.task.data is not None else [task.example(i) for i in range(8)]
+        chars = unknown_characters(tokenizer, [e["prompt"] for e in firsts])
+    except Exception:  # noqa: BLE001 - the task's own problems are refused by its checks, not warned about here
+        return []
+    if not chars:
+        return []
+    shown = " ".join(repr(c) for c in chars[:12]) + (" ..." if len(chars) > 12 else "")
+    return [f"task: the first examples' prompts hold characters the tokenizer does not know, which the model sees as "
+            f"{tokenizer.unk_token}: {shown}"]
 
 
 def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:

@@ -58,3 +58,13 @@ def prompt_ids(tokenizer, prompt, chat_template="auto", system_prompt: str | Non
     if uses_template(tokenizer, chat_template):
         return render(tokenizer, messages(prompt, system_prompt), generation_prompt=True)
     return tokenizer(raw_text(prompt)).input_ids
+
+
+def unknown_characters(tokenizer, prompts: list) -> list[str]:
+    """The characters of `prompts` the tokenizer encodes as its unknown token (prl's tiny tokenizer knows a small
+    alphabet: anything else silently becomes <unk>); empty for a tokenizer without one (byte-level BPE)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    chars = sorted({c for p in prompts for c in raw_text(p) if not c.isspace()})
+    return [c for c in chars if unk in tokenizer(c, add_special_tokens=False).input_ids]
