@@ -75,7 +75,7 @@ def write_recipes(args, tmp: Path) -> tuple[dict[str, Path], int, list[int]]:
 def one(name: str, recipe: Path, out: Path, batch_size: int, points: list[int], reuse: bool) -> dict:
     if reuse:  # a kept run measured again: its exit from the run's last `run` event
         state = [e.get("state") for e in events(out / name) if e["kind"] == "run"]
-        return {"rc": 0 if state[-1:] == ["done"] else 1, **measure(out / name, batch_size, points)}
+        return {"rc": 0 if state[-1:] == ["finished"] else 1, **measure(out / name, batch_size, points)}
     t0 = time.time()
     cmd = [str(ROOT / "bin" / "prl"), "run", str(recipe), "--no-tui", "--force", "--set", f"run.output_dir={out}",
            "--set", f"run.name={name}"]

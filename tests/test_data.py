@@ -303,7 +303,7 @@ def test_an_sft_run_from_a_file_alone_exports_its_checkpoint(tmp_path):
     assert not [e for e in events if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
     assert [e["step"] for e in events if e["kind"] == "eval"] == [0]
     assert not [e for e in events if e["kind"] in ("error", "restart")]
-    assert json.loads((run_dir / "summary.json").read_text())["state"] == "done"
+    assert json.loads((run_dir / "summary.json").read_text())["state"] == "finished"
     out = tmp_path / "hf"
     export = subprocess.run(prl_cmd("ckpt", "export", run_dir, "--step", "0", "--out", out), capture_output=True,
                             text=True, timeout=300)

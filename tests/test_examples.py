@@ -97,7 +97,7 @@ def assert_trained(run_dir: Path) -> None:
     """It started, took every RL step of its recipe and wrote its summary."""
     steps = json.loads((run_dir / "recipe.json").read_text())["rl"]["max_steps"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["state"] == "done" and summary["rl_steps"] == steps, summary
+    assert summary["state"] == "finished" and summary["rl_steps"] == steps, summary
     assert len([e for e in events(run_dir, "trainer_step") if e.get("stage") == "rl"]) == steps
 
 

@@ -117,7 +117,7 @@ def check_ledger(run_dir: Path, steps: int) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     # the summary counts the orchestrator's reward points: one stopped or killed between shipping a batch
     # and logging it leaves that step out (the ledger above holds every step trained)
-    assert summary["state"] == "done" and steps - 2 <= summary["rl_steps"] <= steps
+    assert summary["state"] == "finished" and steps - 2 <= summary["rl_steps"] <= steps
 
 
 def check_data_order(run_dir: Path, ledger: dict[int, list[int]], steps: int = STEPS) -> None:

@@ -108,7 +108,7 @@ def test_run_trains_and_advances_versions(finished_run):
     # batch 3 needs version >= 3 - max_async_level (1) served; the orchestrator stops after it
     assert served == sorted(served) and served[0] == 0 and served[-1] >= 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["state"] == "done" and summary["rl_steps"] == 4
+    assert summary["state"] == "finished" and summary["rl_steps"] == 4
     assert events(run_dir, "error") == [], "a successful run reports no error (client disconnects are not errors)"
     assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "inference-0.log").exists()
     assert_nothing_left(run_dir)
@@ -133,7 +133,7 @@ def test_status_json_and_runs_list_the_run(finished_run):
     rewards = [e["reward"] for e in events(run_dir, "orch_step")]
     assert (state["name"], state["state"], state["rl_steps"], state["max_steps"]) == ("reverse-tiny", "finished", 4, 4)
     assert state["last_reward"] == rewards[-1] and state["summary"]["rl_steps"] == 4 and state["pid"] is None
-    assert state["servers"]["inference-0"]["version"] >= 2 and state["processes"]["trainer"]["state"] == "done"
+    assert state["servers"]["inference-0"]["version"] >= 2 and state["processes"]["trainer"]["state"] == "finished"
     p = subprocess.run(prl_cmd("runs", run_dir.parent), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     [row] = [line.split() for line in p.stdout.splitlines() if line.startswith("reverse-tiny")]

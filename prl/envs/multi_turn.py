@@ -132,7 +132,7 @@ class MultiTurnEnv(Environment):
         if isinstance(reply, str):
             raise UserCodeError(f"{name} returned text ({reply!r:.40}); it returns token ids or None: "
                                 f"self.fmt.reply_ids(\"feedback\", text) encodes an answer")
-        if not isinstance(reply, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in reply):
+        if not isinstance(reply, (list, tuple)) or not all(type(i) is int for i in reply):
             raise UserCodeError(f"{name} returned {type(reply).__name__} ({reply!r:.40}); it returns token ids "
                                 f"(a list of int) or None")
         vocab = len(self.tokenizer)

@@ -586,7 +586,8 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         if p.code is None:
             continue  # restarted meanwhile, with the rest of its unit
         if rc == 0 and p.spec.role == "trainer" and name in ("trainer", "trainer-0"):
-            return Outcome("done", "trainer finished", 0)  # the endpoint's node: it waited for the orchestrator
+            # the endpoint's node: it waited for the orchestrator
+            return Outcome("finished", "the trainer ended its last step", 0)
         if rc == 0 and p.spec.role == "trainer":
             continue  # another trainer node, done with its ranks
         if rc == 0 and p.spec.role == "orchestrator":

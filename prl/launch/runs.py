@@ -16,8 +16,8 @@ from pathlib import Path
 from prl.tui.state import RunState, pid_alive, summarize
 from prl.tui.status import snapshot
 
-STATES = {"running": "running", "done": "finished", "failed": "failed", "interrupted": "stopped",
-          "driver gone": "failed"}
+STATES = {"running": "running", "finished": "finished", "done": "finished", "failed": "failed",
+          "interrupted": "stopped", "driver gone": "failed"}  # "done": a run of an earlier version
 
 
 class RunsError(ValueError):

@@ -345,7 +345,8 @@ class Orchestrator:
         position, ahead = self.cursor.state()
         # read with the cursor, before any await: the groups filtered so far are those it consumed
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
-                  "skipped_examples": self.skipped_examples, "user_errors": self.user_errors, **self.data_epoch(position),
+                  "skipped_examples": self.skipped_examples, "user_errors": self.user_errors,
+                  **self.data_epoch(position),
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
         self.groups_started = self.user_errors = 0
         self.samples.write_step(step, groups)

@@ -95,8 +95,11 @@ def validate(data: dict[str, Any], source: str, set_keys: list[str] = ()) -> Rec
 def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -> str:
     lines = []
     for item in err.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")
+        if not key or msg.startswith((f"{key}.", f"{key} ")):  # a check across keys: its message names them
+            lines.append(refusal(msg, source, set_keys))
+            continue
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
         elif item["type"] in STRICT_TYPES and isinstance(item.get("input"), str):

@@ -15,7 +15,7 @@ from prl.tui.evals import eval_line
 from prl.tui.state import RunState
 
 BLOCKS = "▁▂▃▄▅▆▇█"
-STATE_STYLE = {"running": "green", "done": "cyan", "failed": "bold red", "stopped": "yellow", "gone": "red"}
+STATE_STYLE = {"running": "green", "finished": "cyan", "done": "cyan", "failed": "bold red", "stopped": "yellow", "gone": "red"}
 
 
 def sparkline(values: list[float], width: int = 40) -> str:
