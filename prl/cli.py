@@ -288,7 +288,7 @@ def eval_(
     records = [eval_record({"set": name, "step": result["step"] if result["step"] is not None else 0, **figures})
                for name, figures in result["sets"].items()]
     where = f"step {result['step']} of {run_dir}" if run_dir is not None else str(model)
-    console.print(eval_table([r for r in records if r], title=f"prl eval: {where}"))
+    console.print(eval_table([r for r in records if r], title=f"prl eval: {where}", width=console.width))
 
 
 @ckpt_app.command("export")

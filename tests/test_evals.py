@@ -190,3 +190,20 @@ def test_wandb_logs_each_eval_once_at_its_step(tmp_path):
     [hard] = [r for r in rows if r.get("eval/step") == 8 and "eval/hard/pass@8" in r]
     assert hard["eval/hard/later_share"] == 0.25 and "eval/hard/reward" not in hard
     assert not any("rl_step" in r and "eval/step" in r for r in rows)
+
+
+def test_an_eval_table_too_wide_for_the_terminal_turns_a_row_per_figure():
+    """prl eval at 80 columns: every figure readable in full (the wide table collapsed them to '0…')."""
+    from prl.tui.evals import eval_record, eval_table
+
+    records = [eval_record(eval_event("heldout", 3, 0.125, replaced=1, verbatim_share=0.0, later_share=0.0,
+                                      completion_len=12.0))]
+    console = Console(width=80, record=True)
+    console.print(eval_table(records, width=80))
+    lines = console.export_text().splitlines()
+    assert "heldout @3" in lines[2] and all(len(line) <= 80 for line in lines), lines
+    rows = {line.split()[1]: line.split()[3] for line in lines if line.startswith("│ ")}
+    assert rows["pass@1"] == "0.125" and rows["completion_len"] == "12.000" and rows["replaced"] == "1", rows
+    wide = Console(width=300, record=True)
+    wide.print(eval_table(records, width=300))
+    assert "│ heldout │" in wide.export_text(), "a table that fits keeps a row per set"

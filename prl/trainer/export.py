@@ -61,10 +61,12 @@ def write_hf(model_dir: Path, path: Path, state: dict, out: Path, fp8: bool) -> 
     """Every weight of a checkpoint (in-memory names) as a Hugging Face folder of the run's model, with its
     tokenizer and MTP draft layers."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from prl.model.build import load_tokenizer
     from prl.model.mtp_weights import copy_draft_layers
 
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars: prl's commands say what they wrote
     config = AutoConfig.from_pretrained(model_dir)
     if hasattr(config, "quantization_config"):  # the run's vLLM FP8 serving layout: not what is written here
         del config.quantization_config

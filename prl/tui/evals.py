@@ -92,14 +92,31 @@ def eval_line(s: dict) -> str:
     return "  ".join(parts)
 
 
-def eval_table(records: list[dict], title: str = "evaluation") -> Table:
-    """Eval records (`eval_record`) as a table: one row per set and step, a column per figure."""
+def eval_table(records: list[dict], title: str = "evaluation", width: int | None = None) -> Table:
+    """Eval records (`eval_record`) as a table: one row per set and step, a column per figure; turned (a row per
+    figure, a column per set and step) where that would not fit `width` columns."""
     names = list(dict.fromkeys(k for r in records for k in r["figures"]))
+    heads = ["set", "step", "examples", "samples", "replaced", *names]
+    rows = [[r["set"], str(r["step"]), str(r["examples"] or "-"), str(r["samples"] or "-"),
+             "-" if r.get("replaced") is None else str(r["replaced"]),
+             *[format(r["figures"][k], ".3f") if k in r["figures"] else "-" for k in names]] for r in records]
+    wide = sum(max(len(c) for c in col) + 3 for col in zip(heads, *rows)) + 1
+    if width is not None and wide > width:
+        return turned(heads, rows, title)
     t = Table(title=title, title_justify="left")
-    for col in ("set", "step", "examples", "samples", "replaced", *names):
+    for col in heads:
         t.add_column(Text(col), justify="left" if col == "set" else "right", no_wrap=True)  # names are data
-    for r in records:
-        cells = [format(r["figures"][k], ".3f") if k in r["figures"] else "-" for k in names]
-        replaced = "-" if r.get("replaced") is None else str(r["replaced"])
-        t.add_row(Text(r["set"]), str(r["step"]), str(r["examples"] or "-"), str(r["samples"] or "-"), replaced, *cells)
+    for row in rows:
+        t.add_row(Text(row[0]), *row[1:])
+    return t
+
+
+def turned(heads: list[str], rows: list[list[str]], title: str) -> Table:
+    """A row per figure, a column per set and step."""
+    t = Table(title=title, title_justify="left")
+    t.add_column("", no_wrap=True)
+    for row in rows:
+        t.add_column(Text(f"{row[0]} @{row[1]}"), justify="right", no_wrap=True)
+    for i, head in enumerate(heads[2:], start=2):
+        t.add_row(Text(head), *[row[i] for row in rows])
     return t
