@@ -152,3 +152,25 @@ def test_plain_output_prints_each_step_once_and_a_tenth_of_the_warm_start():
         s.apply({"kind": "trainer_step", "stage": "rl", "step": step, "total": 4, "loss": 0.1, "version": step + 1})
     assert [x.split()[1] for x in progress_lines(s, printed)] == ["1/4", "2/4", "3/4", "4/4"]
     assert progress_lines(s, printed) == []
+
+
+def test_plain_output_says_what_starts_and_what_restarts_from_this_launch_on():
+    """`--no-tui` during start-up: each process started, the orchestrator's state, servers taken out and restarts;
+    a resumed run's earlier notices (before this launch's `run` event) are not printed again."""
+    from prl.launch.driver import progress_lines
+    from prl.tui.state import RunState
+
+    s = RunState()
+    s.apply({"kind": "process", "t": 5.0, "name": "trainer", "state": "running", "pid": 7, "host": "local"})
+    s.apply({"kind": "run", "t": 10.0, "state": "running", "started": 10.0})
+    events = [{"kind": "process", "name": "inference-0", "state": "running", "pid": 8, "host": "local"},
+              {"kind": "orchestrator", "state": "waiting for the trainer"},
+              {"kind": "server_state", "name": "inference-0", "state": "down", "cause": "not answering"},
+              {"kind": "restart", "name": "inference-0", "count": 1, "max_restarts": 3, "cause": "exited with code 1"},
+              {"kind": "process", "name": "orchestrator", "state": "done"}]
+    for e in events:
+        s.apply({**e, "t": 11.0})
+    printed = {"sft": -1, "rl": -1, "since": s.run["started"]}
+    assert progress_lines(s, printed) == ["inference-0: started (pid 8 on local)", "orchestrator: waiting for the trainer",
+                                          "inference-0: down (not answering)",
+                                          "inference-0: restart 1 of 3 (exited with code 1)"]

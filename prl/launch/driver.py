@@ -504,7 +504,8 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
     live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
-    printed, poll, curves = {"sft": -1, "rl": -1}, Poll(), False
+    # notices from this launch on (a resumed run's log holds the earlier ones)
+    printed, poll, curves = {"sft": -1, "rl": -1, "since": state.run.get("started", 0.0)}, Poll(), False
     with KeyReader() if tui else contextlib.nullcontext() as keys:
         try:
             if live:
@@ -561,6 +562,9 @@ def progress_lines(s: RunState, printed: dict) -> list[str]:
     out = []
     while s.steps:
         e = s.steps.popleft()
+        if e["kind"] != "trainer_step":
+            out += notice_line(e) if e.get("t", 0.0) >= printed.get("since", 0.0) else []
+            continue
         stage, step = ("sft", e["step"]) if e.get("stage") == "sft" else ("rl", e["step"])
         if step <= printed[stage]:
             continue
@@ -571,6 +575,22 @@ def progress_lines(s: RunState, printed: dict) -> list[str]:
         else:
             out.append(step_line(e, s))
     return out
+
+
+def notice_line(e: dict) -> list[str]:
+    """A start-up or fault event as a line of the plain output (none for a process that ended well)."""
+    kind, name = e["kind"], e.get("name", "")
+    if kind == "process" and e.get("state") == "running":
+        return [f"{name}: started (pid {e.get('pid')} on {e.get('host')})"]
+    if kind == "process" and e.get("state") == "failed":
+        return [f"{name}: exited with code {e.get('exit_code')}"]
+    if kind == "orchestrator":
+        return [f"orchestrator: {e['state']}" + (f" (step {e['step']})" if e.get("step") else "")]
+    if kind == "server_state":
+        return [f"{name}: {e['state']}" + (f" ({e['cause']})" if e.get("cause") else "")]
+    if kind == "restart":
+        return [f"{name}: restart {e['count']} of {e['max_restarts']} ({e['cause']})"]
+    return []
 
 
 def step_line(tr: dict, s: RunState) -> str:

@@ -35,7 +35,8 @@ class RunState:
     curves: CurveSet = field(default_factory=CurveSet)  # the whole run, one value per step
     evals: EvalLog = field(default_factory=EvalLog)  # every eval, per set in step order
     latest_sample: dict | None = None  # the last sample the orchestrator kept (samples/steps.jsonl), where it is here
-    steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))  # trainer_step events, for `--no-tui`
+    # trainer_step events and start-up notices (processes, the orchestrator's state, servers, restarts), for `--no-tui`
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     offset: int = 0
 
     def apply(self, e: dict) -> None:
@@ -47,6 +48,7 @@ class RunState:
             self.run.update(e)
         elif kind == "process":
             self.processes.setdefault(e["name"], {}).update(e)
+            self.steps.append(e)
         elif kind == "trainer_step":
             (self.sft if e.get("stage") == "sft" else self.trainer).update(e)
             self.steps.append(e)
@@ -61,8 +63,12 @@ class RunState:
             self.errors[e["name"]] = e["line"]
         elif kind == "server_state":
             self.server_states[e["name"]] = e["state"] + (f" ({e['cause'][:60]})" if e.get("cause") else "")
+            self.steps.append(e)
         elif kind == "restart":
             self.restarts[e["name"]] = e
+            self.steps.append(e)
+        elif kind == "orchestrator":
+            self.steps.append(e)
         elif kind == "unresponsive":
             self.unresponsive.append(e)
         elif kind == "eval":
