@@ -83,6 +83,38 @@ def eval_section(runs: list[RunData]) -> str:
             f'<div class="plots">{"".join(plots)}</div>')
 
 
+SAMPLES_SHOWN = 2  # per eval point: this many of its worst completions and as many of its best
+
+
+def samples_section(runs: list[RunData]) -> str:
+    """Per run, eval set and eval point: its worst and best completions (`samples/eval_SET.jsonl`), folded.
+    Nothing where no run kept any."""
+    from prl.launch.samples import read_samples
+
+    parts = []
+    for r in runs:
+        for path in sorted((r.dir / "samples").glob("eval_*.jsonl")):
+            name = path.stem.removeprefix("eval_")
+            by_step: dict[int, list[dict]] = {}
+            for s in read_samples(r.dir, name):
+                by_step.setdefault(s["step"], []).append(s)
+            for step, kept in sorted(by_step.items()):
+                parts.append(f"<details><summary>{html.escape(r.name)}: {html.escape(name)} at step {step} "
+                             f"({len(kept)} completions)</summary>{samples_table(kept)}</details>")
+    if not parts:
+        return ""
+    return "<h2>Samples</h2><p>Each eval point's worst and best completions; <code>prl samples RUN --eval SET</code> shows them all.</p>" \
+        + "".join(parts)
+
+
+def samples_table(kept: list[dict]) -> str:
+    ranked = sorted(kept, key=lambda s: s["reward"])
+    shown = ranked[:SAMPLES_SHOWN] + ranked[max(SAMPLES_SHOWN, len(ranked) - SAMPLES_SHOWN):]
+    rows = "".join(f"<tr><td>{s['prompt_index']}</td><td>{s['reward']:.3f}</td><td><pre>{html.escape(s['prompt'])}"
+                   f"</pre></td><td><pre>{html.escape(s['completion'])}</pre></td></tr>" for s in shown)
+    return f"<table><tr><th>example</th><th>reward</th><th>prompt</th><th>completion</th></tr>{rows}</table>"
+
+
 def step_time_plots(runs: list[RunData]) -> str:
     """Per run: the trainer's wait / forward-backward / publish seconds per step, and weight relay."""
     parts = []
@@ -169,7 +201,7 @@ def build_report(runs: list[RunData]) -> str:
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>{summary_table(runs)}"
-            f"<h2>Curves</h2><div class=\"plots\">{curve_plots(runs)}</div>{eval_section(runs)}"
+            f"<h2>Curves</h2><div class=\"plots\">{curve_plots(runs)}</div>{eval_section(runs)}{samples_section(runs)}"
             f"<h2>Step time</h2><div class=\"plots\">{step_time_plots(runs)}</div>"
             f"<h2>Environment</h2><div class=\"plots\">{env_plots(runs)}</div>"
             f"<h2>Inference servers</h2><div class=\"plots\">{server_plots(runs)}</div>"

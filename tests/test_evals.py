@@ -155,6 +155,28 @@ def test_the_report_draws_each_set_by_step_and_by_time(tmp_path):
     assert pngs == ["eval_hard.png", "eval_heldout.png"]
 
 
+def test_the_report_shows_each_eval_points_worst_and_best_completions(tmp_path):
+    """A folded table per set and point: the 2 lowest and 2 highest rewards of its completions, escaped."""
+    import re
+
+    from prl.report import build_report
+    from prl.report_data import RunData
+
+    write_eval_run(tmp_path / "a")
+    done = [{"step": step, "prompt_index": i, "prompt": f"p{i}<b>", "completion": f"c{i}", "reward": r}
+            for step in (0, 4) for i, r in enumerate([0.5, 0.0, 1.0, 0.25, 0.75, 0.9])]
+    (tmp_path / "a" / "samples").mkdir()
+    (tmp_path / "a" / "samples" / "eval_heldout.jsonl").write_text("".join(json.dumps(d) + "\n" for d in done))
+    page = build_report([RunData(tmp_path / "a")])
+    folds = re.findall(r"<summary>evalrun: heldout at step (\d+) \(6 completions\)</summary>(.*?)</details>", page)
+    assert [step for step, _ in folds] == ["0", "4"]
+    shown = re.findall(r"<tr><td>(\d+)</td><td>([\d.]+)</td><td><pre>(.*?)</pre>", folds[1][1])
+    assert shown == [("1", "0.000", "p1&lt;b&gt;"), ("3", "0.250", "p3&lt;b&gt;"), ("5", "0.900", "p5&lt;b&gt;"),
+                     ("2", "1.000", "p2&lt;b&gt;")]
+    write_run(tmp_path / "b", "plain", 3, 0.0)
+    assert "<h2>Samples</h2>" not in build_report([RunData(tmp_path / "b")])
+
+
 def series(page: str, curve: str) -> dict[str, tuple[list, list]]:
     """The plotted series of one chart: label -> (x values, y values), as the page carries them."""
     import re
@@ -179,11 +201,19 @@ def test_wandb_logs_each_eval_once_at_its_step(tmp_path):
     sink = WandbSink(recipe, run_dir, resume=False)  # before the log exists: it logs the log from its start
     replayed = json.dumps(eval_event("heldout", 4, 0.9)) + "\n"
     (run_dir / "metrics.jsonl").write_text((tmp_path / "log" / "metrics.jsonl").read_text() + replayed)
+    kept = [{"step": 1, "prompt_index": 9, "prompt": "reverse: abc", "completion": "cba", "reward": 1.0, "advantage": 0.5},
+            {"step": 1, "prompt_index": 3, "prompt": "reverse: xy", "completion": "xx", "reward": 0.0, "advantage": -0.5}]
+    (run_dir / "samples").mkdir()
+    (run_dir / "samples" / "steps.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kept) + '{"step": 2, "pro')
     sink.poll()
-    sink.close("done", 0)
+    sink.close("finished", 0)
     assert not sink.failed, "W&B logging stopped (its reason is on stderr)"
     (f,) = finished_files(run_dir)
     rows = history(f)
+    [table] = [r for r in rows if "samples/_type" in r]  # once: a line still being written waits
+    assert table["samples/_type"] == "table-file" and table["samples/nrows"] == 2, table
+    logged = json.loads(next(f.parent.glob(f"files/{table['samples/path']}")).read_text())
+    assert logged["columns"] == list(kept[0]) and logged["data"] == [list(k.values()) for k in kept], logged
     assert [r["rl_step"] for r in rows if "rl_step" in r] == list(range(8))
     held = [(r["eval/step"], r["eval/heldout/pass@1"]) for r in rows if "eval/heldout/pass@1" in r]
     assert held == [(0, 0.125), (8, 0.405), (4, 0.25)], "each eval once, in the order it arrived"

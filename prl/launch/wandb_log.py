@@ -24,12 +24,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from prl.metrics import read_events
+from prl.orchestrator.samples import STEPS_FILE
 from prl.recipe.load import RecipeError
 from prl.recipe.schema import Recipe
 from prl.tui.evals import eval_record
 
 NAMESPACES = {"orch_step": "orchestrator", "trainer_step": "trainer"}
 SKIP = {"t", "step", "total"}  # bookkeeping, not metrics
+SAMPLE_COLUMNS = ("step", "prompt_index", "prompt", "completion", "reward", "advantage")  # the `samples` table
 
 
 class WandbError(RecipeError):
@@ -104,6 +106,8 @@ class WandbSink:
         self.servers: dict[str, float] = {}
         self.restarts = 0
         self.evals: set[tuple[str, int]] = set()  # (set, step) logged: an eval replayed is not logged twice
+        self.samples = run_dir / "samples" / STEPS_FILE  # what the model wrote: a table in each RL row
+        self.samples_offset = self.samples.stat().st_size if resume and self.samples.exists() else 0
 
     def poll(self) -> None:
         """Log what arrived. A W&B failure never stops training: it is reported once, then W&B is off."""
@@ -157,9 +161,29 @@ class WandbSink:
                     self.rows[step + 1] = {**row, **self.rows.get(step + 1, {})}
                 continue
             if step > self.logged:
-                self.run.log({"rl_step": step, **row})
+                self.run.log({"rl_step": step, **row, **self.new_samples()})
                 self.logged = step
         self.id_file.write_text(json.dumps({**self.ident, "logged": self.logged}))
+
+    def new_samples(self) -> dict:
+        """The samples written since the last row (`run.samples_per_step` a step), as a W&B table."""
+        import wandb
+
+        if not self.samples.exists() or self.samples.stat().st_size <= self.samples_offset:
+            return {}
+        with open(self.samples, "rb") as f:
+            f.seek(self.samples_offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next row
+        self.samples_offset += len(whole)
+        rows = []
+        for line in whole.decode(errors="replace").splitlines():
+            try:
+                s = json.loads(line)
+            except ValueError:
+                continue
+            rows.append([s.get(c) for c in SAMPLE_COLUMNS])
+        return {"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)} if rows else {}
 
     def close(self, state: str, code: int) -> None:
         self.poll()
