@@ -337,3 +337,29 @@ def test_a_task_module_that_is_not_on_the_path_says_where_prl_looks(tmp_path):
     with pytest.raises(ValueError, match=r"no module named 'my_rewards' \(run prl from the folder that holds "
                                          r"my_rewards.py, or add that folder to PYTHONPATH\)"):
         make_task(TaskCfg(data=str(write_formats(tmp_path)["jsonl"]), reward="my_rewards:score"), 0)
+
+
+def test_a_run_passes_over_bad_rows_and_counts_them(tmp_path):
+    """A real run on a file whose rows 9 and 10 are bad (past the rows the launch checks): the orchestrator skips
+    both, counts them (`skipped_examples`), names each in an `example_skipped` event and trains on the rest."""
+    import subprocess
+
+    from conftest import prl_cmd
+
+    rows = [{"prompt": f"add:{i}+1=", "answer": str(i + 1)} for i in range(64)]
+    rows[9] = {"prompt": ["not", "messages"], "answer": "10"}
+    rows[10] = {"prompt": "add:10+1=", "answer": [1, 1]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"run.output_dir={tmp_path}", f'task.data="{data}"', "task.rows=[0, 60]", "task.shuffle=false",
+            "sft.steps=0", "rl.max_steps=4", f'eval.heldout.data="{data}"', "eval.heldout.rows=[60, 64]"]
+    run = subprocess.run(prl_cmd("run", "recipe.toml", "--no-tui", *(x for s in sets for x in ("--set", s))),
+                         cwd=ROOT / "examples/custom_data", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "Traceback" not in run.stdout + run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "custom-data" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["kind"] == "example_skipped"]
+    assert sorted(e["index"] for e in skipped) == [9, 10], skipped
+    assert "row 9: the prompt (list) is neither" in next(e["why"] for e in skipped if e["index"] == 9)
+    steps = [e for e in events if e["kind"] == "orch_step"]
+    assert len(steps) == 4 and steps[-1]["skipped_examples"] == 2, steps
+    assert not [e for e in events if e["kind"] in ("error", "restart")]

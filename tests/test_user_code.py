@@ -112,3 +112,17 @@ def test_a_task_option_the_users_function_does_not_take_is_refused_before_anythi
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     out = p.stdout + p.stderr
     assert "task.options 'tolerance': task.reward mytask:reward takes no such keyword argument" in out, out
+
+
+def test_a_demonstration_that_raises_in_the_warm_start_stops_the_run_naming_it(tmp_path):
+    """The trainer builds the warm start's demonstrations from the user's environment: its error is the user's too,
+    named in one line, the trainer not restarted."""
+    (tmp_path / "demoenv.py").write_text(
+        "from myenv import Echo\n\n\nclass Demo(Echo):\n    def demonstration(self, index):\n"
+        "        raise KeyError(f'no demo {index}')\n")
+    p = run(tmp_path, "env.kind=demoenv:Demo", "env.options={say = 'x'}", "env.format=tiny", "env.max_total_tokens=64",
+            "sft.steps=2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert f"demonstration ({tmp_path / 'demoenv.py'}:6) raised KeyError: 'no demo 0' (example 0)" in out, out[-3000:]
+    assert not events(tmp_path, "restart")

@@ -31,7 +31,7 @@ from prl.launch.processes import format_plan, make_plan
 from prl.launch.hosts import NO_STATUS, HostError, LocalHost
 from prl.launch.supervisor import Supervisor
 from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
-from prl.metrics import EventLog
+from prl.metrics import EventLog, read_events
 from prl.model.weights import WEIGHTS_PREFIX, published_versions, sealed, version_dir
 from prl.recipe.load import RecipeError, apply_override, set_keys, validate
 from prl.recipe.reference import recipe_toml
@@ -41,7 +41,7 @@ from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
 from prl.tui.keys import KeyReader
 from prl.tui.view import render
-from prl.usercode import EXIT_USER_ERROR, UserCodeError
+from prl.usercode import UserCodeError
 
 
 
@@ -615,10 +615,12 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         log.emit("process", name=name, state="failed", exit_code=rc)
         with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
             p.pull_log()
-        if rc == EXIT_USER_ERROR and p.spec.role == "orchestrator":  # the user's code: restarting would fail again
-            line = next((ln for ln in reversed(p.tail(15)) if ln.startswith("prl: ")), "prl: your code failed")[5:]
-            return Outcome("failed", f"{line}; the example and its traceback: {log.path.parent / 'user_error.json'} "
-                                     f"(env.on_error = 'drop' drops such examples instead)", 1, failed=name)
+        line = user_error(log.path, faults.started.get(faults.unit(name), 0.0))
+        if line is not None:  # the user's code failed: restarting would fail the same way
+            written = log.path.parent / "user_error.json"
+            where = f"; the example and its traceback: {written}" if written.is_file() else ""
+            hint = " (env.on_error = 'drop' drops such examples instead)" if p.spec.role == "orchestrator" else ""
+            return Outcome("failed", f"{line}{where}{hint}", 1, failed=name)
         why = exit_reason(rc)
         try:
             if faults.restart(name, f"{name} {why}"):
@@ -629,6 +631,13 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         return Outcome("failed", f"{name} ({p.spec.role} on host {p.spec.host}, pid {p.pid}) {why}"
                                  f"{faults.exhausted(name)}; last log lines ({p.spec.log}):\n{tail}", 1, failed=name)
     return None
+
+
+def user_error(metrics: Path, since: float) -> str | None:
+    """The line of the user's error a process logged since `since` (its unit's start), if it ended on one."""
+    events, _ = read_events(metrics)
+    return next((e["line"] for e in reversed(events) if e.get("kind") == "error" and e.get("user")
+                 and e.get("t", 0.0) >= since), None)
 
 
 def exit_reason(rc: int) -> str:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from prl.metrics import EventLog, reporting_errors
+from prl.usercode import blame
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
@@ -73,6 +74,11 @@ def warm_start_demos(source, start: int, count: int) -> tuple[list, int, list[st
             skipped.append(str(e))
             if len(skipped) > max(1000, 10 * count):
                 raise RuntimeError(f"sft: {len(skipped)} demonstrations skipped in a row, the last: {e}") from None
+        except Exception as e:
+            user = blame(e)  # the user's environment or dataset: their error, named, never restarted
+            if user is None:
+                raise
+            raise user.on_example(index) from None
         index += 1
     return demos, index, skipped
 
