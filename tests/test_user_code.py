@@ -4,6 +4,7 @@ function, file and line and the example, no restart, no traceback; `env.on_error
 named."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -126,3 +127,34 @@ def test_a_demonstration_that_raises_in_the_warm_start_stops_the_run_naming_it(t
     assert p.returncode == 1 and "Traceback" not in out, out[-3000:]
     assert f"demonstration ({tmp_path / 'demoenv.py'}:6) raised KeyError: 'no demo 0' (example 0)" in out, out[-3000:]
     assert not events(tmp_path, "restart")
+
+
+def test_what_a_users_rollout_and_dataset_return_is_checked_where_it_crosses_into_prl():
+    """A custom environment's `rollout` and a task's dataset function are named when they return what prl cannot
+    use (checked as the orchestrator takes them; no run needed to see the line)."""
+    from prl.envs import Trajectory
+    from prl.orchestrator.orchestrator import checked_group
+    from prl.recipe.schema import TaskCfg
+    from prl.tasks import make_task
+    from prl.usercode import UserCodeError
+
+    class Mine:
+        pass
+
+    good = Trajectory([1], [2, 3], [0.0, 0.0], [0, 0], 0.5)
+    assert checked_group(Mine(), [good, good], 2) == [good, good]
+    cases = [([good], "Mine.rollout returned a list of 1; it returns a list of rl.group_size = 2"),
+             ((good, good), "Mine.rollout returned a tuple"),
+             ([good, Trajectory([1], [2, 3], [0.0], [0, 0], 0.5)], "logprobs, versions and mask differ in length (2, 1"),
+             ([good, Trajectory([1], [2], [0.0], [0], 2.0)], "Mine.rollout: the reward is 2.0, outside [0, 1]")]
+    for trajs, words in cases:
+        with pytest.raises(UserCodeError, match=re.escape(words)):
+            checked_group(Mine(), trajs, 2)
+    task = make_task(TaskCfg(name="custom", dataset="test_user_code:no_prompt", reward="exact"), 0)
+    with pytest.raises(UserCodeError, match=re.escape("task.dataset test_user_code:no_prompt returned a dict with keys "
+                                                      "['question']; it returns a dict with \"prompt\"")):
+        task.example(0)
+
+
+def no_prompt(index, seed, min_len, max_len):
+    return {"question": "2+2"}

@@ -473,7 +473,7 @@ class Orchestrator:
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""
-        trajs = await self.env.rollout(self.env.example(index), sampler)
+        trajs = checked_group(self.env, await self.env.rollout(self.env.example(index), sampler), self.rl.group_size)
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
         if self.rl.loss_weighting == "sequence":
             advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
@@ -512,6 +512,29 @@ class Orchestrator:
             self.log.emit("rollouts", inflight=self.rollouts.count(), groups=self.inflight_groups, buffered=len(self.buffer),
                           served_version=self.served, budget=self.inflight_budget())
             await asyncio.sleep(1.0)
+
+
+def checked_group(env, trajs, n: int) -> list:
+    """What an environment's `rollout` returned, checked where it crosses into prl: `n` scored trajectories whose
+    token lists agree; a UserCodeError naming the method otherwise."""
+    from prl.envs import Trajectory
+    from prl.tasks import checked_reward
+
+    name = f"{type(env).__name__}.rollout"
+    if not isinstance(trajs, list) or len(trajs) != n or not all(isinstance(t, Trajectory) for t in trajs):
+        got = f"a list of {len(trajs)}" if isinstance(trajs, list) else f"a {type(trajs).__name__}"
+        raise UserCodeError(f"{name} returned {got}; it returns a list of rl.group_size = {n} prl.envs.Trajectory")
+    for t in trajs:
+        lengths = {len(t.completion_ids), len(t.logprobs), len(t.versions), len(t.mask or t.completion_ids)}
+        if len(lengths) != 1:
+            raise UserCodeError(f"{name}: a trajectory's completion_ids, logprobs, versions and mask differ in length "
+                                f"({len(t.completion_ids)}, {len(t.logprobs)}, {len(t.versions)}, "
+                                f"{len(t.mask or t.completion_ids)})")
+        try:
+            checked_reward(t.reward)
+        except (TypeError, ValueError) as e:
+            raise UserCodeError(f"{name}: {e}") from None
+    return trajs
 
 
 def main(config_path: str) -> None:

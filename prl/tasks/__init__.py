@@ -31,8 +31,13 @@ class Task:
     reward_options: dict = field(default_factory=dict, hash=False)
 
     def example(self, index: int) -> dict:
-        return self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len,
-                               **self.dataset_options)
+        out = self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len,
+                              **self.dataset_options)
+        if not isinstance(out, dict) or "prompt" not in out:  # checked where it crosses into prl
+            got = f"a dict with keys {sorted(out)[:6]}" if isinstance(out, dict) else f"a {type(out).__name__}"
+            raise UserCodeError(f"task.dataset {function_name(self.dataset_fn)} returned {got}; it returns a dict with "
+                                f"\"prompt\" (and \"answer\" for a checker)")
+        return out
 
     def score(self, completion: str, example: dict) -> tuple[float, str | None]:
         """The reward and the answer the completion gives, which maj@k votes on: a checker's (or a function's
