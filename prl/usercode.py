@@ -1,9 +1,10 @@
 """A user's code that fails during the run: the user's error, said in one line, never a fault to restart from.
 
 Rules:
-- an exception whose traceback passes through a file outside prl and outside Python's own libraries
-  (a user's task, reward, dataset or environment) is the user's: `blame` names the innermost such
-  frame (function, file and line), the exception and the example;
+- an exception raised in a user's file (a task, reward, dataset or environment: a file outside prl and
+  outside Python's libraries), or in a library it called, is the user's: `blame` names that frame
+  (function, file and line), the exception and the example; one raised inside prl (a server that kept
+  failing under a user's `rollout`) is prl's, whoever called it;
 - what a user's function returns is checked where it crosses into prl (a reward, a `respond`, a
   `score`); a wrong value is a `UserCodeError` naming the function, whatever frame raised it;
 - the orchestrator then stops the run (exit `EXIT_USER_ERROR`: the driver does not restart it) and
@@ -14,13 +15,18 @@ Rules:
 from __future__ import annotations
 
 import json
+import site
+import sys
 import sysconfig
 import traceback
 from pathlib import Path
 
 EXIT_USER_ERROR = 3  # the orchestrator's exit code for a user's error: the run stops, nothing restarts
 PRL_DIR = Path(__file__).resolve().parent
-LIBRARY_DIRS = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+LIBRARY_DIRS = tuple({Path(p).resolve() for p in (*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                                                        "platlib")),
+                                                  *site.getsitepackages(), site.getusersitepackages(), sys.base_prefix)})
+LIBRARY_PARTS = {"site-packages", "dist-packages"}  # a venv's, a system's or a conda's packages, wherever they are
 
 
 class UserCodeError(Exception):
@@ -38,28 +44,37 @@ class UserCodeError(Exception):
         return self.line if self.index is None else f"{self.line} (example {self.index})"
 
 
-def is_user_file(filename: str) -> bool:
-    if filename.startswith("<"):
-        return False
+def is_library(filename: str) -> bool:
     path = Path(filename).resolve()
-    return not any(path.is_relative_to(d) for d in (PRL_DIR, *LIBRARY_DIRS))
+    return bool(LIBRARY_PARTS & set(path.parts)) or any(path.is_relative_to(d) for d in LIBRARY_DIRS)
+
+
+def is_user_file(filename: str) -> bool:
+    return not filename.startswith("<") and not is_library(filename) and not Path(filename).resolve().is_relative_to(PRL_DIR)
 
 
 def blame(exc: BaseException) -> UserCodeError | None:
-    """`exc` as the user's error when a user's file raised it (or called what raised it), else None."""
+    """`exc` as the user's error when the innermost frame of it outside Python's libraries is a user's file, else
+    None (raised inside prl: prl's)."""
     if isinstance(exc, UserCodeError):
         return exc
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    if not frames:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")
+              and not is_library(f.filename)]
+    if not frames or not is_user_file(frames[-1].filename):
         return None
     f = frames[-1]
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return UserCodeError(f"{f.name} ({f.filename}:{f.lineno}) raised {type(exc).__name__}: {exc}"[:400], detail=detail)
+    said = " ".join(str(exc).split())
+    return UserCodeError(f"{f.name} ({f.filename}:{f.lineno}) raised {type(exc).__name__}: {said}"[:400], detail=detail)
 
 
 def write_example(run_dir: Path, error: UserCodeError, example: object) -> Path:
     """The failing example and the error beside it, for the user to reproduce it."""
     path = Path(run_dir) / "user_error.json"
-    path.write_text(json.dumps({"error": str(error), "index": error.index, "example": example,
-                                "traceback": error.detail}, indent=1, default=repr))
+    record = {"error": str(error), "index": error.index, "example": example, "traceback": error.detail}
+    try:
+        text = json.dumps(record, indent=1, default=repr)
+    except (TypeError, ValueError):  # keys JSON cannot hold, a circular example
+        text = json.dumps({**record, "example": repr(example)}, indent=1)
+    path.write_text(text)
     return path

@@ -126,9 +126,11 @@ def test_set_overrides_are_typed(tmp_path):
 
 
 @pytest.mark.parametrize("text,key,words", [
-    ("[inference]\ncompile = 'yes'\n", "inference.compile", "got the string 'yes': write the value without quotes"),
+    ("[inference]\ncompile = 'yes'\n", "inference.compile", "got the string 'yes': write true or false"),
     ("[rl]\nmax_steps = '10'\n", "rl.max_steps", "valid integer (got the string '10'"),
-    ("[rl]\nmax_steps = 10.0\n", "rl.max_steps", "valid integer (got float 10.0)"),
+    ("[rl]\nmax_steps = 10.0\n", "rl.max_steps", "valid integer (got float 10.0: write a whole number)"),
+    ("[task]\nchat_template = 'yes'\n", "task.chat_template", "valid boolean (got the string 'yes': write true or false); "
+                                                           "or Input should be 'auto'"),
     ("[trainer]\ncheckpoint_every = true\n", "trainer.checkpoint_every", "valid integer"),
 ])
 def test_recipe_types_are_strict(tmp_path, text, key, words):
@@ -138,7 +140,7 @@ def test_recipe_types_are_strict(tmp_path, text, key, words):
         load_recipe(write(tmp_path, text))
     assert key in str(e.value) and words in str(e.value), str(e.value)
     assert load_recipe(write(tmp_path, "[trainer]\nlr = 1\n")).trainer.lr == 1.0
-    with pytest.raises(RecipeError, match="--set inference.compile: .*got the string 'yes'"):
+    with pytest.raises(RecipeError, match="^--set inference.compile: .*got the string 'yes'[^\\n]*$"):
         load_recipe(write(tmp_path, ""), ["inference.compile=yes"])
 
 
@@ -155,6 +157,13 @@ def test_eval_tables_start_from_the_recipes_task_and_env(tmp_path):
     assert (a.env.kind, a.env.tools, a.env.max_turns) == ("tools", ["prl.envs.tools:calculator"], 6)
     assert (b.task.name, b.task.min_len, b.task.system_prompt) == ("add", TaskCfg().min_len, "Be brief.")
     assert (b.env.kind, b.env.max_turns) == ("single_turn", 4)
+    own = load_recipe(write(tmp_path, "[task]\nname = 'custom'\ndataset = 'm:train'\nreward = 'm:score'\nmin_len = 2\n"
+                                      "options = { tolerance = 0.1 }\n[eval.held.task]\ndataset = 'm:held'\n"
+                                      "[eval.exact.task]\nreward = 'exact'\n"))
+    held, exact = own.eval["held"].task, own.eval["exact"].task
+    assert (held.name, held.dataset, held.reward, held.min_len, held.options) == ("custom", "m:held", "m:score", 3,
+                                                                                  {"tolerance": 0.1})
+    assert (exact.dataset, exact.reward, exact.options) == ("m:train", "exact", {"tolerance": 0.1}), "m:train takes them"
 
 
 def test_set_reaches_a_table_a_read_back_recipe_leaves_unset(tmp_path):

@@ -133,7 +133,7 @@ def test_status_json_and_runs_list_the_run(finished_run):
     rewards = [e["reward"] for e in events(run_dir, "orch_step")]
     assert (state["name"], state["state"], state["rl_steps"], state["max_steps"]) == ("reverse-tiny", "finished", 4, 4)
     assert state["last_reward"] == rewards[-1] and state["summary"]["rl_steps"] == 4 and state["pid"] is None
-    assert state["servers"]["inference-0"]["version"] >= 2 and state["processes"]["trainer"]["state"] == "finished"
+    assert state["servers"]["inference-0"]["version"] >= 2 and state["processes"]["trainer"]["state"] == "done"
     p = subprocess.run(prl_cmd("runs", run_dir.parent), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     [row] = [line.split() for line in p.stdout.splitlines() if line.startswith("reverse-tiny")]

@@ -69,14 +69,12 @@ def seam_gaps(cls: type[Environment]) -> list[str]:
     abstract = sorted(getattr(cls, "__abstractmethods__", ()))
     if abstract:
         gaps.append(f"define {', '.join(abstract)}")
-    for name in ASYNC_METHODS:
+    awaited = ("rollout", "respond") if issubclass(cls, MultiTurnEnv) else ("rollout",)  # prl awaits what they return
+    for name in awaited:
         method = getattr(cls, name, None)
-        if method is not None and not inspect.iscoroutinefunction(method):
+        if method is not None and not inspect.iscoroutinefunction(inspect.unwrap(method)):
             gaps.append(f"{name} must be a coroutine: write `async def {name}(...)`")
     return gaps
-
-
-ASYNC_METHODS = ("rollout", "respond")  # awaited by prl: a plain def returns its value, not an awaitable
 
 
 def env_workload(env, sampling) -> EnvWorkload:

@@ -156,7 +156,7 @@ class CodeEnv(MultiTurnEnv):
     def attempt_score(self, k: int, passed: bool, output: str, example: dict) -> float:
         """The episode's score had it ended at attempt k (1-based) with this outcome."""
         if passed:
-            return 1.0 - self.attempt_penalty * (k - 1)
+            return max(0.0, 1.0 - self.attempt_penalty * (k - 1))  # a reward stays in [0, 1] past 5 attempts
         got = output.split(" want:")[0].removeprefix("got:") if self.language == "minilang" else output
         if not got or got.startswith("err:"):
             return 0.0

@@ -101,7 +101,14 @@ class MultiTurnEnv(Environment):
     def score(self, ep: Episode, example: dict) -> float: ...
 
     async def rollout(self, example: dict, sampler: Sampler) -> list[Trajectory]:
-        return list(await asyncio.gather(*(self.episode(example, sampler) for _ in range(self.group_size))))
+        episodes = [asyncio.ensure_future(self.episode(example, sampler)) for _ in range(self.group_size)]
+        try:
+            return list(await asyncio.gather(*episodes))
+        except BaseException:  # one member failed (or the group is cancelled): the others stop with it
+            for e in episodes:
+                e.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
+            raise
 
     async def episode(self, example: dict, sampler: Sampler) -> Trajectory:
         ep = Episode(self.prompt_ids(example))

@@ -33,7 +33,7 @@ from prl.launch.supervisor import Supervisor
 from prl.launch.wandb_log import WandbError, WandbSink, check_wandb
 from prl.metrics import EventLog, read_events
 from prl.model.weights import WEIGHTS_PREFIX, published_versions, sealed, version_dir
-from prl.recipe.load import RecipeError, apply_override, set_keys, validate
+from prl.recipe.load import RecipeError, apply_override, inherit_eval_tables, set_keys, validate
 from prl.recipe.reference import recipe_toml
 from prl.recipe.resolve import write_configs, write_secret
 from prl.transport.ports import PORTS
@@ -308,8 +308,9 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
     except ValueError as e:
         raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's dataset function: whatever it raises is named in one line
+        what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
         raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index}: "
-                          f"{type(e).__name__}: {e}") from None
+                          f"{what}") from None
     try:  # the user's own reward: whatever it raises, or a value outside [0, 1], is named in one line
         for example in firsts:
             for completion in ("", str(example.get("answer", ""))):
@@ -404,6 +405,7 @@ def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
         raise RunStopped(f"{source}: unreadable ({type(e).__name__}: {e}); the run cannot be resumed") from None
     for item in overrides:
         apply_override(data, item, source)
+    inherit_eval_tables(data)  # an eval set's env or task a --set gave starts from the recipe's
     given = set_keys(overrides)
     return checks.checked(validate(data, str(source), set_keys=given), str(source), given)
 
@@ -503,7 +505,8 @@ def watch(sup: Supervisor, run_dir: Path, log: EventLog, console: Console, tui: 
           sink: WandbSink | None = None) -> Outcome:
     state = RunState()
     metrics = run_dir / "metrics.jsonl"
-    live = Live(render(state.update_from(metrics)), console=console, refresh_per_second=4) if tui else None
+    state.update_from(metrics)
+    live = Live(render(state), console=console, refresh_per_second=4) if tui else None
     # notices from this launch on (a resumed run's log holds the earlier ones)
     printed, poll, curves = {"sft": -1, "rl": -1, "since": state.run.get("started", 0.0)}, Poll(), False
     with KeyReader() if tui else contextlib.nullcontext() as keys:
@@ -615,11 +618,15 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
         log.emit("process", name=name, state="failed", exit_code=rc)
         with contextlib.suppress(HostError):  # the freshest lines, if its host still answers
             p.pull_log()
-        line = user_error(log.path, faults.started.get(faults.unit(name), 0.0))
+        since = faults.started.get(faults.unit(name), 0.0)
+        line = user_error(log.path, since)
         if line is not None:  # the user's code failed: restarting would fail the same way
             written = log.path.parent / "user_error.json"
-            where = f"; the example and its traceback: {written}" if written.is_file() else ""
-            hint = " (env.on_error = 'drop' drops such examples instead)" if p.spec.role == "orchestrator" else ""
+            fresh = written.is_file() and written.stat().st_mtime >= since
+            where = f"; the example and its traceback: {written}" if fresh else ""
+            dropping = "env.max_error_share" in line  # on_error is "drop" already
+            hint = " (env.on_error = 'drop' drops such examples instead)" if p.spec.role == "orchestrator" and \
+                not dropping else ""
             return Outcome("failed", f"{line}{where}{hint}", 1, failed=name)
         why = exit_reason(rc)
         try:

@@ -449,8 +449,8 @@ class Orchestrator:
         Caller holds `self.changed`."""
         env = self.cfg.env
         if env.on_error == "stop":
-            self.write_user_example(error)
             self.error = self.error or error
+            self.write_user_example(error)
             return
         self.consume_unrun([index])
         self.groups_started -= 1
@@ -459,17 +459,20 @@ class Orchestrator:
         if self.user_errors_total <= SKIPS_LOGGED:
             self.log.emit("user_error", index=index, line=str(error)[:400], total=self.user_errors_total)
         if self.examples_ended >= 20 and self.user_errors_total > env.max_error_share * self.examples_ended:
-            self.write_user_example(error)
             self.error = self.error or UserCodeError(
                 f"{self.user_errors_total} of {self.examples_ended} examples dropped for errors in your code, more "
                 f"than env.max_error_share = {env.max_error_share:g}; the last: {error}", detail=error.detail)
+            self.write_user_example(error)
 
     def write_user_example(self, error: UserCodeError) -> None:
         try:
             example = self.env.example(error.index)
         except Exception as e:  # noqa: BLE001 - the dataset itself may be what failed
             example = f"(the example could not be built: {type(e).__name__}: {e})"
-        write_example(self.cfg.run_path, error, example)
+        try:
+            write_example(self.cfg.run_path, error, example)
+        except OSError as e:  # the run still stops on the user's error, said in one line
+            self.log.emit("user_error", index=error.index, line=f"could not write user_error.json: {e}"[:300])
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prl.recipe.schema import Recipe, TaskCfg
+from prl.recipe.schema import EnvCfg, Recipe, TaskCfg
 
 
 
@@ -53,30 +53,47 @@ def absolute_data_paths(data: dict) -> None:
                 table["data"] = str(given.resolve())
 
 
-TASK_SOURCE = ("name", "dataset", "data")  # what says where a task's examples come from
 TASK_PRESENTATION = ("chat_template", "system_prompt", "max_prompt_tokens")  # how any task's prompts render
+TASK_EXAMPLES = ("dataset", "data", "rows", "shuffle", "prompt_key", "answer_key", "min_len", "max_len")  # which
 
 
 def inherit_eval_tables(data: dict) -> None:
-    """An eval set's `task` and `env` tables start from the recipe's and override only the keys they set. A set
-    whose task names another source (name, dataset or data) keeps only the recipe's prompt rendering; one whose env
-    names another kind starts from the defaults."""
+    """An eval set's `task` and `env` tables start from the recipe's and override only the keys they set. A set's
+    task that names another task keeps only the recipe's prompt rendering; one that reads other examples (its own
+    `dataset` or `data`) keeps the recipe's task name and reward as well; an env of another kind starts from the
+    defaults. Only keys the schema knows are inherited (a typo in [task] is reported once)."""
     for ev in (data.get("eval") or {}).values():
         if not isinstance(ev, dict):
             continue
         task, env = ev.get("task"), ev.get("env")
         if isinstance(task, dict) and isinstance(data.get("task"), dict):
-            base = data["task"]
-            if any(k in task and task[k] != base.get(k, DEFAULT_TASK.get(k)) for k in TASK_SOURCE):
-                base = {k: v for k, v in base.items() if k in TASK_PRESENTATION}
-            ev["task"] = {**base, **task}
+            ev["task"] = {**task_base(data["task"], task), **task}
+            drop_unusable_options(ev["task"], "options" in task)
         if isinstance(env, dict) and isinstance(data.get("env"), dict):
-            base = data["env"]
+            base = {k: v for k, v in data["env"].items() if k in EnvCfg.model_fields}
             if env.get("kind", base.get("kind", "single_turn")) == base.get("kind", "single_turn"):
                 ev["env"] = {**base, **env}
 
 
-DEFAULT_TASK = {k: TaskCfg.model_fields[k].default for k in TASK_SOURCE}
+def task_base(recipe_task: dict, task: dict) -> dict:
+    """What an eval set's task table inherits of the recipe's."""
+    base = {k: v for k, v in recipe_task.items() if k in TaskCfg.model_fields}
+    if "name" in task and task["name"] != base.get("name", DEFAULT_TASK["name"]):
+        return {k: v for k, v in base.items() if k in TASK_PRESENTATION}
+    if any(k in task and task[k] != base.get(k, DEFAULT_TASK[k]) for k in ("dataset", "data")):
+        return {k: v for k, v in base.items() if k not in TASK_EXAMPLES}
+    return base
+
+
+def drop_unusable_options(task: dict, own: bool) -> None:
+    """Inherited task.options where the set's task has no function to take them (its reward a checker)."""
+    users = task.get("dataset") or ":" in str(task.get("reward") or "") or str(task.get("name", "")).startswith(
+        "reasoning_gym:")
+    if not own and not users:
+        task.pop("options", None)
+
+
+DEFAULT_TASK = {k: TaskCfg.model_fields[k].default for k in ("name", "dataset", "data")}
 
 
 def set_keys(overrides: list[str] | None) -> list[str]:
@@ -93,25 +110,36 @@ def validate(data: dict[str, Any], source: str, set_keys: list[str] = ()) -> Rec
 
 
 def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -> str:
-    lines = []
+    lines, said = [], {}
     for item in err.errors():
-        key = ".".join(str(p) for p in item["loc"])
+        loc = [str(p) for p in item["loc"]]
+        while loc and UNION_TAG.fullmatch(loc[-1]):  # a value of a union: one line for its key
+            loc.pop()
+        key = ".".join(loc)
         msg = item["msg"].removeprefix("Value error, ")
         if not key or msg.startswith((f"{key}.", f"{key} ")):  # a check across keys: its message names them
             lines.append(refusal(msg, source, set_keys))
             continue
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
-        elif item["type"] in STRICT_TYPES and isinstance(item.get("input"), str):
-            msg += f" (got the string {item['input']!r:.40}: write the value without quotes)"
         elif item["type"] in STRICT_TYPES:
-            msg += f" (got {type(item.get('input')).__name__} {item.get('input')!r:.40})"
+            given = item.get("input")
+            msg += f" (got {'the string' if isinstance(given, str) else type(given).__name__} {given!r:.40}" + \
+                (f": {STRICT_TYPES[item['type']]})" if STRICT_TYPES[item["type"]] else ")")
+        if key in said:  # another member of the union: one line says every choice
+            lines[said[key]] += f"; or {msg}"
+            continue
         given = next((k for k in set_keys if key == k or key.startswith(k + ".")), None)
+        said[key] = len(lines)
         lines.append(f"--set {given}: {msg}" if given else f"{source}: {key}: {msg}")
     return "\n".join(lines)
 
 
-STRICT_TYPES = ("bool_type", "int_type", "float_type", "string_type", "list_type", "dict_type")  # no coercion
+# types never converted (strict), with what to write instead
+STRICT_TYPES = {"bool_type": "write true or false", "int_type": "write a whole number",
+                "float_type": "write a number", "string_type": "", "list_type": "write a list, [...]",
+                "dict_type": "write a table, { key = value }"}
+UNION_TAG = re.compile(r"bool|int|float|str|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-\w+\[.*\]|is-instance\[.*\]")
 
 
 def refusal(msg: str, source: str, set_keys: list[str] = ()) -> str:

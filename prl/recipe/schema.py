@@ -309,8 +309,9 @@ class EnvCfg(Section):
     """kind = "code": what the model writes ("minilang": prl's tiny print language; "python": a Python code block in
     Markdown)."""
     attempt_penalty: float = Field(0.0, ge=0, le=0.25)
-    """kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1), so passing at once beats
-    passing after feedback (which still beats failing: at most half the output's similarity)."""
+    """kind = "code": a program passing at attempt k scores 1 - attempt_penalty * (k - 1) (at least 0), so passing at
+    once beats passing after feedback (which still beats failing, at most half the output's similarity, within
+    1 + 0.5 / attempt_penalty attempts)."""
     fail_credit: float = Field(0.5, ge=0, le=0.5)
     """kind = "code": a failing program scores this times its output's similarity to the target (0: pass or
     fail only)."""
@@ -323,8 +324,8 @@ class EnvCfg(Section):
     """When your own code (a task's dataset or reward, an environment's methods) raises or returns what prl cannot use
     during the run: "stop" ends the run at once in one line naming the function, file, line and example, written to
     user_error.json in the run folder; "drop" drops that example (counted as `user_errors`) and stops only past
-    max_error_share. prl's own failures restart as before."""
-    max_error_share: float = Field(0.1, gt=0, le=1)
+    max_error_share. prl's own failures restart as before; a failing demonstration of the warm start always stops."""
+    max_error_share: float = Field(0.1, gt=0, lt=1)
     """on_error = "drop": the run stops once more than this share of the examples ended were dropped (counted from the
     20th example on)."""
 

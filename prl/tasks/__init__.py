@@ -34,7 +34,7 @@ class Task:
         out = self.dataset_fn(index=index, seed=self.seed, min_len=self.min_len, max_len=self.max_len,
                               **self.dataset_options)
         if not isinstance(out, dict) or "prompt" not in out:  # checked where it crosses into prl
-            got = f"a dict with keys {sorted(out)[:6]}" if isinstance(out, dict) else f"a {type(out).__name__}"
+            got = f"a dict with keys {list(out)[:6]}" if isinstance(out, dict) else f"a {type(out).__name__}"
             raise UserCodeError(f"task.dataset {function_name(self.dataset_fn)} returned {got}; it returns a dict with "
                                 f"\"prompt\" (and \"answer\" for a checker)")
         return out
