@@ -223,6 +223,8 @@ def report(
         path = write_report(run_dirs, out)
     except ReportError as e:
         raise fail("report", str(e)) from None
+    except OSError as e:
+        raise fail("report", f"--out {out}: cannot be written ({e.strerror}); give the path of an HTML file") from None
     console.print(f"wrote {path} and PNGs of its curves in {path.parent / (path.stem + '_png')}", markup=False)
 
 

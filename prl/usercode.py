@@ -71,7 +71,8 @@ def blame(exc: BaseException) -> UserCodeError | None:
 def write_example(run_dir: Path, error: UserCodeError, example: object) -> Path:
     """The failing example and the error beside it, for the user to reproduce it."""
     path = Path(run_dir) / "user_error.json"
-    record = {"error": str(error), "index": error.index, "example": example, "traceback": error.detail}
+    index = None if error.index is None else int(error.index)
+    record = {"error": str(error), "index": index, "example": example, "traceback": error.detail}
     try:
         text = json.dumps(record, indent=1, default=repr)
     except (TypeError, ValueError):  # keys JSON cannot hold, a circular example

@@ -329,7 +329,9 @@ def test_a_reward_outside_0_1_or_not_a_number_is_refused_before_start(fn, words,
         preflight(recipe)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     task = make_task(recipe.task, 0)
-    with pytest.raises((TypeError, ValueError), match="reward is"):  # and at run time, never trained silently
+    from prl.usercode import UserCodeError
+
+    with pytest.raises(UserCodeError, match=f"task.reward test_data:{fn}: the reward is"):  # at run time: named
         task.reward("x", task.example(0))
 
 

@@ -160,5 +160,6 @@ def check_evals(recipe: Recipe) -> None:
         sampling = recipe.sampling.model_copy(update={"max_tokens": ev.max_tokens or recipe.sampling.max_tokens})
         longest = envs.longest_sample(env, ev.set_task(recipe.task), sampling)
         if recipe.model.path is None and longest > recipe.model.max_position_embeddings:
-            raise ValueError(f"{key}.max_tokens: the set's longest sample ({longest} tokens) is longer than "
+            bound = f"{key}.env.max_total_tokens" if envs.env_class(env.kind).multi_turn else f"{key}.max_tokens"
+            raise ValueError(f"{bound}: the set's longest sample ({longest} tokens) is longer than "
                              f"model.max_position_embeddings ({recipe.model.max_position_embeddings}); lower it")

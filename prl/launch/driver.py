@@ -41,7 +41,7 @@ from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
 from prl.tui.keys import KeyReader
 from prl.tui.view import render
-from prl.usercode import UserCodeError
+from prl.usercode import blame
 
 
 
@@ -265,9 +265,19 @@ def check_held_out(recipe: Recipe, tokenizer=None) -> None:
         check(recipe, tokenizer)
     except EvalSetError as e:
         raise RecipeError(f"{e}; nothing was started") from None
-    except Exception as e:  # noqa: BLE001 - the user's environment or dataset: named in one line
-        raise RecipeError(f"eval: the eval sets cannot be built as the run builds them (env.kind = "
-                          f"{recipe.env.kind!r}): {type(e).__name__}: {e}; nothing was started") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's environment or dataset: named in one line
+        raise RecipeError(f"eval: the eval sets cannot be built as the run builds them: {said(e)}; nothing was "
+                          f"started") from None
+
+
+def said(e: BaseException) -> str:
+    """An exception of the user's code in one line: its function, file and line where it raised in a user's file."""
+    user = blame(e)
+    if user is not None:
+        return str(user)
+    if isinstance(e, SystemExit):
+        return f"the code called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def warn_scan(recipe: Recipe, console: Console) -> None:
@@ -307,18 +317,15 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
         firsts = task.dataset_fn.first_rows() if cfg.data is not None else [task.example(index)]
     except ValueError as e:
         raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's dataset function: whatever it raises is named in one line
-        what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
-        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r} failed on example {index}: "
-                          f"{what}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's dataset function: named in one line
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}, example {index}: {said(e)}") from None
     try:  # the user's own reward: whatever it raises, or a value outside [0, 1], is named in one line
         for example in firsts:
             for completion in ("", str(example.get("answer", ""))):
                 task.reward(completion, example)
-    except Exception as e:  # noqa: BLE001
-        what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
-        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}'s reward on example {index} "
-                          f"(an empty completion, then its answer): {what}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}, its reward on example {index} "
+                          f"(an empty completion, then its answer): {said(e)}") from None
     if tokenizer is not None:
         check_prompts(task, firsts, tokenizer, key)
 

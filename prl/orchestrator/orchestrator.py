@@ -407,10 +407,10 @@ class Orchestrator:
             group = await self.rollout_group(index, sampler)
         except SkipExample as e:  # its index is consumed, and a replacement starts
             group, skipped = None, e
-        except Exception as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation (stop) is not an error
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation is not one
             group, failed = None, blame(e)
             if failed is None:  # prl's own: the orchestrator restarts
-                self.error = self.error or e
+                self.error = self.error or (e if isinstance(e, Exception) else RuntimeError(f"SystemExit({e.code!r})"))
         finally:
             if not sampler.started:  # ended before its first request
                 self.rollouts.pending -= 1
@@ -449,8 +449,9 @@ class Orchestrator:
         Caller holds `self.changed`."""
         env = self.cfg.env
         if env.on_error == "stop":
-            self.error = self.error or error
-            self.write_user_example(error)
+            if self.error is None:  # the first: what the run says and writes (groups in flight may fail after it)
+                self.error = error
+                self.write_user_example(error)
             return
         self.consume_unrun([index])
         self.groups_started -= 1
@@ -458,8 +459,9 @@ class Orchestrator:
         self.user_errors_total += 1
         if self.user_errors_total <= SKIPS_LOGGED:
             self.log.emit("user_error", index=index, line=str(error)[:400], total=self.user_errors_total)
-        if self.examples_ended >= 20 and self.user_errors_total > env.max_error_share * self.examples_ended:
-            self.error = self.error or UserCodeError(
+        if self.examples_ended >= 20 and self.user_errors_total > env.max_error_share * self.examples_ended \
+                and self.error is None:
+            self.error = UserCodeError(
                 f"{self.user_errors_total} of {self.examples_ended} examples dropped for errors in your code, more "
                 f"than env.max_error_share = {env.max_error_share:g}; the last: {error}", detail=error.detail)
             self.write_user_example(error)

@@ -43,7 +43,7 @@ def absolute_data_paths(data: dict) -> None:
     """Dataset files given relative to the folder prl runs in, made absolute where they exist, so a resumed run or
     `prl eval` started elsewhere reads the same file (one that does not exist is left as given, and refused)."""
     tables = [data.get("task"), data.get("sft")]
-    for ev in (data.get("eval") or {}).values():
+    for ev in eval_tables(data):
         if isinstance(ev, dict):
             tables += [ev, ev.get("task")]
     for table in tables:
@@ -62,7 +62,7 @@ def inherit_eval_tables(data: dict) -> None:
     task that names another task keeps only the recipe's prompt rendering; one that reads other examples (its own
     `dataset` or `data`) keeps the recipe's task name and reward as well; an env of another kind starts from the
     defaults. Only keys the schema knows are inherited (a typo in [task] is reported once)."""
-    for ev in (data.get("eval") or {}).values():
+    for ev in eval_tables(data):
         if not isinstance(ev, dict):
             continue
         task, env = ev.get("task"), ev.get("env")
@@ -73,6 +73,12 @@ def inherit_eval_tables(data: dict) -> None:
             base = {k: v for k, v in data["env"].items() if k in EnvCfg.model_fields}
             if env.get("kind", base.get("kind", "single_turn")) == base.get("kind", "single_turn"):
                 ev["env"] = {**base, **env}
+
+
+def eval_tables(data: dict) -> list:
+    """The eval sets' tables as written (none where `eval` is not a table: the schema refuses it)."""
+    sets = data.get("eval")
+    return list(sets.values()) if isinstance(sets, dict) else []
 
 
 def task_base(recipe_task: dict, task: dict) -> dict:
@@ -120,6 +126,9 @@ def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -
         if not key or msg.startswith((f"{key}.", f"{key} ")):  # a check across keys: its message names them
             lines.append(refusal(msg, source, set_keys))
             continue
+        msg = re.sub(r" or instance of \w+Cfg", "", msg)  # a table: the schema's class names are not the user's
+        if item["type"] == "string_pattern_mismatch" and ":" in str(item.get("ctx", {}).get("pattern")):
+            msg = f"{item.get('input')!r:.60} is not 'module:function' (a module on the path, then its function)"
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"
         elif item["type"] in STRICT_TYPES:
@@ -145,7 +154,8 @@ UNION_TAG = re.compile(r"bool|int|float|str|none|list\[.*\]|dict\[.*\]|literal\[
 def refusal(msg: str, source: str, set_keys: list[str] = ()) -> str:
     """One line for a refusal whose message starts with its dotted key, named like a schema error: the
     file, or the `--set` that gave the key."""
-    given = any(re.match(rf"{re.escape(k)}\b", msg) for k in set_keys)
+    lead = re.match(r"[\w.]*", msg).group().rstrip(".")
+    given = lead and any(k == lead or k.startswith(lead + ".") or lead.startswith(k + ".") for k in set_keys)
     return f"--set {msg}" if given else f"{source}: {msg}"
 
 
@@ -155,6 +165,8 @@ def apply_override(data: dict[str, Any], item: str, source: Path) -> None:
     if not sep or not key.strip():
         raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-5")
     parts = key.strip().split(".")
+    if not all(p.strip() for p in parts):
+        raise RecipeError(f"--set {item!r}: {key.strip()!r} is not a dotted key, e.g. --set trainer.lr=1e-5")
     node = data
     for part in parts[:-1]:
         if node.get(part) is None:  # absent, or unset in a recipe.json read back (an eval set's env)

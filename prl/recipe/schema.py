@@ -47,7 +47,7 @@ class WandbCfg(Section):
 
 class RunCfg(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
-    """The run's name: its folder is run.output_dir/NAME (letters, digits, `.`, `_`, `-`)."""
+    """The run's name: its folder is run.output_dir/NAME (letters, digits, `.`, `_`, `-`; not `.` or `..`)."""
     output_dir: str = "runs"
     """The folder runs are made in, relative to where `prl` is started."""
     seed: int = 0
@@ -63,6 +63,13 @@ class RunCfg(Section):
     samples_per_step: int = Field(4, ge=0)
     """Rollouts of each step kept as text in RUN_DIR/samples/steps.jsonl (the step's best and worst by reward, then
     others), which `prl samples RUN` prints; 0 keeps none."""
+
+    @field_validator("name")
+    @classmethod
+    def _a_folder_of_its_own(cls, v: str) -> str:
+        if v in (".", ".."):
+            raise ValueError(f"run.name = {v!r} names no folder of its own under run.output_dir: give the run a name")
+        return v
 
 
 class ModelCfg(Section):

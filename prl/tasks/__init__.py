@@ -97,6 +97,8 @@ def import_function(spec: str, key: str) -> Callable:
         raise ValueError(f"{key} = {spec!r}: cannot import ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise ValueError(f"{key} = {spec!r}: not a function")
+    if inspect.iscoroutinefunction(inspect.unwrap(fn)) or inspect.isasyncgenfunction(inspect.unwrap(fn)):
+        raise ValueError(f"{key} = {spec!r}: an async function; prl calls it as a plain function (drop `async`)")
     return fn
 
 
