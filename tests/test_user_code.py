@@ -44,6 +44,12 @@ class Echo(MultiTurnEnv):
 class Plain(Echo):
     def respond(self, ep, text, example):
         return None
+
+
+class Broken(Echo):
+    @classmethod
+    def from_context(cls, ctx):
+        return ctx.cfg.options["missing"]
 '''
 
 
@@ -158,3 +164,11 @@ def test_what_a_users_rollout_and_dataset_return_is_checked_where_it_crosses_int
 
 def no_prompt(index, seed, min_len, max_len):
     return {"question": "2+2"}
+
+
+def test_an_environment_that_cannot_be_built_is_refused_before_anything_starts(tmp_path):
+    p = run(tmp_path, "env.kind=myenv:Broken", "env.options={say = 'x'}", "env.max_total_tokens=64", "sft.steps=0",
+            dry=True)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert f"from_context ({tmp_path / 'myenv.py'}:27) raised KeyError: 'missing'; nothing was started" in out, out

@@ -242,8 +242,32 @@ def check_task(recipe: Recipe) -> None:
             key = f"eval.{name}.data" if ev.data is not None else f"eval.{name}.task"
             try_task(ev.set_task(recipe.task), recipe.run.seed, key, ev.start(recipe.task), tokenizer)
     check_sft_data(recipe, tokenizer)
+    check_env_builds(recipe, tokenizer)
     check_held_out(recipe, tokenizer)
     check_env(recipe)
+
+
+def check_env_builds(recipe: Recipe, tokenizer) -> None:
+    """The training environment builds as the orchestrator builds it (a user's `from_context`) and gives its first
+    example; else one line naming the user's function, before anything starts."""
+    from prl.envs import Environment, SkipExample, make_env
+
+    if tokenizer is None:  # a cluster's model folder: the run builds it
+        return
+    try:
+        env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
+                       recipe.trainer.router_replay)
+        if not isinstance(env, Environment):
+            raise RecipeError(f"env.kind = {recipe.env.kind!r}: from_context returned {type(env).__name__}, not the "
+                              f"environment; nothing was started")
+        env.example(0)
+    except RecipeError:
+        raise
+    except SkipExample:  # a first row that cannot be an example: the data checks say so
+        return
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's environment: named in one line
+        raise RecipeError(f"env.kind = {recipe.env.kind!r}: the environment cannot be built as the run builds it: "
+                          f"{said(e)}; nothing was started") from None
 
 
 def local_tokenizer(recipe: Recipe):
