@@ -321,6 +321,7 @@ def test_prl_eval_refuses_bad_arguments_in_one_line(tmp_path):
         ([tmp_path / "nowhere"], "not a prl run directory"),
         (["--model", tmp_path / "nope", "--recipe", RECIPE], "no such folder"),
         (["--model", tmp_path / "empty"], "--model needs --recipe"),
+        ([tmp_path / "empty", "--set", "model.num_layers=1"], "--set model.num_layers: a run's checkpoint holds the run's"),
     ]
     for args, words in cases:
         p = subprocess.run(prl_cmd("eval", *args), capture_output=True, text=True, timeout=120)

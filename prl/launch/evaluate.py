@@ -172,6 +172,10 @@ def target(run_dir: Path | None, model: Path | None, recipe_path: Path | None, s
         if run_dir is not None:
             if recipe_path is not None:
                 raise EvalError(f"a run is scored with its own recipe ({run_dir}/recipe.json); change keys with --set")
+            fixed = next((o for o in overrides if o.strip().startswith("model.")), None)
+            if fixed is not None:
+                raise EvalError(f"--set {fixed.partition('=')[0].strip()}: a run's checkpoint holds the run's model, "
+                                f"which no key changes (score another folder with --model DIR --recipe RECIPE)")
             recipe = load_resume(run_dir, overrides)
         else:
             if recipe_path is None:
