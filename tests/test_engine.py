@@ -384,3 +384,35 @@ def test_latent_decode_equals_the_expanded_attention(tmp_path):
     attn = model.model.layers[0].self_attn
     assert mla.latent_is_cheaper(attn, 1, 16) and not mla.latent_is_cheaper(attn, 4096, 4096)
     torch.testing.assert_close(decode(), expanded, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3_moe"])
+def test_scored_tokens_are_the_models_own_logprobs_and_the_sampled_ones(arch, tmp_path):
+    """`score` (a teacher's one forward, nothing generated) gives each token's logprob under transformers' own
+    forward of the untouched model (fp32), and, for tokens the engine sampled at temperature 1, the logprobs it
+    returned with them; under a loaded version it says that version. Greedy logprobs are not compared: they are
+    of the sampled distribution too, which at temperature 1 is the model's."""
+    import copy
+
+    from prl.model.build import build_model
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
+
+    model = build_model(write_model_dir(ModelCfg(arch=arch, num_layers=2, index_topk=4), tmp_path / arch), seed=0)
+    reference = copy.deepcopy(model).eval()
+    core = EngineCore(model)
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 4, 22]
+    got, version = core.score(ids, 3)
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    want = [logp[i - 1, ids[i]].item() for i in range(3, len(ids))]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    assert version == -1 and len(got) == len(ids) - 3
+    [seq] = run_all(core, [Sequence([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=8, seed=1))])
+    again, _ = core.score([5, 6, 7, *seq.out_ids], 3)
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(seq.logprobs), atol=1e-4, rtol=0)
+    shifted = {k: v + 0.01 for k, v in model.state_dict().items() if v.is_floating_point()}
+    core.stage_weights(Policy(shifted, {}, version=4))
+    core.apply_staged()
+    moved, version = core.score(ids, 3)
+    assert version == 4 and max(abs(a - b) for a, b in zip(moved, got)) > 1e-3

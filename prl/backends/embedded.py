@@ -10,7 +10,8 @@ import httpx
 import pydantic
 
 from prl.backends.base import BROKEN, NEVER_SENT, BackendError, InferenceBackend, MalformedResponse, WeightsRejected
-from prl.inference.protocol import GenerateRequest, GenerateResponse, Metrics, PrefillResponse, UpdateWeightsResponse
+from prl.inference.protocol import (GenerateRequest, GenerateResponse, Metrics, PrefillResponse, ScoreResponse,
+                                    UpdateWeightsResponse)
 
 
 class EmbeddedBackend(InferenceBackend):
@@ -68,6 +69,11 @@ class EmbeddedBackend(InferenceBackend):
         """P/D: have this (prefill) server put the prompt's KV into the run's pool."""
         r = self.check(await self.post("/prefill", {"prompt_ids": prompt_ids}, repeatable=True), "/prefill")
         return PrefillResponse.model_validate_json(r.content)
+
+    async def score(self, ids: list[int], start: int) -> ScoreResponse:
+        """The logprobs of `ids[start:]` under the weights this server serves (a teacher's scoring; nothing generated)."""
+        r = self.check(await self.post("/score", {"ids": ids, "start": start}, repeatable=True), "/score")
+        return ScoreResponse.model_validate_json(r.content)
 
     async def load_weights(self, version: int) -> float:
         """The engine reads and verifies off its thread and copies the version in between two decode

@@ -477,6 +477,19 @@ class EngineCore:
         out = self.forward(input_ids=ids, position_ids=pos, use_cache=True, **kw)
         return out.logits, cache_of(out)
 
+    @torch.no_grad()
+    def score(self, ids: list[int], start: int) -> tuple[list[float], int]:
+        """The logprob of each of `ids[start:]` given the tokens before it, under the weights served now (temperature
+        1, whole vocabulary), and that version: one forward of the whole sequence, no KV kept. Called on the engine
+        thread between two steps (`EngineLoop.run`)."""
+        x = torch.tensor([ids], device=self.device)
+        logits, _ = self._forward(x, torch.arange(len(ids), device=self.device)[None], None)
+        if self.capture is not None:
+            self.capture.take()  # its routing is nobody's: the next prefill captures its own
+        logp = torch.log_softmax(logits[0, start - 1:-1].float(), dim=-1)
+        picked = logp.gather(-1, torch.tensor(ids[start:], device=logp.device)[:, None])[:, 0]
+        return picked.cpu().tolist(), self.version
+
     def _put_in_pool(self, seq: Sequence, cache, pooled: int, local: Hit | None) -> int:
         """Offer the prompt's full chunks to the KV pool, but those it came with (from the pool, or
         from a local entry that offered them already); the prompt tokens now offered."""

@@ -1,7 +1,8 @@
 """`EngineLoop`: runs an `EngineCore` on its own thread and bridges it to asyncio callers.
 
-Rule: only the engine thread touches the model. Callers submit sequences and staged weights;
-pausing stops decoding but still applies staged weights, so pause -> update -> resume works.
+Rule: only the engine thread touches the model. Callers submit sequences, staged weights and jobs (`run`: a
+function of the core, e.g. scoring tokens, between two steps); pausing stops decoding and jobs but still applies
+staged weights, so pause -> update -> resume works.
 If a step raises, every waiting caller gets the error and `failed` is set.
 """
 
@@ -12,6 +13,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 
 from prl.inference.engine import EngineCore, Sequence
 
@@ -26,6 +28,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._futures: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._jobs: deque[tuple[Callable, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         # starts with the engine's own start, so the first poll is a measured rate, not 0 by construction
         self._rate: deque[tuple[float, int]] = deque([(time.monotonic(), core.stats.generated_tokens)], maxlen=64)
 
@@ -54,6 +57,29 @@ class EngineLoop:
             self._futures.pop(seq.id, None)
             self._notify()
             raise
+
+    async def run(self, job: Callable):
+        """`job(core)` on the engine thread between two steps; what it raises is the caller's, not the engine's."""
+        if self.failed:
+            raise RuntimeError(f"engine failed: {self.failed}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            self._jobs.append((job, loop, fut))
+            self._cond.notify_all()
+        return await fut
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            job, loop, fut = self._jobs.popleft()
+            if fut.cancelled():
+                continue
+            try:
+                result, error = job(self.core), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(lambda f=fut, r=result, e=error: f.done() or (
+                f.set_exception(e) if e is not None else f.set_result(r)))
 
     async def load(self, policy) -> None:
         done = self.core.stage_weights(policy)
@@ -87,12 +113,15 @@ class EngineLoop:
             while self._wait_for_work():
                 if self.paused:
                     self.core.apply_staged()
-                else:
+                    continue
+                self.core.apply_staged()  # a job scores under the version the next step serves
+                self._run_jobs()
+                if self.core.has_work():
                     self.core.step()
         except Exception:  # noqa: BLE001 - reported to every caller, then the server exits
             self.failed = traceback.format_exc()
             print(self.failed, flush=True)
-            for loop, fut in list(self._futures.values()):
+            for loop, fut in [*self._futures.values(), *((lp, f) for _, lp, f in self._jobs)]:
                 loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(RuntimeError("engine failed")))
             if self.on_failure:
                 self.on_failure()
@@ -106,4 +135,4 @@ class EngineLoop:
     def _has_work(self) -> bool:
         if self.paused:
             return self.core.has_staged()
-        return self.core.has_work()
+        return self.core.has_work() or bool(self._jobs)

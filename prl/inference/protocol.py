@@ -116,6 +116,19 @@ class PrefillRequest(Msg):
     prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
 
 
+class ScoreRequest(Msg):
+    """The logprob of each token of `ids` from `start` on, given the tokens before it, under the served weights: one
+    forward, nothing generated (a teacher scoring a student's sampled tokens; a reward model's prompt)."""
+
+    ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=2)
+    start: int = Field(1, ge=1)  # the first position scored (its token given ids[:start])
+
+
+class ScoreResponse(Msg):
+    logprobs: list[float]  # one per token of ids[start:]
+    version: int  # the weights version that scored them
+
+
 class PrefillResponse(Msg):
     version: int  # the weights version the KV was computed under (part of its pool keys)
     pooled_tokens: int  # prompt tokens now in the pool (full chunks)

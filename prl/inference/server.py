@@ -31,6 +31,8 @@ from prl.inference.protocol import (
     Metrics,
     PrefillRequest,
     PrefillResponse,
+    ScoreRequest,
+    ScoreResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     encode_routing,
@@ -116,6 +118,15 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
             return StreamingResponse(_member_lines(loop, seqs, req), media_type="application/x-ndjson")
         await _unless_disconnected(request, [loop.generate(seq) for seq in seqs])
         return _generate_response(seqs, req)
+
+    @app.post("/score", dependencies=guarded, response_model=ScoreResponse)
+    async def score(req: ScoreRequest) -> ScoreResponse:
+        """Logprobs of given tokens under the served weights: one forward, nothing generated (a teacher's)."""
+        if req.start >= len(req.ids):
+            raise HTTPException(400, f"start ({req.start}) must be below the {len(req.ids)} ids: at least one is scored")
+        s.check_prompt(req.ids, 0, "ids")
+        logprobs, version = await loop.run(lambda core: core.score(req.ids, req.start))
+        return ScoreResponse(logprobs=logprobs, version=version)
 
     @app.post("/prefill", dependencies=guarded)
     async def prefill(req: PrefillRequest, request: Request) -> PrefillResponse:
