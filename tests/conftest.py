@@ -66,10 +66,10 @@ def rig(tmp_path_factory):
     stop_hosts(hosts, net)
 
 
-def start_server(run_dir: Path, recipe, timeout: float = 60):
+def start_server(run_dir: Path, recipe, timeout: float = 60, name: str | None = None):
     """A real embedded inference server (`python -m prl.inference`, its own process group) for
-    `recipe`'s first server, in `run_dir`, once it answers /health: (process, its config, an
-    authenticated client). A server that dies while starting fails at once, with its log."""
+    `recipe`'s first server (or the process `name`, e.g. "teacher-0"), in `run_dir`, once it answers /health:
+    (process, its config, an authenticated client). A server that dies while starting fails at once, with its log."""
     import subprocess
     import time
 
@@ -81,7 +81,7 @@ def start_server(run_dir: Path, recipe, timeout: float = 60):
 
     write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
-    cfg = configs[0]
+    cfg = next(c for c in configs if c.name == name) if name else configs[0]
     path = write_configs(configs, run_dir)[cfg.name]
     log = open(run_dir / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(path)],

@@ -184,12 +184,35 @@ def preflight(recipe: Recipe) -> None:
     """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
     folder = local_folder(recipe)
     check_model(recipe, folder)
+    check_teacher(recipe)
     check_device(recipe)
     check_backend(recipe, folder)
     check_kv_pool(recipe)
     check_task(recipe)
     check_objective(recipe)
     check_wandb(recipe)
+
+
+def check_teacher(recipe: Recipe) -> None:
+    """`[teacher]`: a model folder here whose tokenizer is the student's (its logprobs are of the same tokens)."""
+    from prl.model.build import load_tokenizer
+    from prl.model.pretrained import PretrainedError, check_pretrained
+
+    if recipe.teacher is None:
+        return
+    try:
+        check_pretrained(recipe.teacher.path)
+        theirs = load_tokenizer(recipe.teacher.path)
+    except PretrainedError as e:
+        raise RecipeError(f"teacher.path: {e}; nothing was started") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
+        raise RecipeError(f"teacher.path: {recipe.teacher.path}: its tokenizer cannot be read ({type(e).__name__}: "
+                          f"{e}); nothing was started") from None
+    ours = local_tokenizer(recipe)
+    if ours is not None and ours.get_vocab() != theirs.get_vocab():
+        raise RecipeError(f"teacher.path: {recipe.teacher.path} has another vocabulary ({len(theirs)} tokens, the "
+                          f"student's {len(ours)}): a teacher scores the student's tokens, so it needs the student's "
+                          f"tokenizer (distillation across tokenizers is not built); nothing was started")
 
 
 def check_device(recipe: Recipe) -> None:

@@ -33,6 +33,7 @@ class Group:
     prompt_index: int
     samples: list[Sample]
     infos: list[dict] = field(default_factory=list)  # what the environment reported per trajectory
+    teacher_kl: tuple[float, int] | None = None  # distillation: (sum, count) of log p_student - log p_teacher
 
     @property
     def min_version(self) -> int:

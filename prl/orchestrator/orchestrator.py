@@ -176,6 +176,7 @@ class Orchestrator:
             r.rl.filter_groups, r.rl.filter_min_std, r.rl.filter_bound(), r.rl.max_steps))
         self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
                                      prefill=cfg.prefill_servers)
+        self.teacher = self.teacher_client()
         self.pool.on_metrics = self.observe_kv
         self.pool.room = lambda server, n: server.active + n <= self.budget.limits[server.index]
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
@@ -204,6 +205,20 @@ class Orchestrator:
         client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer, self.cfg))
         client.locate = self.locator(f"inference-{index}", url)
         return client
+
+    def teacher_client(self):
+        """On-policy distillation: the teacher's servers (None without a teacher)."""
+        if self.cfg.teacher is None:
+            return None
+        from prl.backends.embedded import EmbeddedBackend
+        from prl.orchestrator.teacher import Teacher
+
+        backends = []
+        for i, url in enumerate(self.cfg.teachers):
+            client = EmbeddedBackend(url, self.cfg.secret(), self.rl.max_inflight_rollouts + 8)
+            client.locate = self.locator(f"teacher-{i}", url)
+            backends.append(client)
+        return Teacher(self.cfg.teacher, backends, retry_s=self.cfg.startup_timeout_s)
 
     def sandbox_client(self):
         """The run's sandbox workers (an environment that needs the sandbox), None without them."""
@@ -268,6 +283,8 @@ class Orchestrator:
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
         self.buffer.filter.step = self.start_step
         await self.pool.start(self.cfg.startup_timeout_s)
+        if self.teacher is not None:
+            await self.teacher.start(self.cfg.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         # groups for step s may start under version s - max_async_level (a restarted orchestrator
         # may continue ahead of the trainer, which replays the batches it already has)
@@ -292,7 +309,9 @@ class Orchestrator:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), self.trainer.close())
+        teachers = self.teacher.backends if self.teacher is not None else []
+        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), *(b.close() for b in teachers),
+                             self.trainer.close())
         if self.sandbox is not None:
             await self.sandbox.close()
 
@@ -347,7 +366,7 @@ class Orchestrator:
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
                   "skipped_examples": self.skipped_examples, "user_errors": self.user_errors,
                   **self.data_epoch(position),
-                  "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups)}
+                  "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups), **teacher_kl(groups)}
         self.groups_started = self.user_errors = 0
         self.samples.write_step(step, groups)
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
@@ -483,10 +502,13 @@ class Orchestrator:
         if self.rl.loss_weighting == "sequence":
             advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
         per_token = turn_advantages(trajs) if self.rl.credit == "turn" else None
+        kl = None
+        if self.teacher is not None:
+            per_token, kl = await self.teacher.token_advantages(trajs, advantages)
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
                                     routing=t.routing, mask=t.mask, token_advantages=per_token[i] if per_token else None)
                              for i, (t, a) in enumerate(zip(trajs, advantages))],
-                     infos=[t.info or {} for t in trajs])
+                     infos=[t.info or {} for t in trajs], teacher_kl=kl)
 
     # ---- weights ----
     async def relay_weights(self, wait_for: int | None = None) -> None:
@@ -517,6 +539,13 @@ class Orchestrator:
             self.log.emit("rollouts", inflight=self.rollouts.count(), groups=self.inflight_groups, buffered=len(self.buffer),
                           served_version=self.served, budget=self.inflight_budget())
             await asyncio.sleep(1.0)
+
+
+def teacher_kl(groups) -> dict:
+    """Distillation: the step's mean log p_student - log p_teacher over model tokens (nothing without a teacher)."""
+    scored = [g.teacher_kl for g in groups if g.teacher_kl is not None]
+    count = sum(n for _, n in scored)
+    return {"teacher_kl": sum(s for s, _ in scored) / count} if count else {}
 
 
 def checked_group(env, trajs, n: int) -> list:

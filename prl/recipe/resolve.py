@@ -178,7 +178,21 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None, *, f
     sandboxes = sandbox_configs(recipe, lay, common) if facts.sandbox else []
     orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
     orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
-    return [*pool, *servers, *workers, *sandboxes, orch, *trainers]
+    teachers = teacher_configs(recipe, lay, common)
+    orch.teachers = [f"http://{s.host}:{s.port}" for s in teachers]
+    return [*pool, *servers, *workers, *teachers, *sandboxes, orch, *trainers]
+
+
+def teacher_configs(recipe: Recipe, lay: Layout, common) -> list[ServerConfig]:
+    """On-policy distillation: the teacher's servers, on the orchestrator's machine, serving its frozen folder
+    (never sent a weight version)."""
+    if recipe.teacher is None:
+        return []
+    pl = lay.orchestrator
+    return [ServerConfig(name=f"teacher-{i}", host=pl.address, port=lay.pick(), index=i,
+                         inference=recipe.inference, pretrained=True, model_folder=recipe.teacher.path,
+                         threads=recipe.inference.threads, **common(pl))
+            for i in range(recipe.teacher.servers)]
 
 
 def trainer_configs(recipe: Recipe, lay: Layout, common, publish_format: str) -> list[TrainerConfig]:
@@ -241,7 +255,8 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
         data_parallel=par.dims(recipe.trainer_world()).dp_size,
         micro_batch_tokens=recipe.trainer.micro_batch_tokens, share_prompts=recipe.trainer.shares_prompts,
-        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), **common(lay.orchestrator),
+        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), teacher=recipe.teacher,
+        **common(lay.orchestrator),
     )
 
 

@@ -31,6 +31,7 @@ from prl.recipe.schema import (
     SandboxCfg,
     SftCfg,
     TaskCfg,
+    TeacherCfg,
     TrainerCfg,
 )
 
@@ -82,6 +83,11 @@ class ServerConfig(RoleConfig):
     shares_trainer_fs: bool = True  # a server on the trainer's host reads weights in place
     kv_master: dict = {}  # the KV pool's master (prl.inference.kv_master.MasterAddress fields), if any
     engine_rpc: str = ""  # inference.hosts_per_engine > 1: "address:port" of the engine's data-parallel RPC (its leader)
+    model_folder: str = ""  # a teacher's: the frozen model it serves (else the run's model folder)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model_folder) if self.model_folder else self.run_path / "model"
 
     def engine_rpc_address(self) -> tuple[str, int]:
         """(address, port) of `engine_rpc`."""
@@ -120,6 +126,8 @@ class OrchestratorConfig(RoleConfig):
     micro_batch_tokens: int = 4096
     share_prompts: bool = False  # pack a group's members over one copy of their prompt (trainer.share_prompts)
     draft_weights: bool = False  # vLLM MTP on dummy-started (FP8) servers: load the drafter after the first version
+    teacher: TeacherCfg | None = None  # on-policy distillation: how the teacher's logprobs enter the advantages
+    teachers: list[str] = []  # the teacher's servers' base URLs
 
 
 class TrainerConfig(RoleConfig):

@@ -1102,6 +1102,29 @@ class PlanCfg(Section):
         return data
 
 
+class TeacherCfg(Section):
+    """On-policy distillation: a frozen model the run serves scores every token the student samples (one forward per
+    trajectory, nothing generated), and each model token's advantage gains kl_coef * (log p_teacher - log p_student),
+    the per-token reverse KL's negative, beside reward_weight times the task's group advantage."""
+
+    path: str = Field(min_length=1)
+    """The teacher: a Hugging Face model folder on this machine (e.g. a `prl ckpt export` of a trained run), with the
+    student's tokenizer."""
+    servers: int = Field(1, gt=0)
+    """Inference servers of the teacher (embedded engine, the recipe's [inference] settings, its weights never
+    change)."""
+    kl_coef: float = Field(1.0, ge=0)
+    """Weight of the per-token reverse-KL advantage, log p_teacher - log p_student of each sampled token."""
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task reward's group advantage beside it (0: distillation alone)."""
+
+    @model_validator(mode="after")
+    def _some_signal(self):
+        if self.kl_coef == 0 and self.reward_weight == 0:
+            raise ValueError("teacher.kl_coef and teacher.reward_weight are both 0: nothing to learn from")
+        return self
+
+
 class Recipe(Section):
     cluster: ClusterCfg | None = None
     """Hosts for a multi-host run over SSH; unset: this machine."""
@@ -1129,6 +1152,22 @@ class Recipe(Section):
     """The hardware and workload assumptions of `prl plan`."""
     eval: dict[str, EvalCfg] = {}
     """Held-out evaluation sets by name (`[eval.<name>]`): scored during the run and by `prl eval`."""
+    teacher: TeacherCfg | None = None
+    """On-policy distillation from a frozen teacher the run serves; unset: none."""
+
+    @model_validator(mode="after")
+    def _teacher_where_built(self):
+        if self.teacher is None:
+            return self
+        if self.cluster is not None:
+            raise ValueError("teacher: a teacher on a [cluster] is not built yet: distil on one machine")
+        if self.inference.backend != "embedded":
+            raise ValueError("teacher: the teacher is served by the embedded engine: set inference.backend = "
+                             "'embedded' (a teacher on vLLM is not built yet)")
+        if self.rl.credit == "turn":
+            raise ValueError("teacher: per-turn credit (rl.credit = 'turn') and a teacher's per-token advantages do "
+                             "not combine yet: set rl.credit = 'trajectory'")
+        return self
 
     @model_validator(mode="after")
     def _replay_needs_moe(self):

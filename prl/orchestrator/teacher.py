@@ -1,0 +1,70 @@
+"""On-policy distillation: the teacher's servers score every token the student sampled, and each model token's
+advantage becomes `kl_coef * (log p_teacher - log p_student) + reward_weight * A`, A the task reward's group
+advantage.
+
+Rules:
+- one `/score` request per trajectory (its prompt and completion, scored from the completion's first token): one
+  forward, nothing generated; the teacher's weights never change, so every answer is under the same model;
+- the student's logprob of a token is the one the inference server sampled it with (the policy that sampled it,
+  as the importance ratio uses); environment tokens (mask 0) get no advantage;
+- a teacher server that fails a request is retried on the next one, for up to `startup_timeout_s` while the driver
+  restarts it; past that the orchestrator fails like on any server fault (and is restarted);
+- the step's mean of `log p_student - log p_teacher` over model tokens (`teacher_kl`, the reverse KL's k1
+  estimate) is logged with each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from prl.backends.base import BackendError
+
+
+def distill_advantages(teacher: list[float], student: list[float], mask: list[int] | None, group_advantage: float,
+                       kl_coef: float, reward_weight: float) -> list[float]:
+    """Per completion token: kl_coef * (teacher - student) + reward_weight * group_advantage on the model's tokens,
+    0 on the environment's."""
+    mask = mask if mask is not None else [1] * len(student)
+    return [kl_coef * (t - s) + reward_weight * group_advantage if m else 0.0
+            for t, s, m in zip(teacher, student, mask)]
+
+
+class Teacher:
+    def __init__(self, cfg, backends: list, retry_s: float):
+        self.cfg, self.backends, self.retry_s = cfg, backends, retry_s
+        self.turn = itertools.cycle(range(len(backends)))
+
+    async def start(self, timeout: float) -> None:
+        """Wait for the teacher's servers; none up after `timeout` is a BackendError."""
+        results = await asyncio.gather(*(b.wait_ready(timeout) for b in self.backends), return_exceptions=True)
+        if all(isinstance(r, BaseException) for r in results):
+            raise BackendError(f"no teacher server came up: {results[0]}")
+
+    async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """The teacher's logprob of each completion token, retried across its servers while they come back."""
+        deadline, error = time.monotonic() + self.retry_s, None
+        while time.monotonic() < deadline:
+            backend = self.backends[next(self.turn)]
+            try:
+                return (await backend.score([*prompt_ids, *completion_ids], len(prompt_ids))).logprobs
+            except BackendError as e:
+                if e.client_error:
+                    raise
+                error = e
+                await asyncio.sleep(1.0)
+        raise BackendError(f"the teacher's servers failed for {self.retry_s:.0f} s: {error}")
+
+    async def token_advantages(self, trajs, advantages: list[float]) -> tuple[list[list[float]], tuple[float, int]]:
+        """Each trajectory's per-token advantages, and (sum, count) of log p_student - log p_teacher over model tokens."""
+        scored = await asyncio.gather(*(self.logprobs(t.prompt_ids, t.completion_ids) for t in trajs if t.completion_ids))
+        it = iter(scored)
+        out, total, count = [], 0.0, 0
+        for t, a in zip(trajs, advantages):
+            teacher = next(it) if t.completion_ids else []
+            out.append(distill_advantages(teacher, t.logprobs, t.mask, a, self.cfg.kl_coef, self.cfg.reward_weight))
+            mask = t.mask if t.mask is not None else [1] * len(teacher)
+            total += sum(s - q for s, q, m in zip(t.logprobs, teacher, mask) if m)
+            count += sum(mask)
+        return out, (total, count)
