@@ -10,8 +10,8 @@
 
 Prints per student the held-out reward by step and by seconds since its first RL step, the training reward's last
 5 steps, and the teacher's own held-out reward; ends with one JSON line: `distill_over_rl` (held-out reward at the
-last step, distillation over RL), `distill_over_rl_at_equal_wall` (distillation's last held-out reward over RL's
-latest held-out reward scored within the same seconds of RL), and each figure.
+last step, distillation over RL), `distill_over_rl_at_equal_wall` (distillation's latest held-out reward scored
+within the seconds RL's whole run took, over RL's last), and each figure.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def main() -> None:
     distill = figures(run(out, "distill", *student, f'teacher={{path = "{folder}", kl_coef = 1.0, reward_weight = 0.0}}'))
     teacher_held = max(events(teacher_run, "eval"), key=lambda e: e["step"])["reward"]
     last = max(rl["heldout_by_step"])
-    within = [r for s, r in rl["heldout_by_s"].items() if s <= distill["rl_s"]]
+    within = [r for s, r in distill["heldout_by_s"].items() if s <= rl["rl_s"]]
     for name, f in (("rl", rl), ("distill", distill)):
         print(f"{name}: held-out reward by step {f['heldout_by_step']}, by seconds {f['heldout_by_s']}, training "
               f"reward (last 5 steps) {f['train_reward_last5']}, {f['rl_s']} s of RL")
     print(f"teacher: held-out reward {teacher_held:.4f} after {args.teacher_steps} RL steps")
     result = {"distill_over_rl": round(distill["heldout_by_step"][last] / max(rl["heldout_by_step"][last], 1e-9), 3),
-              "distill_over_rl_at_equal_wall": round(distill["heldout_by_step"][last] / max(within[-1], 1e-9), 3),
+              "distill_over_rl_at_equal_wall": round(within[-1] / max(rl["heldout_by_step"][last], 1e-9), 3),
               "teacher_heldout": round(teacher_held, 4), "steps": args.steps, "rl": rl, "distill": distill}
     print(json.dumps(result))
 
