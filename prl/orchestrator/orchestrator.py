@@ -218,7 +218,9 @@ class Orchestrator:
             client = EmbeddedBackend(url, self.cfg.secret(), self.rl.max_inflight_rollouts + 8)
             client.locate = self.locator(f"teacher-{i}", url)
             backends.append(client)
-        return Teacher(self.cfg.teacher, backends, retry_s=self.cfg.startup_timeout_s)
+        hang = self.cfg.run.hang_timeout_s
+        return Teacher(self.cfg.teacher, backends, retry_s=max(self.cfg.startup_timeout_s, 3 * hang), hang_s=hang,
+                       on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"teacher-{i}", cause=cause))
 
     def sandbox_client(self):
         """The run's sandbox workers (an environment that needs the sandbox), None without them."""

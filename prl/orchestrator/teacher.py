@@ -8,7 +8,9 @@ Rules:
 - the student's logprob of a token is the one the inference server sampled it with (the policy that sampled it,
   as the importance ratio uses); environment tokens (mask 0) get no advantage;
 - a teacher server that fails a request is retried on the next one, for up to `startup_timeout_s` while the driver
-  restarts it; past that the orchestrator fails like on any server fault (and is restarted);
+  restarts it; one that does not answer within `run.hang_timeout_s` is reported hung (an `unresponsive` event: the
+  driver kills and restarts it) and its request retried; past `startup_timeout_s` the orchestrator fails like on
+  any server fault (and is restarted);
 - the step's mean of `log p_student - log p_teacher` over model tokens (`teacher_kl`, the reverse KL's k1
   estimate) is logged with each step.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 
 from prl.backends.base import BackendError
 
@@ -32,9 +35,11 @@ def distill_advantages(teacher: list[float], student: list[float], mask: list[in
 
 
 class Teacher:
-    def __init__(self, cfg, backends: list, retry_s: float):
-        self.cfg, self.backends, self.retry_s = cfg, backends, retry_s
+    def __init__(self, cfg, backends: list, retry_s: float, hang_s: float = 600.0,
+                 on_hang: Callable[[int, str], None] = lambda index, cause: None):
+        self.cfg, self.backends, self.retry_s, self.hang_s, self.on_hang = cfg, backends, retry_s, hang_s, on_hang
         self.turn = itertools.cycle(range(len(backends)))
+        self.reported: dict[int, float] = {}  # server -> when it was last reported hung
 
     async def start(self, timeout: float) -> None:
         """Wait for the teacher's servers; none up after `timeout` is a BackendError."""
@@ -46,9 +51,15 @@ class Teacher:
         """The teacher's logprob of each completion token, retried across its servers while they come back."""
         deadline, error = time.monotonic() + self.retry_s, None
         while time.monotonic() < deadline:
-            backend = self.backends[next(self.turn)]
+            index, sent = next(self.turn), time.monotonic()
             try:
-                return (await backend.score([*prompt_ids, *completion_ids], len(prompt_ids))).logprobs
+                async with asyncio.timeout(self.hang_s):
+                    return (await self.backends[index].score([*prompt_ids, *completion_ids], len(prompt_ids))).logprobs
+            except TimeoutError:
+                error = BackendError(f"teacher-{index} did not answer for {self.hang_s:.0f} s")
+                if sent > self.reported.get(index, float("-inf")):  # else: sent to the process already reported
+                    self.reported[index] = time.monotonic()
+                    self.on_hang(index, str(error))
             except BackendError as e:
                 if e.client_error:
                     raise
