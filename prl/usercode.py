@@ -7,9 +7,10 @@ Rules:
   failing under a user's `rollout`) is prl's, whoever called it;
 - what a user's function returns is checked where it crosses into prl (a reward, a `respond`, a
   `score`); a wrong value is a `UserCodeError` naming the function, whatever frame raised it;
-- the orchestrator then stops the run (exit `EXIT_USER_ERROR`: the driver does not restart it) and
-  writes the example to `user_error.json` in the run folder, or with `env.on_error = "drop"` drops
-  that example and counts it; prl's own failures restart as before.
+- the process logs it as an `error` event marked `user` (`prl.metrics.reporting_errors`), which the driver
+  reads to stop the run instead of restarting the process (the orchestrator also exits with
+  `EXIT_USER_ERROR`); the orchestrator writes the example to `user_error.json` in the run folder, or with
+  `env.on_error = "drop"` drops that example and counts it; prl's own failures restart as before.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def blame(exc: BaseException) -> UserCodeError | None:
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     said = " ".join(str(exc).split())
     return UserCodeError(f"{f.name} ({f.filename}:{f.lineno}) raised {type(exc).__name__}: {said}"[:400], detail=detail)
+
+
+def described(e: BaseException) -> str:
+    """An exception in one line: the user's function, file and line where a user's file raised it, else its type and
+    message (a `sys.exit` said as such)."""
+    user = blame(e)
+    if user is not None:
+        return str(user)
+    if isinstance(e, SystemExit):
+        return f"the code called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def write_example(run_dir: Path, error: UserCodeError, example: object) -> Path:

@@ -166,16 +166,16 @@ def test_eval_tables_start_from_the_recipes_task_and_env(tmp_path):
     assert (exact.dataset, exact.reward, exact.options) == ("m:train", "exact", {"tolerance": 0.1}), "m:train takes them"
 
 
-def test_set_reaches_a_table_a_read_back_recipe_leaves_unset(tmp_path):
+def test_set_reaches_a_table_a_read_back_recipe_leaves_unset():
     """`prl eval --set eval.h.env.max_turns=6` on a run's recipe.json, where the set's env is null; a key
     under a value is refused as --set's, not the file's."""
     from prl.recipe.load import apply_override
 
     data = {"eval": {"h": {"env": None, "examples": 4}}}
-    apply_override(data, "eval.h.env.max_turns=6", tmp_path / "recipe.json")
+    apply_override(data, "eval.h.env.max_turns=6")
     assert data == {"eval": {"h": {"env": {"max_turns": 6}, "examples": 4}}}
     with pytest.raises(RecipeError) as e:
-        apply_override(data, "eval.h.examples.x=1", tmp_path / "recipe.json")
+        apply_override(data, "eval.h.examples.x=1")
     assert str(e.value) == "--set eval.h.examples.x: examples is a value, not a table of keys"
 
 

@@ -172,3 +172,26 @@ def test_an_environment_that_cannot_be_built_is_refused_before_anything_starts(t
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out, out
     assert f"from_context ({tmp_path / 'myenv.py'}:27) raised KeyError: 'missing'; nothing was started" in out, out
+
+
+def test_blame_names_the_innermost_frame_outside_the_libraries_and_never_prls_own(tmp_path, monkeypatch):
+    """Raised in the user's file, or in a library it called: the user's, at their line. Raised inside prl under the
+    user's code (a server that kept failing under a user's `rollout`): prl's."""
+    import importlib
+
+    from prl.usercode import blame
+
+    (tmp_path / "mine_blamed.py").write_text(
+        "import json\nfrom prl.tasks import checked_reward\n\n\ndef own():\n    return 1 / 0\n\n\n"
+        "def library():\n    return json.loads('{')\n\n\ndef prls():\n    return checked_reward('1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mine = importlib.import_module("mine_blamed")
+    caught = {}
+    for name in ("own", "library", "prls"):
+        try:
+            getattr(mine, name)()
+        except Exception as e:  # noqa: BLE001
+            caught[name] = blame(e)
+    assert str(caught["own"]).startswith(f"own ({tmp_path / 'mine_blamed.py'}:6) raised ZeroDivisionError")
+    assert str(caught["library"]).startswith(f"library ({tmp_path / 'mine_blamed.py'}:10) raised JSONDecodeError")
+    assert caught["prls"] is None

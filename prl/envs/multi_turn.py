@@ -149,13 +149,9 @@ class MultiTurnEnv(Environment):
         return list(reply)
 
     def checked_score(self, ep: Episode, example: dict) -> float:
-        from prl.tasks import checked_reward
+        from prl.tasks import users_reward
 
-        value = self.score(ep, example)
-        try:
-            return checked_reward(value)
-        except (TypeError, ValueError) as e:
-            raise UserCodeError(f"{type(self).__name__}.score: {e}") from None
+        return users_reward(self.score(ep, example), f"{type(self).__name__}.score")
 
     async def sample_turn(self, ep: Episode, sampler: Sampler) -> None:
         held = sum(len(r) for r in ep.routing)  # input positions whose routing this episode holds

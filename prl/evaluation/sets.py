@@ -156,15 +156,17 @@ def recipe_tokenizer(model):
     return load_tokenizer(model.path) if model.path else char_tokenizer()
 
 
-def check_held_out(recipe, tokenizer=None) -> None:
+def check_held_out(recipe, tokenizer=None, train_env=None) -> None:
     """The recipe's sets built as the orchestrator builds them (its environments, training's streams from
     them, `build_sets`), so each set prl places holds `examples` prompts training cannot draw; EvalSetError
-    naming the set. `tokenizer`: the run's (default: `recipe_tokenizer`)."""
+    naming the set. `tokenizer`: the run's (default: `recipe_tokenizer`); `train_env`: the training environment
+    (default: built here)."""
     if not any(held_out_by_prl(ev, recipe.task) for ev in recipe.eval.values()):
         return
     tokenizer = tokenizer or recipe_tokenizer(recipe.model)
-    train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
-                         recipe.trainer.router_replay)
+    if train_env is None:
+        train_env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
+                             recipe.trainer.router_replay)
     training = streams(recipe.env, recipe.task, recipe.run.seed, recipe.sampling, tokenizer,
                        [(train_env.example, recipe.training_reach())], warm_start_examples(recipe), sft_file(recipe.sft))
     build_sets(recipe.eval, recipe.task, recipe.env, recipe.sampling, recipe.run.seed, tokenizer, training=training)

@@ -41,7 +41,7 @@ from prl.recipe.schema import Recipe
 from prl.tui.state import RunState, summarize
 from prl.tui.keys import KeyReader
 from prl.tui.view import render
-from prl.usercode import blame
+from prl.usercode import described
 
 
 
@@ -184,17 +184,19 @@ def preflight(recipe: Recipe) -> None:
     """Everything `prl run` checks before starting processes; `--dry-run` runs the same checks."""
     folder = local_folder(recipe)
     check_model(recipe, folder)
-    check_teacher(recipe)
+    tokenizer = local_tokenizer(recipe)
+    check_teacher(recipe, tokenizer)
     check_device(recipe)
     check_backend(recipe, folder)
     check_kv_pool(recipe)
-    check_task(recipe)
+    check_task(recipe, tokenizer)
     check_objective(recipe)
     check_wandb(recipe)
 
 
-def check_teacher(recipe: Recipe) -> None:
-    """`[teacher]`: a model folder here whose tokenizer is the student's (its logprobs are of the same tokens)."""
+def check_teacher(recipe: Recipe, ours) -> None:
+    """`[teacher]`: a model folder here whose tokenizer is the student's (`ours`, None on a cluster: its logprobs are
+    of the same tokens)."""
     from prl.model.build import load_tokenizer
     from prl.model.pretrained import PretrainedError, check_pretrained
 
@@ -208,7 +210,6 @@ def check_teacher(recipe: Recipe) -> None:
     except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
         raise RecipeError(f"teacher.path: {recipe.teacher.path}: its tokenizer cannot be read ({type(e).__name__}: "
                           f"{e}); nothing was started") from None
-    ours = local_tokenizer(recipe)
     if ours is not None and ours.get_vocab() != theirs.get_vocab():
         raise RecipeError(f"teacher.path: {recipe.teacher.path} has another vocabulary ({len(theirs)} tokens, the "
                           f"student's {len(ours)}): a teacher scores the student's tokens, so it needs the student's "
@@ -255,28 +256,29 @@ def check_backend(recipe: Recipe, folder) -> None:
         raise RecipeError(why)
 
 
-def check_task(recipe: Recipe) -> None:
+def check_task(recipe: Recipe, tokenizer=None) -> None:
     """Import user task functions and open data files now (the recipe's, each eval set's, the warm start's), so a
-    typo fails before any process starts."""
-    tokenizer = local_tokenizer(recipe)
+    typo fails before any process starts. `tokenizer`: the run's (default: `local_tokenizer`)."""
+    tokenizer = local_tokenizer(recipe) if tokenizer is None else tokenizer
     try_task(recipe.task, recipe.run.seed, "task", 0, tokenizer)
     for name, ev in recipe.eval.items():
         if ev.task is not None or ev.data is not None:
             key = f"eval.{name}.data" if ev.data is not None else f"eval.{name}.task"
             try_task(ev.set_task(recipe.task), recipe.run.seed, key, ev.start(recipe.task), tokenizer)
     check_sft_data(recipe, tokenizer)
-    check_env_builds(recipe, tokenizer)
-    check_held_out(recipe, tokenizer)
+    env = check_env_builds(recipe, tokenizer)
+    check_held_out(recipe, tokenizer, env)
     check_env(recipe)
 
 
-def check_env_builds(recipe: Recipe, tokenizer) -> None:
-    """The training environment builds as the orchestrator builds it (a user's `from_context`) and gives its first
-    example; else one line naming the user's function, before anything starts."""
+def check_env_builds(recipe: Recipe, tokenizer):
+    """The training environment, built as the orchestrator builds it (a user's `from_context`), which gives its first
+    example; else one line naming the user's function, before anything starts. None where the model's folder is not
+    here (a cluster's: the run builds it)."""
     from prl.envs import Environment, SkipExample, make_env
 
-    if tokenizer is None:  # a cluster's model folder: the run builds it
-        return
+    if tokenizer is None:
+        return None
     try:
         env = make_env(recipe.env, recipe.task, recipe.run.seed, tokenizer, recipe.sampling, recipe.rl.group_size,
                        recipe.trainer.router_replay)
@@ -287,10 +289,11 @@ def check_env_builds(recipe: Recipe, tokenizer) -> None:
     except RecipeError:
         raise
     except SkipExample:  # a first row that cannot be an example: the data checks say so
-        return
+        return env
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's environment: named in one line
         raise RecipeError(f"env.kind = {recipe.env.kind!r}: the environment cannot be built as the run builds it: "
-                          f"{said(e)}; nothing was started") from None
+                          f"{described(e)}; nothing was started") from None
+    return env
 
 
 def local_tokenizer(recipe: Recipe):
@@ -303,28 +306,20 @@ def local_tokenizer(recipe: Recipe):
         return None
 
 
-def check_held_out(recipe: Recipe, tokenizer=None) -> None:
+def check_held_out(recipe: Recipe, tokenizer=None, train_env=None) -> None:
     """The eval sets build as the orchestrator will build them (its environments, the run's tokenizer): each
-    held-out set of the training task finds its examples among prompts training cannot draw."""
+    held-out set of the training task finds its examples among prompts training cannot draw. `train_env`: the
+    training environment, where it was built already."""
     from prl.evaluation.sets import EvalSetError, check_held_out as check
 
     try:
-        check(recipe, tokenizer)
+        check(recipe, tokenizer, train_env)
     except EvalSetError as e:
         raise RecipeError(f"{e}; nothing was started") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's environment or dataset: named in one line
-        raise RecipeError(f"eval: the eval sets cannot be built as the run builds them: {said(e)}; nothing was "
+        raise RecipeError(f"eval: the eval sets cannot be built as the run builds them: {described(e)}; nothing was "
                           f"started") from None
 
-
-def said(e: BaseException) -> str:
-    """An exception of the user's code in one line: its function, file and line where it raised in a user's file."""
-    user = blame(e)
-    if user is not None:
-        return str(user)
-    if isinstance(e, SystemExit):
-        return f"the code called sys.exit({e.code!r})"
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def warn_scan(recipe: Recipe, console: Console) -> None:
@@ -365,14 +360,14 @@ def try_task(cfg, seed: int, key: str, index: int, tokenizer=None) -> None:
     except ValueError as e:
         raise RecipeError(f"invalid {key}, nothing was started: {e}") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's dataset function: named in one line
-        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}, example {index}: {said(e)}") from None
+        raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}, example {index}: {described(e)}") from None
     try:  # the user's own reward: whatever it raises, or a value outside [0, 1], is named in one line
         for example in firsts:
             for completion in ("", str(example.get("answer", ""))):
                 task.reward(completion, example)
     except (Exception, SystemExit) as e:  # noqa: BLE001
         raise RecipeError(f"invalid {key}, nothing was started: task {cfg.name!r}, its reward on example {index} "
-                          f"(an empty completion, then its answer): {said(e)}") from None
+                          f"(an empty completion, then its answer): {described(e)}") from None
     if tokenizer is not None:
         check_prompts(task, firsts, tokenizer, key)
 
@@ -458,7 +453,7 @@ def load_resume(run_dir: Path, overrides: list[str]) -> Recipe:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunStopped(f"{source}: unreadable ({type(e).__name__}: {e}); the run cannot be resumed") from None
     for item in overrides:
-        apply_override(data, item, source)
+        apply_override(data, item)
     inherit_eval_tables(data)  # an eval set's env or task a --set gave starts from the recipe's
     given = set_keys(overrides)
     return checks.checked(validate(data, str(source), set_keys=given), str(source), given)

@@ -169,20 +169,8 @@ class WandbSink:
         """The samples written since the last row (`run.samples_per_step` a step), as a W&B table."""
         import wandb
 
-        if not self.samples.exists() or self.samples.stat().st_size <= self.samples_offset:
-            return {}
-        with open(self.samples, "rb") as f:
-            f.seek(self.samples_offset)
-            data = f.read()
-        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next row
-        self.samples_offset += len(whole)
-        rows = []
-        for line in whole.decode(errors="replace").splitlines():
-            try:
-                s = json.loads(line)
-            except ValueError:
-                continue
-            rows.append([s.get(c) for c in SAMPLE_COLUMNS])
+        kept, self.samples_offset = read_events(self.samples, self.samples_offset)  # whole lines: one being written waits
+        rows = [[s.get(c) for c in SAMPLE_COLUMNS] for s in kept]
         return {"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)} if rows else {}
 
     def close(self, state: str, code: int) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from prl.evaluation.runner import run_set
 from prl.evaluation.sets import EvalSet
 from prl.metrics import read_events
-from prl.usercode import blame
+from prl.usercode import described
 
 
 def logged_points(metrics_path) -> set[tuple[str, int]]:
@@ -127,9 +127,8 @@ class InRunEvals:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - an eval that fails is reported; training goes on
-            user = blame(e)  # the user's task or environment: named by its function, file and line
             orch.log.emit("eval_failed", set=s.name, step=point, version=version,
-                          line=(str(user) if user else f"{type(e).__name__}: {e}")[:400])
+                          line=described(e)[:400])  # the user's task or environment: its function, file and line
             return
         finally:
             self.gates.discard(gate)

@@ -554,7 +554,7 @@ def checked_group(env, trajs, n: int) -> list:
     """What an environment's `rollout` returned, checked where it crosses into prl: `n` scored trajectories whose
     token lists agree; a UserCodeError naming the method otherwise."""
     from prl.envs import Trajectory
-    from prl.tasks import checked_reward
+    from prl.tasks import users_reward
 
     name = f"{type(env).__name__}.rollout"
     if not isinstance(trajs, list) or len(trajs) != n or not all(isinstance(t, Trajectory) for t in trajs):
@@ -566,10 +566,7 @@ def checked_group(env, trajs, n: int) -> list:
             raise UserCodeError(f"{name}: a trajectory's completion_ids, logprobs, versions and mask differ in length "
                                 f"({len(t.completion_ids)}, {len(t.logprobs)}, {len(t.versions)}, "
                                 f"{len(t.mask or t.completion_ids)})")
-        try:
-            checked_reward(t.reward)
-        except (TypeError, ValueError) as e:
-            raise UserCodeError(f"{name}: {e}") from None
+        users_reward(t.reward, name)
     return trajs
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prl.recipe.schema import EnvCfg, Recipe, TaskCfg
+from prl.recipe.schema import EnvCfg, Recipe, TaskCfg, takes_options
 
 
 
@@ -33,7 +33,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except OSError as e:
         raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
     for item in overrides or []:
-        apply_override(data, item, path)
+        apply_override(data, item)
     absolute_data_paths(data)
     inherit_eval_tables(data)
     return validate(data, str(path), set_keys=set_keys(overrides))
@@ -93,9 +93,7 @@ def task_base(recipe_task: dict, task: dict) -> dict:
 
 def drop_unusable_options(task: dict, own: bool) -> None:
     """Inherited task.options where the set's task has no function to take them (its reward a checker)."""
-    users = task.get("dataset") or ":" in str(task.get("reward") or "") or str(task.get("name", "")).startswith(
-        "reasoning_gym:")
-    if not own and not users:
+    if not own and not takes_options(task.get("name", ""), task.get("dataset"), task.get("reward")):
         task.pop("options", None)
 
 
@@ -159,7 +157,7 @@ def refusal(msg: str, source: str, set_keys: list[str] = ()) -> str:
     return f"--set {msg}" if given else f"{source}: {msg}"
 
 
-def apply_override(data: dict[str, Any], item: str, source: Path) -> None:
+def apply_override(data: dict[str, Any], item: str) -> None:
     """`trainer.lr=1e-5` -> data["trainer"]["lr"] = 1e-5. Values parse as TOML, else as strings."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():

@@ -214,8 +214,7 @@ class TaskCfg(Section):
             raise ValueError(f"task.min_len ({self.min_len}) must be <= task.max_len ({self.max_len})")
         if self.name == "custom" and not (self.dataset and self.reward):
             raise ValueError("task.name = 'custom' needs task.dataset and task.reward as 'module:function'")
-        users = self.dataset or (self.reward and ":" in self.reward)  # the user's own functions take them
-        if self.options and not self.name.startswith("reasoning_gym:") and not users:
+        if self.options and not takes_options(self.name, self.dataset, self.reward):
             raise ValueError(f"task.options is for reasoning_gym tasks and the user's task.dataset and task.reward "
                              f"functions; task.name = {self.name!r} has none")
         self._check_file()
@@ -288,6 +287,12 @@ class SandboxCfg(Section):
     """Executions at once in each sandbox worker (programs in parallel per worker, not workers)."""
     workers: int = Field(1, gt=0)
     """Sandbox worker processes on one machine (a cluster: one per sandbox host, placement.sandbox)."""
+
+
+def takes_options(name, dataset, reward) -> bool:
+    """Whether a task has functions that take `task.options`: reasoning-gym's, or the user's own dataset or reward
+    ("module:function"; a checker by name takes none)."""
+    return str(name).startswith("reasoning_gym:") or bool(dataset) or ":" in str(reward or "")
 
 
 class EnvCfg(Section):

@@ -45,14 +45,12 @@ class Task:
         bare reward (the environment then votes on the text). What the function returns is checked here, where it
         crosses into prl: a UserCodeError naming it otherwise."""
         out = self.reward_fn(completion, example, **self.reward_options)
-        try:
-            if isinstance(out, tuple):
-                if len(out) != 2:
-                    raise TypeError(f"returns a float or (reward, answer), got a {len(out)}-tuple")
-                return checked_reward(out[0]), "" if out[1] is None else str(out[1])
-            return checked_reward(out), None
-        except (TypeError, ValueError) as e:
-            raise UserCodeError(f"task.reward {function_name(self.reward_fn)}: {e}") from None
+        who = f"task.reward {function_name(self.reward_fn)}"
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise UserCodeError(f"{who}: returns a float or (reward, answer), got a {len(out)}-tuple")
+            return users_reward(out[0], who), "" if out[1] is None else str(out[1])
+        return users_reward(out, who), None
 
     def reward(self, completion: str, example: dict) -> float:
         return self.score(completion, example)[0]
@@ -76,6 +74,14 @@ def checked_reward(value) -> float:
 
 
 FLOATS = ("float32", "float64", "float16", "int32", "int64")  # numpy scalars a reward may return
+
+
+def users_reward(value, who: str) -> float:
+    """`checked_reward` of what the user's function `who` returned: a UserCodeError naming it otherwise."""
+    try:
+        return checked_reward(value)
+    except (TypeError, ValueError) as e:
+        raise UserCodeError(f"{who}: {e}") from None
 
 
 def function_name(fn: Callable) -> str:
