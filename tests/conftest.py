@@ -67,8 +67,8 @@ def rig(tmp_path_factory):
 
 
 def start_server(run_dir: Path, recipe, timeout: float = 60, name: str | None = None):
-    """A real embedded inference server (`python -m prl.inference`, its own process group) for
-    `recipe`'s first server (or the process `name`, e.g. "teacher-0"), in `run_dir`, once it answers /health:
+    """A real server of the run (`python -m prl.inference`, or the role's own module; its own process group) for
+    `recipe`'s first server (or the process `name`, e.g. "teacher-0", "reward-model-0"), in `run_dir`, once it answers /health:
     (process, its config, an authenticated client). A server that dies while starting fails at once, with its log."""
     import subprocess
     import time
@@ -77,14 +77,15 @@ def start_server(run_dir: Path, recipe, timeout: float = 60, name: str | None = 
 
     from prl.model.tiny import write_model_dir
     from prl.launch.configs import resolve
+    from prl.launch.processes import process_command
     from prl.recipe.resolve import write_configs, write_secret
 
     write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
     cfg = next(c for c in configs if c.name == name) if name else configs[0]
-    path = write_configs(configs, run_dir)[cfg.name]
+    assert write_configs(configs, run_dir)[cfg.name] == Path(cfg.config_path)
     log = open(run_dir / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prl.inference", "--config", str(path)],
+    proc = subprocess.Popen(process_command(cfg),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     client = httpx.Client(base_url=f"http://{cfg.host}:{cfg.port}", headers={"Authorization": f"Bearer {cfg.secret()}"},
                           timeout=timeout)

@@ -43,6 +43,7 @@ def test_the_teachers_advantages_are_its_own_logprobs_in_transformers(tmp_path):
     environment tokens 0; and the step's k1 estimate is their mean of student - teacher."""
     from prl.backends.embedded import EmbeddedBackend
     from prl.model.build import build_model
+    from prl.orchestrator.frozen import FrozenServers
 
     folder = teacher_folder(tmp_path / "teacher")
     recipe = load_recipe(RECIPE, [f'teacher={{path = "{folder}", kl_coef = 0.5, reward_weight = 2.0}}'])
@@ -53,7 +54,8 @@ def test_the_teachers_advantages_are_its_own_logprobs_in_transformers(tmp_path):
         async def score():
             backend = EmbeddedBackend(f"http://{cfg.host}:{cfg.port}", cfg.secret())
             try:
-                return await Teacher(recipe.teacher, [backend], retry_s=30).token_advantages(trajs, [0.3, -0.7])
+                return await Teacher(recipe.teacher, FrozenServers("teacher", [backend], retry_s=30)).token_advantages(
+                    trajs, [0.3, -0.7])
             finally:
                 await backend.close()
 

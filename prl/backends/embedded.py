@@ -10,8 +10,8 @@ import httpx
 import pydantic
 
 from prl.backends.base import BROKEN, NEVER_SENT, BackendError, InferenceBackend, MalformedResponse, WeightsRejected
-from prl.inference.protocol import (GenerateRequest, GenerateResponse, Metrics, PrefillResponse, ScoreResponse,
-                                    UpdateWeightsResponse)
+from prl.inference.protocol import (GenerateRequest, GenerateResponse, Metrics, PrefillResponse, RewardResponse,
+                                    ScoreResponse, UpdateWeightsResponse)
 
 
 class EmbeddedBackend(InferenceBackend):
@@ -74,6 +74,14 @@ class EmbeddedBackend(InferenceBackend):
         """The logprobs of `ids[start:]` under the weights this server serves (a teacher's scoring; nothing generated)."""
         r = self.check(await self.post("/score", {"ids": ids, "start": start}, repeatable=True), "/score")
         return ScoreResponse.model_validate_json(r.content)
+
+    async def reward(self, items: list[dict]) -> RewardResponse:
+        """A reward-model server's scores of conversations (`prl.inference.reward_model`)."""
+        r = self.check(await self.post("/reward", {"items": items}, repeatable=True), "/reward")
+        try:
+            return RewardResponse.model_validate_json(r.content)
+        except pydantic.ValidationError as e:
+            raise MalformedResponse(f"{self.base_url}/reward: {e.error_count()} errors in the answer") from None
 
     async def load_weights(self, version: int) -> float:
         """The engine reads and verifies off its thread and copies the version in between two decode

@@ -68,6 +68,11 @@ def decode_routing(msg: Routing):
     return torch.from_numpy(np.frombuffer(raw, dtype=msg.dtype).reshape(msg.shape))
 
 
+class ChatMessage(Msg):
+    role: str = Field(min_length=1, max_length=64)
+    content: str
+
+
 class CompletionRequest(BaseModel):
     """The OpenAI /v1/completions request. What the engine does not do (streaming, echo, best_of,
     penalties, more than the sampled token's logprob, unknown fields) is refused with a 400 naming
@@ -103,6 +108,15 @@ class CompletionRequest(BaseModel):
             if value not in (None, 0, 0.0, False, {}, []):
                 return f"{key}: not supported by prl's engine"
         return None
+
+
+class ChatCompletionRequest(CompletionRequest):
+    """OpenAI's /v1/chat/completions: the messages rendered by the served tokenizer's chat template (without one,
+    their contents joined by newlines), then as /v1/completions. `max_completion_tokens` is OpenAI's newer name."""
+
+    prompt: None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
 
 
 class UpdateWeightsRequest(Msg):
@@ -194,3 +208,21 @@ class Metrics(Msg):
     collective_receiving: int = -1  # tensors received of the version on the wire now (-1: none)
     decode_steps: int = 0  # embedded engine: batch decode forwards
     prefill_forwards: int = 0  # embedded engine: forwards that computed prompt tokens
+
+
+class RewardItem(Msg):
+    """One sampled conversation: the prompt (text, or chat messages) and the completion the policy wrote."""
+
+    prompt: str | list[ChatMessage]
+    completion: str
+
+
+class RewardRequest(Msg):
+    """Score conversations with the served reward model (`prl.inference.reward_model`), one forward for all."""
+
+    items: list[RewardItem] = Field(min_length=1, max_length=1024)
+
+
+class RewardResponse(Msg):
+    scores: list[float]  # one per item, in order
+    tokens: int  # the reward model's tokens scored (its own tokenizer's)

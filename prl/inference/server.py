@@ -24,6 +24,7 @@ from prl.inference.protocol import (
     CollectiveJoin,
     CollectiveReceive,
     Completion,
+    ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     GenerateResponse,
@@ -37,6 +38,7 @@ from prl.inference.protocol import (
     UpdateWeightsResponse,
     encode_routing,
 )
+from prl.tasks.prompts import PromptError, raw_text, render, uses_template
 from prl.transport.auth import bearer
 from prl.model.weights import StreamedOnly
 from prl.transport.collective import GroupInfo
@@ -89,13 +91,19 @@ def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl"
                weights_root: Path | None = None) -> FastAPI:
     """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path;
     `weights_root`: the only folder an update's `path` may point into (the run's weights)."""
-    app = FastAPI(title="prl inference", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(LimitBody)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, _http_error)
+    app = new_app("prl inference")
     served, guarded = Served(loop, tokenizer, model_name, weights, weights_root), [Depends(bearer(secret))]
     for add in (add_token_routes, add_openai_routes, add_weight_routes, add_status_routes):
         add(app, served, guarded)
+    return app
+
+
+def new_app(title: str) -> FastAPI:
+    """A server's app: bodies over MAX_BODY_BYTES refused unread, errors in one shape (OpenAI's on /v1)."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(LimitBody)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     return app
 
 
@@ -142,7 +150,8 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
 
 
 def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
-    """OpenAI's /v1/models and /v1/completions (text or token prompts), for its clients and tools."""
+    """OpenAI's /v1/models, /v1/completions (text or token prompts) and /v1/chat/completions, for its clients and
+    tools (an LLM judge the run serves, `prl.orchestrator.judge`)."""
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
@@ -162,6 +171,42 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]
         seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
         return _openai_response(req, ids, seqs, s.tokenizer, s.model_name)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict:
+        why = req.unsupported()
+        if why:
+            raise HTTPException(400, why)
+        try:
+            ids = chat_ids(s.tokenizer, [m.model_dump() for m in req.messages])
+        except PromptError as e:
+            raise HTTPException(400, f"messages: {e}") from None
+        req.max_tokens = req.max_completion_tokens or req.max_tokens
+        s.check_prompt(ids, req.max_tokens, "messages")
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]
+        seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
+        return chat_response(_openai_response(req, ids, seqs, s.tokenizer, s.model_name))
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages as the prompt's tokens: the tokenizer's chat template with the assistant's turn opened, or
+    without one their contents joined by newlines (prl's tiny tokenizer)."""
+    if uses_template(tokenizer, "auto"):
+        ids = render(tokenizer, messages, generation_prompt=True)
+    else:
+        ids = tokenizer(raw_text(messages)).input_ids
+    if not ids:
+        raise PromptError("the messages render to no tokens")
+    return ids
+
+
+def chat_response(completion: dict) -> dict:
+    """A /v1/completions answer in /v1/chat/completions' shape."""
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                "finish_reason": c["finish_reason"]} for c in completion["choices"]]
+    return {**completion, "id": completion["id"].replace("cmpl-", "chatcmpl-"), "object": "chat.completion",
+            "choices": choices}
 
 
 async def staged_or_read(s: Served, req: UpdateWeightsRequest):

@@ -186,6 +186,8 @@ def preflight(recipe: Recipe) -> None:
     check_model(recipe, folder)
     tokenizer = local_tokenizer(recipe)
     check_teacher(recipe, tokenizer)
+    check_reward_model(recipe)
+    check_judge(recipe)
     check_device(recipe)
     check_backend(recipe, folder)
     check_kv_pool(recipe)
@@ -214,6 +216,61 @@ def check_teacher(recipe: Recipe, ours) -> None:
         raise RecipeError(f"teacher.path: {recipe.teacher.path} has another vocabulary ({len(theirs)} tokens, the "
                           f"student's {len(ours)}): a teacher scores the student's tokens, so it needs the student's "
                           f"tokenizer (distillation across tokenizers is not built); nothing was started")
+
+
+def check_reward_model(recipe: Recipe) -> None:
+    """`[reward.model]`: a sequence-classification folder here, of one label, that transformers can build and whose
+    tokenizer loads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as KNOWN
+
+    from prl.model.build import load_tokenizer
+    from prl.model.pretrained import PretrainedError, check_reward_model as check_folder
+
+    rm = recipe.reward.model
+    if rm is None:
+        return
+    try:
+        info = check_folder(rm.path)
+        load_tokenizer(rm.path)
+    except PretrainedError as e:
+        raise RecipeError(f"reward.model.path: {e}; nothing was started") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
+        raise RecipeError(f"reward.model.path: {rm.path}: its tokenizer cannot be read ({type(e).__name__}: {e}); "
+                          f"nothing was started") from None
+    if info.model_type not in KNOWN:
+        raise RecipeError(f"reward.model.path: {rm.path}: transformers has no sequence classifier for model_type "
+                          f"{info.model_type!r}; nothing was started")
+
+
+def check_judge(recipe: Recipe) -> None:
+    """`[reward.judge]`: a model folder here for a judge the run serves, its API key's variable set for an outside
+    one, and its parser importable."""
+    import os
+
+    from prl.model.build import load_tokenizer
+    from prl.model.pretrained import PretrainedError, check_pretrained
+    from prl.tasks import import_function
+
+    judge = recipe.reward.judge
+    if judge is None:
+        return
+    if judge.path is not None:
+        try:
+            check_pretrained(judge.path)
+            load_tokenizer(judge.path)
+        except PretrainedError as e:
+            raise RecipeError(f"reward.judge.path: {e}; nothing was started") from None
+        except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
+            raise RecipeError(f"reward.judge.path: {judge.path}: its tokenizer cannot be read ({type(e).__name__}: "
+                              f"{e}); nothing was started") from None
+    if judge.api_key_env is not None and not os.environ.get(judge.api_key_env):
+        raise RecipeError(f"reward.judge.api_key_env = {judge.api_key_env!r}: that variable is not set here; export "
+                          f"it with the judge's API key before prl run; nothing was started")
+    if judge.parser is not None:
+        try:
+            import_function(judge.parser, "reward.judge.parser")
+        except ValueError as e:
+            raise RecipeError(f"{e}; nothing was started") from None
 
 
 def check_device(recipe: Recipe) -> None:

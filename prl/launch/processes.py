@@ -58,6 +58,8 @@ def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[st
         from prl.inference.kv_master import launch_command
 
         return launch_command(cfg, python)
+    if cfg.role == "reward_model":
+        return [python, "-m", "prl.inference.reward_model", "--config", cfg.config_path]
     if cfg.role in ("inference", "engine_worker"):
         command = registry.get(cfg.inference.backend).launch_command(cfg, python)
         if command is not None:

@@ -99,7 +99,7 @@ def read_header(path: Path) -> dict:
 def check_pretrained(folder: str | Path) -> FolderInfo:
     folder = Path(folder)
     if not folder.is_dir():
-        raise PretrainedError(f"model.path = {str(folder)!r}: not a folder")
+        raise PretrainedError(f"{str(folder)!r} is not a folder")
     config_path = folder / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -140,16 +140,16 @@ def link_pretrained(src: Path, out: Path) -> Path:
     return out
 
 
-def load_pretrained(folder: Path, dtype):
-    """`from_pretrained`, refusing a folder whose tensors do not match its config exactly."""
-    from transformers import AutoModelForCausalLM
-
-    from transformers import AutoConfig
+def load_pretrained(folder: Path, dtype, head: str = "causal"):
+    """`from_pretrained`, refusing a folder whose tensors do not match its config exactly. `head`: "causal" (a
+    language model) or "reward" (a sequence classifier, `check_reward_model`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from prl.model.mtp import draft_layers
 
     config = AutoConfig.from_pretrained(folder)
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    auto = AutoModelForCausalLM if head == "causal" else AutoModelForSequenceClassification
+    cls = auto._model_mapping[type(config)]
     drafts = [rf"^model\.layers\.{i}\." for i in draft_layers(config.to_dict())]
     if drafts:  # a checkpoint's MTP layers (`prl.model.mtp`): not trained, set aside by name, not reported
         cls = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected":
@@ -160,3 +160,18 @@ def load_pretrained(folder: Path, dtype):
         detail = "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in problems.items())
         raise PretrainedError(f"{folder}: weights do not match config.json ({detail})")
     return model
+
+
+def check_reward_model(folder: str | Path) -> FolderInfo:
+    """A reward model's folder: a model folder (`check_pretrained`) whose architecture is a sequence classifier
+    with one label (the score). Reads config.json and headers only."""
+    info = check_pretrained(folder)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    arches = config.get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in arches):
+        raise PretrainedError(f"{folder}: architecture {arches or 'unnamed'} has no classification head; a reward "
+                              f"model is a ...ForSequenceClassification folder with one label")
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if labels != 1:
+        raise PretrainedError(f"{folder}: a classifier of {labels} labels; a reward model has one (its score)")
+    return info

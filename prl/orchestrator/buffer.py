@@ -34,6 +34,7 @@ class Group:
     samples: list[Sample]
     infos: list[dict] = field(default_factory=list)  # what the environment reported per trajectory
     teacher_kl: tuple[float, int] | None = None  # distillation: (sum, count) of log p_student - log p_teacher
+    figures: dict = field(default_factory=dict)  # a reward model's sums over the group (`prl.orchestrator.rewards`)
 
     @property
     def min_version(self) -> int:

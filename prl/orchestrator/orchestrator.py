@@ -34,6 +34,7 @@ from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer, GroupFilter, uniform
 from prl.orchestrator.evals import InRunEvals
+from prl.orchestrator.rewards import RewardUnavailable, step_figures
 from prl.orchestrator.samples import SampleWriter
 from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
@@ -177,6 +178,9 @@ class Orchestrator:
         self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
                                      prefill=cfg.prefill_servers)
         self.teacher = self.teacher_client()
+        self.rewards = self.rewards_client()
+        self.reward_dropped = self.reward_dropped_total = 0  # groups a model gave no score: since the last batch, in all
+        self.judge_unparsed = 0  # judge answers that gave no score, since the last batch
         self.pool.on_metrics = self.observe_kv
         self.pool.room = lambda server, n: server.active + n <= self.budget.limits[server.index]
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
@@ -206,21 +210,54 @@ class Orchestrator:
         client.locate = self.locator(f"inference-{index}", url)
         return client
 
+    def frozen(self, kind: str, urls: list[str], backends: list | None = None):
+        """Servers of the run whose weights never change (a teacher's, a reward model's, a judge's), `kind-N` each:
+        prl's own API at `urls`, or the given `backends`."""
+        from prl.backends.embedded import EmbeddedBackend
+        from prl.orchestrator.frozen import FrozenServers
+
+        if backends is None:
+            backends = [EmbeddedBackend(url, self.cfg.secret(), self.rl.max_inflight_rollouts + 8) for url in urls]
+        for i, (client, url) in enumerate(zip(backends, urls)):
+            client.locate = self.locator(f"{kind}-{i}", url)
+        hang = self.cfg.run.hang_timeout_s
+        return FrozenServers(kind, backends, retry_s=max(self.cfg.startup_timeout_s, 3 * hang), hang_s=hang,
+                             on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"{kind}-{i}", cause=cause))
+
     def teacher_client(self):
         """On-policy distillation: the teacher's servers (None without a teacher)."""
         if self.cfg.teacher is None:
             return None
-        from prl.backends.embedded import EmbeddedBackend
         from prl.orchestrator.teacher import Teacher
 
-        backends = []
-        for i, url in enumerate(self.cfg.teachers):
-            client = EmbeddedBackend(url, self.cfg.secret(), self.rl.max_inflight_rollouts + 8)
-            client.locate = self.locator(f"teacher-{i}", url)
-            backends.append(client)
-        hang = self.cfg.run.hang_timeout_s
-        return Teacher(self.cfg.teacher, backends, retry_s=max(self.cfg.startup_timeout_s, 3 * hang), hang_s=hang,
-                       on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"teacher-{i}", cause=cause))
+        return Teacher(self.cfg.teacher, self.frozen("teacher", self.cfg.teachers))
+
+    def rewards_client(self):
+        """`[reward.model]`, `[reward.judge]`: the models a group's rewards come from (None without them)."""
+        cfg = self.cfg.reward
+        if cfg.model is None and cfg.judge is None:
+            return None
+        from prl.orchestrator.rewards import ModelRewards
+
+        scorer = self.frozen("reward-model", self.cfg.reward_models) if cfg.model is not None else None
+        return ModelRewards(cfg, self.tokenizer, scorer, self.judge_client())
+
+    def judge_client(self):
+        judge = self.cfg.reward.judge
+        if judge is None:
+            return None
+        from prl.orchestrator.frozen import FrozenServers
+        from prl.orchestrator.judge import Judge, judge_servers
+        from prl.tasks import import_function
+
+        parse = import_function(judge.parser, "reward.judge.parser") if judge.parser else None
+        chats = judge_servers(judge, self.cfg.judges, self.cfg.secret())
+        if self.cfg.judges:  # served by the run: hung ones are reported, and the driver restarts them
+            servers = self.frozen("judge", self.cfg.judges, chats)
+            servers.hang_s = judge.timeout_s
+        else:
+            servers = FrozenServers("judge", chats, retry_s=3 * judge.timeout_s, hang_s=judge.timeout_s)
+        return Judge(judge, servers, parse)
 
     def sandbox_client(self):
         """The run's sandbox workers (an environment that needs the sandbox), None without them."""
@@ -285,8 +322,8 @@ class Orchestrator:
         self.committed = self.start_step * self.groups_per_batch  # groups shipped, buffered or in flight
         self.buffer.filter.step = self.start_step
         await self.pool.start(self.cfg.startup_timeout_s)
-        if self.teacher is not None:
-            await self.teacher.start(self.cfg.startup_timeout_s)
+        for frozen in self.frozen_servers():
+            await frozen.start(self.cfg.startup_timeout_s)
         self.log.emit("orchestrator", state="waiting for weights", step=self.start_step)
         # groups for step s may start under version s - max_async_level (a restarted orchestrator
         # may continue ahead of the trainer, which replays the batches it already has)
@@ -311,11 +348,14 @@ class Orchestrator:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        teachers = self.teacher.backends if self.teacher is not None else []
-        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), *(b.close() for b in teachers),
+        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), *(f.close() for f in self.frozen_servers()),
                              self.trainer.close())
         if self.sandbox is not None:
             await self.sandbox.close()
+
+    def frozen_servers(self) -> list:
+        return [*([self.teacher.servers] if self.teacher is not None else []),
+                *(self.rewards.servers if self.rewards is not None else [])]
 
     def eval_sampler(self, index: int) -> GroupSampler:
         """The pool for one eval example: like a group's, counted in flight, never pending."""
@@ -367,9 +407,10 @@ class Orchestrator:
         # read with the cursor, before any await: the groups filtered so far are those it consumed
         counts = {**ages, **self.buffer.filter.shipped(step), "groups_started": self.groups_started,
                   "skipped_examples": self.skipped_examples, "user_errors": self.user_errors,
+                  **self.reward_counts(groups),
                   **self.data_epoch(position),
                   "groups_uniform": sum(uniform(g, self.rl.filter_min_std) for g in groups), **teacher_kl(groups)}
-        self.groups_started = self.user_errors = 0
+        self.groups_started = self.user_errors = self.reward_dropped = self.judge_unparsed = 0
         self.samples.write_step(step, groups)
         rows = pack(samples, self.cfg.data_parallel, self.cfg.micro_batch_tokens, self.cfg.share_prompts)
         batch = TrainBatch(step=step, micro_batches=rows,
@@ -423,11 +464,13 @@ class Orchestrator:
 
     async def run_group(self, index: int) -> None:
         sampler = GroupSampler(self.pool, index, self.rollouts)
-        skipped = failed = None
+        skipped = failed = unscored = None
         try:
             group = await self.rollout_group(index, sampler)
         except SkipExample as e:  # its index is consumed, and a replacement starts
             group, skipped = None, e
+        except RewardUnavailable as e:  # dropped and counted, never scored 0
+            group, unscored = None, e
         except (Exception, SystemExit) as e:  # noqa: BLE001 - surfaced by next_groups; a cancellation is not one
             group, failed = None, blame(e)
             if failed is None:  # prl's own: the orchestrator restarts
@@ -444,6 +487,8 @@ class Orchestrator:
                 self.skip(index, skipped)
             elif failed is not None:
                 self.user_error(index, failed.on_example(index))
+            elif unscored is not None:
+                self.unscored(index, unscored)
             elif group is not None:
                 self.skipped_in_a_row = 0
             self.changed.notify_all()
@@ -463,6 +508,24 @@ class Orchestrator:
         if self.skipped_in_a_row >= SKIPS_IN_A_ROW:
             self.error = self.error or RuntimeError(f"{SKIPS_IN_A_ROW} examples skipped in a row, none run (the last, "
                                                     f"example {index}: {why}); fix the data or its keys")
+
+    def unscored(self, index: int, why: RewardUnavailable) -> None:
+        """A model gave no score for example `index`'s group: dropped and counted, the first ones said. Caller holds
+        `self.changed`."""
+        self.consume_unrun([index])
+        self.groups_started -= 1
+        self.reward_dropped += 1
+        self.judge_unparsed += why.unparsed
+        self.reward_dropped_total += 1
+        if self.reward_dropped_total <= SKIPS_LOGGED:
+            self.log.emit("reward_dropped", index=index, why=str(why)[:300], total=self.reward_dropped_total)
+
+    def reward_counts(self, groups: list[Group]) -> dict:
+        """The model rewards' figures for a step (nothing without a reward model or judge)."""
+        if self.rewards is None:
+            return {}
+        judged = {"judge_unparsed": self.judge_unparsed} if self.rewards.judge is not None else {}
+        return {**step_figures(groups), "reward_dropped": self.reward_dropped, **judged}
 
     def user_error(self, index: int, error: UserCodeError) -> None:
         """The user's code failed on example `index`: the run stops at once, the example written beside it; with
@@ -499,7 +562,11 @@ class Orchestrator:
 
     async def rollout_group(self, index: int, sampler: GroupSampler) -> Group:
         """One example through the environment; the group's advantages over its rewards."""
-        trajs = checked_group(self.env, await self.env.rollout(self.env.example(index), sampler), self.rl.group_size)
+        example = self.env.example(index)
+        trajs = checked_group(self.env, await self.env.rollout(example, sampler), self.rl.group_size)
+        figures = {}
+        if self.rewards is not None:
+            trajs, figures = await self.rewards.rewarded(example, trajs)
         advantages = group_advantages([t.reward for t in trajs], self.rl.advantage)
         if self.rl.loss_weighting == "sequence":
             advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
@@ -510,7 +577,7 @@ class Orchestrator:
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
                                     routing=t.routing, mask=t.mask, token_advantages=per_token[i] if per_token else None)
                              for i, (t, a) in enumerate(zip(trajs, advantages))],
-                     infos=[t.info or {} for t in trajs], teacher_kl=kl)
+                     infos=[t.info or {} for t in trajs], teacher_kl=kl, figures=figures)
 
     # ---- weights ----
     async def relay_weights(self, wait_for: int | None = None) -> None:

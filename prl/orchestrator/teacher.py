@@ -7,10 +7,8 @@ Rules:
   forward, nothing generated; the teacher's weights never change, so every answer is under the same model;
 - the student's logprob of a token is the one the inference server sampled it with (the policy that sampled it,
   as the importance ratio uses); environment tokens (mask 0) get no advantage;
-- a teacher server that fails a request is retried on the next one, for up to `startup_timeout_s` while the driver
-  restarts it; one that does not answer within `run.hang_timeout_s` is reported hung (an `unresponsive` event: the
-  driver kills and restarts it) and its request retried; past `startup_timeout_s` the orchestrator fails like on
-  any server fault (and is restarted);
+- a teacher server that fails or hangs is retried as `prl.orchestrator.frozen` says; past its retries the
+  orchestrator fails like on any server fault (and is restarted);
 - the step's mean of `log p_student - log p_teacher` over model tokens (`teacher_kl`, the reverse KL's k1
   estimate) is logged with each step.
 """
@@ -18,11 +16,8 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
-from collections.abc import Callable
 
-from prl.backends.base import BackendError
+from prl.orchestrator.frozen import FrozenServers
 
 
 def distill_advantages(teacher: list[float], student: list[float], mask: list[int] | None, group_advantage: float,
@@ -35,37 +30,13 @@ def distill_advantages(teacher: list[float], student: list[float], mask: list[in
 
 
 class Teacher:
-    def __init__(self, cfg, backends: list, retry_s: float, hang_s: float = 600.0,
-                 on_hang: Callable[[int, str], None] = lambda index, cause: None):
-        self.cfg, self.backends, self.retry_s, self.hang_s, self.on_hang = cfg, backends, retry_s, hang_s, on_hang
-        self.turn = itertools.cycle(range(len(backends)))
-        self.reported: dict[int, float] = {}  # server -> when it was last reported hung
-
-    async def start(self, timeout: float) -> None:
-        """Wait for the teacher's servers; none up after `timeout` is a BackendError."""
-        results = await asyncio.gather(*(b.wait_ready(timeout) for b in self.backends), return_exceptions=True)
-        if all(isinstance(r, BaseException) for r in results):
-            raise BackendError(f"no teacher server came up: {results[0]}")
+    def __init__(self, cfg, servers: FrozenServers):
+        self.cfg, self.servers = cfg, servers
 
     async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """The teacher's logprob of each completion token, retried across its servers while they come back."""
-        deadline, error = time.monotonic() + self.retry_s, None
-        while time.monotonic() < deadline:
-            index, sent = next(self.turn), time.monotonic()
-            try:
-                async with asyncio.timeout(self.hang_s):
-                    return (await self.backends[index].score([*prompt_ids, *completion_ids], len(prompt_ids))).logprobs
-            except TimeoutError:
-                error = BackendError(f"teacher-{index} did not answer for {self.hang_s:.0f} s")
-                if sent > self.reported.get(index, float("-inf")):  # else: sent to the process already reported
-                    self.reported[index] = time.monotonic()
-                    self.on_hang(index, str(error))
-            except BackendError as e:
-                if e.client_error:
-                    raise
-                error = e
-                await asyncio.sleep(1.0)
-        raise BackendError(f"the teacher's servers failed for {self.retry_s:.0f} s: {error}")
+        ids = [*prompt_ids, *completion_ids]
+        return (await self.servers.call(lambda b: b.score(ids, len(prompt_ids)))).logprobs
 
     async def token_advantages(self, trajs, advantages: list[float]) -> tuple[list[list[float]], tuple[float, int]]:
         """Each trajectory's per-token advantages, and (sum, count) of log p_student - log p_teacher over model tokens."""

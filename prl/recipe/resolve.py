@@ -36,6 +36,7 @@ from prl.recipe.roles import (
     KvMasterConfig,
     OrchestratorConfig,
     ProcessConfig,
+    RewardModelConfig,
     SandboxConfig,
     ServerConfig,
     TrainerConfig,
@@ -178,21 +179,37 @@ def resolve(recipe: Recipe, run_dir: Path, secret_file: Path | None = None, *, f
     sandboxes = sandbox_configs(recipe, lay, common) if facts.sandbox else []
     orch = orchestrator_config(recipe, lay, common, servers, trainer_url)
     orch.sandboxes = [f"http://{s.host}:{s.port}" for s in sandboxes]
-    teachers = teacher_configs(recipe, lay, common)
+    teachers = frozen_configs(recipe, lay, common, "teacher", recipe.teacher)
     orch.teachers = [f"http://{s.host}:{s.port}" for s in teachers]
-    return [*pool, *servers, *workers, *teachers, *sandboxes, orch, *trainers]
+    judge = recipe.reward.judge
+    judges = frozen_configs(recipe, lay, common, "judge", judge if judge is not None and judge.path else None)
+    orch.judges = [f"http://{s.host}:{s.port}" for s in judges]
+    scorers = reward_model_configs(recipe, lay, common)
+    orch.reward_models = [f"http://{s.host}:{s.port}" for s in scorers]
+    return [*pool, *servers, *workers, *teachers, *judges, *scorers, *sandboxes, orch, *trainers]
 
 
-def teacher_configs(recipe: Recipe, lay: Layout, common) -> list[ServerConfig]:
-    """On-policy distillation: the teacher's servers, on the orchestrator's machine, serving its frozen folder
-    (never sent a weight version)."""
-    if recipe.teacher is None:
+def reward_model_configs(recipe: Recipe, lay: Layout, common) -> list[RewardModelConfig]:
+    """`[reward.model]`: its servers, on the orchestrator's machine, serving the frozen folder."""
+    rm = recipe.reward.model
+    if rm is None:
         return []
     pl = lay.orchestrator
-    return [ServerConfig(name=f"teacher-{i}", host=pl.address, port=lay.pick(), index=i,
-                         inference=recipe.inference, pretrained=True, model_folder=recipe.teacher.path,
+    return [RewardModelConfig(name=f"reward-model-{i}", host=pl.address, port=lay.pick(), index=i, reward_model=rm,
+                              threads=rm.threads, **common(pl)) for i in range(rm.servers)]
+
+
+def frozen_configs(recipe: Recipe, lay: Layout, common, kind: str, cfg) -> list[ServerConfig]:
+    """A model the run serves beside the policy (`kind`: "teacher", "judge"; `cfg` its table with `path` and
+    `servers`, None without one): its inference servers on the orchestrator's machine, serving the frozen folder
+    (never sent a weight version)."""
+    if cfg is None:
+        return []
+    pl = lay.orchestrator
+    return [ServerConfig(name=f"{kind}-{i}", host=pl.address, port=lay.pick(), index=i,
+                         inference=recipe.inference, pretrained=True, model_folder=cfg.path,
                          threads=recipe.inference.threads, **common(pl))
-            for i in range(recipe.teacher.servers)]
+            for i in range(cfg.servers)]
 
 
 def trainer_configs(recipe: Recipe, lay: Layout, common, publish_format: str) -> list[TrainerConfig]:
@@ -255,7 +272,7 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
         data_parallel=par.dims(recipe.trainer_world()).dp_size,
         micro_batch_tokens=recipe.trainer.micro_batch_tokens, share_prompts=recipe.trainer.shares_prompts,
-        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), teacher=recipe.teacher,
+        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), teacher=recipe.teacher, reward=recipe.reward,
         **common(lay.orchestrator),
     )
 

@@ -10,6 +10,7 @@ section fails: the attribute does not exist.
 | engine_worker | as inference | its engine's leader, its first data-parallel rank |
 | kv_master | run, kv_pool | its address |
 | sandbox | run, sandbox (env.sandbox) | its address |
+| reward_model | run, reward.model | its address |
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from prl.recipe.schema import (
     RlCfg,
     RunCfg,
     SamplingCfg,
+    RewardCfg,
+    RewardModelCfg,
     SandboxCfg,
     SftCfg,
     TaskCfg,
@@ -128,6 +131,9 @@ class OrchestratorConfig(RoleConfig):
     draft_weights: bool = False  # vLLM MTP on dummy-started (FP8) servers: load the drafter after the first version
     teacher: TeacherCfg | None = None  # on-policy distillation: how the teacher's logprobs enter the advantages
     teachers: list[str] = []  # the teacher's servers' base URLs
+    reward: RewardCfg = RewardCfg()  # how a reward model's score enters each sample's reward
+    reward_models: list[str] = []  # the reward model's servers' base URLs
+    judges: list[str] = []  # the judge's servers' base URLs, where the run serves it (reward.judge.path)
 
 
 class TrainerConfig(RoleConfig):
@@ -161,8 +167,15 @@ class SandboxConfig(RoleConfig):
     sandbox: SandboxCfg
 
 
+class RewardModelConfig(RoleConfig):
+    """A server of the run's reward model (`[reward.model]`): a frozen sequence-classification folder."""
+
+    role: Literal["reward_model"] = "reward_model"
+    reward_model: RewardModelCfg
+
+
 ProcessConfig = Annotated[Union[ServerConfig, EngineWorkerConfig, OrchestratorConfig, TrainerConfig, KvMasterConfig,
-                                SandboxConfig],
+                                SandboxConfig, RewardModelConfig],
                           Field(discriminator="role")]
 _ADAPTER = TypeAdapter(ProcessConfig)
 

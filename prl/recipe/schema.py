@@ -1130,6 +1130,129 @@ class TeacherCfg(Section):
         return self
 
 
+class RewardModelCfg(Section):
+    """A reward model the run serves: a Hugging Face sequence-classification folder (one label) that scores each
+    sampled conversation, prompt and completion, with its own tokenizer and chat template."""
+
+    path: str = Field(min_length=1)
+    """The reward model: a Hugging Face folder on this machine whose architecture ends in ForSequenceClassification
+    (e.g. Qwen3ForSequenceClassification) and that has one label."""
+    servers: int = Field(1, gt=0)
+    """Reward-model servers (`reward-model-N`, started, health-checked and restarted with the run)."""
+    weight: float = 1.0
+    """What the score counts in each sample's reward: reward.task_weight * task reward + weight * score."""
+    normalize: Literal["none", "group"] = "none"
+    """"group": each score minus its group's mean, over the group's standard deviation (a group whose scores are
+    equal gives 0), before the weight; "none": the score as the model gives it."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the reward model's weights."""
+    threads: int = Field(1, gt=0)
+    """CPU threads of each reward-model server."""
+    max_tokens: int = Field(4096, gt=0)
+    """The longest conversation scored, in the reward model's tokens; a longer one is cut from the left (its
+    prompt's start), so the completion is always scored whole."""
+
+
+JUDGE_TEMPLATE = ("Rate how well the answer solves the task, from 0 (wrong) to 10 (right).\n\nTask: {prompt}\n\n"
+                  "Reference answer: {answer}\n\nAnswer: {completion}\n\nEnd with 'Score: N'.")
+JUDGE_FIELDS = {"prompt", "completion", "answer"}
+
+
+class JudgeCfg(Section):
+    """An LLM judge: a model asked, for each sampled completion, to rate it with a rubric; its answer is parsed to a
+    score. Either served by the run (`path`) or an OpenAI-compatible server elsewhere (`base_url`)."""
+
+    path: str | None = None
+    """A Hugging Face model folder here that the run serves as the judge (`judge-N` servers, embedded engine, its
+    weights never change)."""
+    base_url: str | None = Field(None, pattern=r"^https?://\S+$")
+    """An OpenAI-compatible server's base URL, e.g. "http://10.0.0.5:8000/v1" (its /chat/completions is asked)."""
+    model: str = "judge"
+    """The model name sent with each request (a served judge answers whatever it is)."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """With base_url: the environment variable holding the server's API key (read by the orchestrator; never
+    written to the run's files or logs). Unset: no key is sent."""
+    servers: int = Field(1, gt=0)
+    """With path: the judge's servers."""
+    template: str = JUDGE_TEMPLATE
+    """The judge's prompt, with {prompt}, {completion} and {answer} (the example's "answer", empty without one);
+    sent as one user message."""
+    score_regex: str = r"(?i)score[^\w-]*(-?\d+(?:\.\d+)?)"
+    """The score: the first group of this regular expression's last match in the judge's answer, as a number."""
+    parser: str | None = Field(None, pattern=rf"^{CALLABLE}$")
+    """Instead of score_regex: a function as "module:function" ((judge's answer, example) -> a float, or None when
+    the answer gives no score)."""
+    temperature: float = Field(0.0, ge=0, le=100)
+    """The judge's sampling temperature."""
+    max_tokens: int = Field(64, gt=0)
+    """The longest judge answer."""
+    concurrency: int = Field(16, gt=0)
+    """Judge requests in flight at once."""
+    timeout_s: float = Field(60.0, gt=0)
+    """A judge request unanswered this long is sent again (a served judge is reported hung and restarted); after
+    three such times, or on its failures, the group is dropped and counted."""
+    weight: float = 1.0
+    """What the judge's score counts in each sample's reward (a 0-10 rubric: 0.1 puts it in [0, 1])."""
+    normalize: Literal["none", "group"] = "none"
+    """As reward.model.normalize, for the judge's scores."""
+
+    @model_validator(mode="after")
+    def _one_judge(self):
+        if (self.path is None) == (self.base_url is None):
+            raise ValueError("reward.judge: give path (a model the run serves) or base_url (an OpenAI-compatible "
+                             "server), one of them")
+        if self.api_key_env is not None and self.base_url is None:
+            raise ValueError("reward.judge.api_key_env goes with base_url: a judge the run serves takes the run's key")
+        return self
+
+    @field_validator("template")
+    @classmethod
+    def _fields(cls, v: str) -> str:
+        import string
+
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
+        except ValueError as e:
+            raise ValueError(f"reward.judge.template: {e} (write a literal brace as {{{{ or }}}})") from None
+        if names - JUDGE_FIELDS or "completion" not in names:
+            raise ValueError(f"reward.judge.template: uses {sorted(names) or 'no field'}; it takes {{prompt}}, "
+                             f"{{answer}} and must hold {{completion}}")
+        return v
+
+    @field_validator("score_regex")
+    @classmethod
+    def _one_group(cls, v: str) -> str:
+        try:
+            groups = re.compile(v).groups
+        except re.error as e:
+            raise ValueError(f"reward.judge.score_regex: not a regular expression ({e})") from None
+        if groups < 1:
+            raise ValueError("reward.judge.score_regex: needs a group around the number, e.g. 'Score: (\\d+)'")
+        return v
+
+
+class RewardCfg(Section):
+    """Where each sample's reward comes from: the task's function and, with [reward.model], a reward model."""
+
+    task_weight: float = 1.0
+    """What the task's own reward counts (0: the reward model's score alone). Eval sets always score with the
+    task's reward."""
+    model: RewardModelCfg | None = None
+    """A reward model the run serves; unset: none."""
+    judge: JudgeCfg | None = None
+    """An LLM judge; unset: none."""
+
+    @model_validator(mode="after")
+    def _some_reward(self):
+        models = [m for m in (self.model, self.judge) if m is not None]
+        if not models and self.task_weight != 1.0:
+            raise ValueError("reward.task_weight without [reward.model] or [reward.judge]: the task's reward is the "
+                             "only one; remove the key or add a model")
+        if models and self.task_weight == 0 and all(m.weight == 0 for m in models):
+            raise ValueError("reward.task_weight and every model's weight are 0: nothing to learn from")
+        return self
+
+
 class Recipe(Section):
     cluster: ClusterCfg | None = None
     """Hosts for a multi-host run over SSH; unset: this machine."""
@@ -1159,6 +1282,8 @@ class Recipe(Section):
     """Held-out evaluation sets by name (`[eval.<name>]`): scored during the run and by `prl eval`."""
     teacher: TeacherCfg | None = None
     """On-policy distillation from a frozen teacher the run serves; unset: none."""
+    reward: RewardCfg = RewardCfg()
+    """Rewards from models: the task reward's weight and a reward model the run serves."""
 
     @model_validator(mode="after")
     def _teacher_where_built(self):
@@ -1172,6 +1297,22 @@ class Recipe(Section):
         if self.rl.credit == "turn":
             raise ValueError("teacher: per-turn credit (rl.credit = 'turn') and a teacher's per-token advantages do "
                              "not combine yet: set rl.credit = 'trajectory'")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_models_where_built(self):
+        if self.reward.model is not None and self.cluster is not None:
+            raise ValueError("reward.model: a reward model on a [cluster] is not built yet: serve it on one machine")
+        judge = self.reward.judge
+        if judge is not None and judge.path is not None and self.cluster is not None:
+            raise ValueError("reward.judge.path: a judge the run serves on a [cluster] is not built yet: give its "
+                             "base_url, or run on one machine")
+        if judge is not None and judge.api_key_env is not None and self.cluster is not None:
+            raise ValueError("reward.judge.api_key_env: carrying an API key to a [cluster]'s orchestrator is not built "
+                             "yet: run on one machine, or use a judge without a key")
+        if judge is not None and judge.path is not None and self.inference.backend != "embedded":
+            raise ValueError("reward.judge.path: the run serves a judge on the embedded engine: set inference.backend "
+                             "= 'embedded', or serve the judge yourself (vLLM's OpenAI server) and give its base_url")
         return self
 
     @model_validator(mode="after")

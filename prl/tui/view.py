@@ -78,7 +78,7 @@ def metrics_table(s: RunState) -> Table:
     t.add_row("policy lag (steps)", f"mean {fmt(o.get('off_policy_mean'), '.2f')}  max {o.get('off_policy_max', '-')}"
               f"  stale: {o.get('stale_policy', '-')} {o.get('stale_tokens', 0)} tokens, dropped {o.get('stale_dropped_total', 0)}")
     t.add_row("lengths p90", f"trained {fmt(o.get('len_accepted_p90'), '.0f')}  generated {fmt(o.get('len_generated_p90'), '.0f')}")
-    for label, line in env_rows(o):
+    for label, line in [*env_rows(o), *model_rows(o)]:
         t.add_row(label, line)
     t.add_row("trainer tokens/s", fmt(tr.get("tokens_per_s"), ".0f"))
     t.add_row("step time", f"wait {fmt(tr.get('wait_s'), '.2f')}s  fwd-bwd {fmt(tr.get('fwd_bwd_s'), '.2f')}s"
@@ -87,6 +87,23 @@ def metrics_table(s: RunState) -> Table:
         t.add_row("exchanges", f"{fmt(tr['comm_s'], '.2f')}s in flight, {fmt(tr.get('exposed_comm_s'), '.2f')}s exposed"
                   f" ({fmt(1 - tr.get('exposed_comm_s', 0) / tr['comm_s'], '.0%')} hidden behind compute)")
     return t
+
+
+def model_rows(o: dict) -> list[tuple[str, str]]:
+    """Signals from models in the last step: a reward model's and a judge's scores and costs, the KL to a teacher."""
+    rows = []
+    if "reward_dropped" in o:
+        rows.append(("rewards from models", f"task reward {fmt(o.get('task_reward'), '.3f')}  groups dropped "
+                                            f"{o['reward_dropped']}"))
+    if "reward_model_score" in o:
+        rows.append(("reward model", f"score {fmt(o['reward_model_score'], '.3f')}  {o.get('reward_model_tokens', '-')}"
+                                     f" tokens in {fmt(o.get('reward_model_s'), '.2f')}s"))
+    if "judge_unparsed" in o:
+        rows.append(("judge", f"score {fmt(o.get('judge_score'), '.3f')}  {o.get('judge_tokens', '-')} tokens in "
+                              f"{fmt(o.get('judge_s'), '.2f')}s  unparsed {o['judge_unparsed']}"))
+    if "teacher_kl" in o:
+        rows.append(("teacher", f"KL to the teacher {fmt(o['teacher_kl'], '.3f')}"))
+    return rows
 
 
 def env_rows(o: dict) -> list[tuple[str, str]]:

@@ -1,0 +1,113 @@
+"""An LLM judge (`[reward.judge]`): a model asked, for each sampled completion, to rate it with the recipe's rubric;
+its answer parsed to a score (`prl.orchestrator.rewards` combines it with the task's reward).
+
+Rules:
+- one /chat/completions request per completion (OpenAI's API: a judge the run serves on prl's embedded engine, or
+  any OpenAI-compatible server at `base_url`), the template filled with the example's prompt (as text), the
+  completion and the example's answer, sent as one user message; at most `concurrency` in flight;
+- the score is the first group of `score_regex`'s last match in the answer, or what the user's `parser` returns;
+  an answer that gives none is counted (`judge_unparsed`) and its group dropped, never scored 0;
+- a request unanswered within `timeout_s` or failed is sent again (`prl.orchestrator.frozen`: a judge the run serves
+  is reported hung and restarted); an outside judge is given three timeouts;
+- the API key of an outside judge comes from the environment variable `api_key_env` names, read here, written nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import httpx
+
+from prl.backends.base import BROKEN, NEVER_SENT, BackendError, MalformedResponse
+from prl.orchestrator.frozen import FrozenServers
+from prl.tasks.prompts import raw_text
+
+
+class ChatServer:
+    """One OpenAI-compatible endpoint: `base_url` ends where "/chat/completions" is appended ("http://h:p/v1")."""
+
+    def __init__(self, base_url: str, key: str | None, health_url: str | None = None):
+        self.base_url, self.health_url = base_url.rstrip("/"), health_url
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10.0))
+
+    async def wait_ready(self, timeout: float) -> None:
+        """A judge the run serves: until its /health answers; an outside judge is taken as it is."""
+        deadline = time.monotonic() + timeout
+        while self.health_url is not None:
+            try:
+                if (await self.http.get(self.health_url, timeout=5.0)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise BackendError(f"judge server {self.base_url} not healthy after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+
+    async def chat(self, body: dict) -> tuple[str, int]:
+        """The judge's answer and the tokens it cost (prompt and completion, as the server's usage says)."""
+        url = f"{self.base_url}/chat/completions"
+        for attempt in range(3):
+            try:
+                r = await self.http.post(url, json=body)
+                break
+            except httpx.TransportError as e:
+                if attempt == 2 or not isinstance(e, NEVER_SENT + BROKEN):
+                    raise BackendError(f"{url}: {type(e).__name__}: {e}") from None
+                await asyncio.sleep(0.2 * (attempt + 1))
+        if r.status_code >= 400:
+            raise BackendError(f"{url} answered {r.status_code}: {r.text[:300]}", r.status_code)
+        try:
+            answer = r.json()
+            return str(answer["choices"][0]["message"]["content"] or ""), int(answer.get("usage", {}).get("total_tokens", 0))
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise MalformedResponse(f"{url}: not a chat completion ({type(e).__name__}: {e})") from None
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class Judge:
+    def __init__(self, cfg, servers: FrozenServers, parse=None):
+        self.cfg, self.servers = cfg, servers  # cfg: the recipe's [reward.judge]
+        self.pattern = re.compile(cfg.score_regex)
+        self.parse = parse  # the user's parser, or None: score_regex
+        self.gate = asyncio.Semaphore(cfg.concurrency)
+
+    def message(self, example: dict, completion: str) -> str:
+        prompt = example.get("prompt", "") if isinstance(example, dict) else ""
+        answer = example.get("answer", "") if isinstance(example, dict) else ""
+        return self.cfg.template.format(prompt=raw_text(prompt) if prompt else "", completion=completion,
+                                        answer="" if answer is None else str(answer))
+
+    def score_of(self, text: str, example: dict) -> float | None:
+        if self.parse is not None:
+            return self.parse(text, example)
+        found = self.pattern.findall(text)
+        if not found:
+            return None
+        last = found[-1]
+        try:
+            return float(last[0] if isinstance(last, tuple) else last)
+        except ValueError:
+            return None
+
+    async def score(self, example: dict, completion: str) -> tuple[float | None, int]:
+        """The judge's score of one completion (None: its answer gave none) and the tokens it cost."""
+        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": self.message(example, completion)}],
+                "max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
+        async with self.gate:
+            text, tokens = await self.servers.call(lambda server: server.chat(body))
+        return self.score_of(text, example), tokens
+
+
+def judge_servers(cfg, served: list[str], secret: str) -> list[ChatServer]:
+    """The judge's endpoints: the run's judge-N servers (their /v1, the run's key), or the outside `base_url` with
+    the key from `api_key_env`."""
+    if served:
+        return [ChatServer(f"{url}/v1", secret, health_url=f"{url}/health") for url in served]
+    key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+    return [ChatServer(cfg.base_url, key)]
