@@ -402,17 +402,22 @@ def test_scored_tokens_are_the_models_own_logprobs_and_the_sampled_ones(arch, tm
     reference = copy.deepcopy(model).eval()
     core = EngineCore(model)
     ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 4, 22]
-    got, version = core.score(ids, 3)
+    [got], version = core.score([(ids, 3)])
     with torch.no_grad():
         logp = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].float(), -1)
     want = [logp[i - 1, ids[i]].item() for i in range(3, len(ids))]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
     assert version == -1 and len(got) == len(ids) - 3
     [seq] = run_all(core, [Sequence([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=8, seed=1))])
-    again, _ = core.score([5, 6, 7, *seq.out_ids], 3)
+    [again], _ = core.score([([5, 6, 7, *seq.out_ids], 3)])
     torch.testing.assert_close(torch.tensor(again), torch.tensor(seq.logprobs), atol=1e-4, rtol=0)
     shifted = {k: v + 0.01 for k, v in model.state_dict().items() if v.is_floating_point()}
     core.stage_weights(Policy(shifted, {}, version=4))
     core.apply_staged()
-    moved, version = core.score(ids, 3)
+    [moved], version = core.score([(ids, 3)])
     assert version == 4 and max(abs(a - b) for a, b in zip(moved, got)) > 1e-3
+    items = [(ids, 3), ([9, 8, 7], 1), (ids[:6], 5)]  # one forward, padded: each as if alone
+    batched, _ = core.score(items)
+    for (one, start), row in zip(items, batched):
+        [alone], _ = core.score([(one, start)])
+        torch.testing.assert_close(torch.tensor(row), torch.tensor(alone), atol=1e-5, rtol=0)

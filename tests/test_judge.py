@@ -17,6 +17,7 @@ from prl.orchestrator.frozen import FrozenServers
 from prl.orchestrator.judge import ChatServer, Judge
 from prl.orchestrator.rewards import ModelRewards, RewardUnavailable
 from prl.recipe.load import load_recipe
+from prl.usercode import UserCodeError
 from test_reward_model import wait_for
 from test_teacher import teacher_folder
 
@@ -35,6 +36,9 @@ def test_the_default_parser_takes_the_last_score_and_gives_none_without_one():
              "no number here": None, "Score: none": None, "": None}
     for text, want in cases.items():
         assert judge.score_of(text, {}) == want, text
+    judge.parse = lambda text, example: "7"
+    with pytest.raises(UserCodeError, match="returned str; it returns a number, or None"):
+        judge.score_of("Score: 7", {})
     msg = judge.message({"prompt": "rev:ab=", "answer": "ba"}, "ab")
     assert "Task: rev:ab=" in msg and "Reference answer: ba" in msg and "Answer: ab" in msg
 

@@ -57,19 +57,19 @@ def test_score_gives_the_logprobs_generate_sampled_them_with(server):
     r = client.post("/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 6, "temperature": 1.0,
                                        "stop_token_ids": [], "seed": 11})
     [c] = r.json()["completions"]
-    s = client.post("/score", json={"ids": [5, 6, 7, *c["token_ids"]], "start": 3})
+    s = client.post("/score", json={"items": [{"ids": [5, 6, 7, *c["token_ids"]], "start": 3}, {"ids": [5, 6]}]})
     assert s.status_code == 200 and s.json()["version"] == c["versions"][0], s.text
-    assert max(abs(a - b) for a, b in zip(s.json()["logprobs"], c["logprobs"])) < 1e-4
-    assert len(s.json()["logprobs"]) == 6
-    bad = client.post("/score", json={"ids": [5, 6], "start": 2})
-    assert bad.status_code == 400 and "at least one is scored" in bad.text
+    assert max(abs(a - b) for a, b in zip(s.json()["logprobs"][0], c["logprobs"])) < 1e-4
+    assert [len(x) for x in s.json()["logprobs"]] == [6, 1]
+    bad = client.post("/score", json={"items": [{"ids": [5, 6, 7]}, {"ids": [5, 6], "start": 2}]})
+    assert bad.status_code == 400 and "items[1]: start (2)" in bad.text and "at least one is scored" in bad.text
 
     async def through_the_client():  # what the orchestrator's client asks
         from prl.backends.embedded import EmbeddedBackend
 
         backend = EmbeddedBackend(str(client.base_url), client.headers["Authorization"].removeprefix("Bearer "))
         try:
-            return await backend.score([5, 6, 7, *c["token_ids"]], 3)
+            return await backend.score([([5, 6, 7, *c["token_ids"]], 3), ([5, 6], 1)])
         finally:
             await backend.close()
 
@@ -242,7 +242,7 @@ VALID = {
     "/v1/completions": {"model": "prl", "prompt": "rev:ab=", "max_tokens": 2, "temperature": 0.5, "top_p": 1.0,
                         "n": 2, "seed": 1, "stop": ["x"], "logprobs": 1, "echo": False, "stream": False},
     "/update_weights": {"version": 1, "path": None},
-    "/score": {"ids": [5, 6, 7], "start": 1},
+    "/score": {"items": [{"ids": [5, 6, 7], "start": 1}]},
 }
 
 

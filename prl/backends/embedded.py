@@ -70,9 +70,11 @@ class EmbeddedBackend(InferenceBackend):
         r = self.check(await self.post("/prefill", {"prompt_ids": prompt_ids}, repeatable=True), "/prefill")
         return PrefillResponse.model_validate_json(r.content)
 
-    async def score(self, ids: list[int], start: int) -> ScoreResponse:
-        """The logprobs of `ids[start:]` under the weights this server serves (a teacher's scoring; nothing generated)."""
-        r = self.check(await self.post("/score", {"ids": ids, "start": start}, repeatable=True), "/score")
+    async def score(self, items: list[tuple[list[int], int]]) -> ScoreResponse:
+        """For each (ids, start): the logprobs of `ids[start:]` under the weights this server serves, in one forward
+        (a teacher's scoring; nothing generated)."""
+        body = {"items": [{"ids": ids, "start": start} for ids, start in items]}
+        r = self.check(await self.post("/score", body, repeatable=True), "/score")
         return ScoreResponse.model_validate_json(r.content)
 
     async def reward(self, items: list[dict]) -> RewardResponse:

@@ -478,17 +478,26 @@ class EngineCore:
         return out.logits, cache_of(out)
 
     @torch.no_grad()
-    def score(self, ids: list[int], start: int) -> tuple[list[float], int]:
-        """The logprob of each of `ids[start:]` given the tokens before it, under the weights served now (temperature
-        1, whole vocabulary), and that version: one forward of the whole sequence, no KV kept. Called on the engine
-        thread between two steps (`EngineLoop.run`)."""
-        x = torch.tensor([ids], device=self.device)
-        logits, _ = self._forward(x, torch.arange(len(ids), device=self.device)[None], None)
+    def score(self, items: list[tuple[list[int], int]]) -> tuple[list[list[float]], int]:
+        """For each (ids, start): the logprob of each of `ids[start:]` given the tokens before it, under the weights
+        served now (temperature 1, whole vocabulary); and that version. One forward of all the sequences, padded on
+        the right (masked: a sequence sees only its own tokens), no KV kept. Called on the engine thread between two
+        steps (`EngineLoop.run`)."""
+        width = max(len(ids) for ids, _ in items)
+        x = torch.zeros(len(items), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(items), width, dtype=torch.bool)
+        for row, (ids, _) in enumerate(items):
+            x[row, :len(ids)] = torch.tensor(ids)
+            mask[row, :len(ids)] = True
+        pos = torch.arange(width, device=self.device)[None].expand(len(items), -1)
+        logits, _ = self._forward(x, pos, None, mask if len(items) > 1 else None)
         if self.capture is not None:
             self.capture.take()  # its routing is nobody's: the next prefill captures its own
-        logp = torch.log_softmax(logits[0, start - 1:-1].float(), dim=-1)
-        picked = logp.gather(-1, torch.tensor(ids[start:], device=logp.device)[:, None])[:, 0]
-        return picked.cpu().tolist(), self.version
+        out = []
+        for row, (ids, start) in enumerate(items):
+            logp = torch.log_softmax(logits[row, start - 1:len(ids) - 1].float(), dim=-1)
+            out.append(logp.gather(-1, x[row, start:len(ids), None])[:, 0].cpu().tolist())
+        return out, self.version
 
     def _put_in_pool(self, seq: Sequence, cache, pooled: int, local: Hit | None) -> int:
         """Offer the prompt's full chunks to the KV pool, but those it came with (from the pool, or

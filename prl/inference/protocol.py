@@ -130,16 +130,22 @@ class PrefillRequest(Msg):
     prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
 
 
-class ScoreRequest(Msg):
-    """The logprob of each token of `ids` from `start` on, given the tokens before it, under the served weights: one
-    forward, nothing generated (a teacher scoring a student's sampled tokens; a reward model's prompt)."""
+class ScoreItem(Msg):
+    """The logprob of each token of `ids` from `start` on, given the tokens before it."""
 
     ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=2)
     start: int = Field(1, ge=1)  # the first position scored (its token given ids[:start])
 
 
+class ScoreRequest(Msg):
+    """Sequences scored under the served weights in one forward, nothing generated (a teacher scoring a group of a
+    student's sampled trajectories)."""
+
+    items: list[ScoreItem] = Field(min_length=1, max_length=1024)
+
+
 class ScoreResponse(Msg):
-    logprobs: list[float]  # one per token of ids[start:]
+    logprobs: list[list[float]]  # per item, one per token of its ids[start:]
     version: int  # the weights version that scored them
 
 

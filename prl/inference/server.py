@@ -130,10 +130,12 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
     @app.post("/score", dependencies=guarded, response_model=ScoreResponse)
     async def score(req: ScoreRequest) -> ScoreResponse:
         """Logprobs of given tokens under the served weights: one forward, nothing generated (a teacher's)."""
-        if req.start >= len(req.ids):
-            raise HTTPException(400, f"start ({req.start}) must be below the {len(req.ids)} ids: at least one is scored")
-        s.check_prompt(req.ids, 0, "ids")
-        logprobs, version = await loop.run(lambda core: core.score(req.ids, req.start))
+        for i, item in enumerate(req.items):
+            if item.start >= len(item.ids):
+                raise HTTPException(400, f"items[{i}]: start ({item.start}) must be below the {len(item.ids)} ids: at "
+                                         f"least one is scored")
+            s.check_prompt(item.ids, 0, f"items[{i}].ids")
+        logprobs, version = await loop.run(lambda core: core.score([(i.ids, i.start) for i in req.items]))
         return ScoreResponse(logprobs=logprobs, version=version)
 
     @app.post("/prefill", dependencies=guarded)

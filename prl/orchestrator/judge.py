@@ -23,7 +23,9 @@ import httpx
 
 from prl.backends.base import BROKEN, NEVER_SENT, BackendError, MalformedResponse
 from prl.orchestrator.frozen import FrozenServers
+from prl.tasks import function_name
 from prl.tasks.prompts import raw_text
+from prl.usercode import UserCodeError
 
 
 class ChatServer:
@@ -85,7 +87,11 @@ class Judge:
 
     def score_of(self, text: str, example: dict) -> float | None:
         if self.parse is not None:
-            return self.parse(text, example)
+            value = self.parse(text, example)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UserCodeError(f"{function_name(self.parse)} (reward.judge.parser) returned "
+                                    f"{type(value).__name__}; it returns a number, or None for no score")
+            return value
         found = self.pattern.findall(text)
         if not found:
             return None

@@ -3,8 +3,8 @@ advantage becomes `kl_coef * (log p_teacher - log p_student) + reward_weight * A
 advantage.
 
 Rules:
-- one `/score` request per trajectory (its prompt and completion, scored from the completion's first token): one
-  forward, nothing generated; the teacher's weights never change, so every answer is under the same model;
+- one `/score` request per group (each trajectory's prompt and completion, scored from the completion's first
+  token): one forward of the group, nothing generated; the teacher's weights never change, so every answer is under the same model;
 - the student's logprob of a token is the one the inference server sampled it with (the policy that sampled it,
   as the importance ratio uses); environment tokens (mask 0) get no advantage;
 - a teacher server that fails or hangs is retried as `prl.orchestrator.frozen` says; past its retries the
@@ -14,8 +14,6 @@ Rules:
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from prl.orchestrator.frozen import FrozenServers
 
@@ -33,15 +31,17 @@ class Teacher:
     def __init__(self, cfg, servers: FrozenServers):
         self.cfg, self.servers = cfg, servers
 
-    async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """The teacher's logprob of each completion token, retried across its servers while they come back."""
-        ids = [*prompt_ids, *completion_ids]
-        return (await self.servers.call(lambda b: b.score(ids, len(prompt_ids)))).logprobs
+    async def logprobs(self, trajs) -> list[list[float]]:
+        """The teacher's logprob of each completion token of each trajectory (those with a completion), in one request
+        retried across its servers while they come back."""
+        items = [([*t.prompt_ids, *t.completion_ids], len(t.prompt_ids)) for t in trajs if t.completion_ids]
+        if not items:
+            return []
+        return (await self.servers.call(lambda b: b.score(items))).logprobs
 
     async def token_advantages(self, trajs, advantages: list[float]) -> tuple[list[list[float]], tuple[float, int]]:
         """Each trajectory's per-token advantages, and (sum, count) of log p_student - log p_teacher over model tokens."""
-        scored = await asyncio.gather(*(self.logprobs(t.prompt_ids, t.completion_ids) for t in trajs if t.completion_ids))
-        it = iter(scored)
+        it = iter(await self.logprobs(trajs))
         out, total, count = [], 0.0, 0
         for t, a in zip(trajs, advantages):
             teacher = next(it) if t.completion_ids else []
