@@ -98,15 +98,19 @@ def test_a_teacher_that_cannot_serve_the_student_is_refused_before_anything_star
     from prl.model.tiny import char_tokenizer
 
     other = teacher_folder(tmp_path / "other")
+    folder = teacher_folder(tmp_path / "teacher")
     tok = char_tokenizer()
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(other)
     cases = {f'teacher.path="{tmp_path}/nowhere"': "teacher.path:",
              f'teacher.path="{other}"': "has another vocabulary",
-             f'teacher={{path = "{other}", kl_coef = 0.0}}': "teacher.kl_coef and teacher.reward_weight are both 0"}
+             f'teacher={{path = "{other}", kl_coef = 0.0}}': "teacher.kl_coef and teacher.reward_weight are both 0",
+             (f'teacher.path="{folder}"', "inference.fp8=true", "trainer.fp8=true"):
+                 "a teacher served with inference.fp8 is not built"}
     for override, words in cases.items():
-        p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", override), capture_output=True, text=True,
-                           timeout=120)
+        sets = override if isinstance(override, tuple) else (override,)
+        p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", *(x for s in sets for x in ("--set", s))),
+                           capture_output=True, text=True, timeout=120)
         out = p.stdout + p.stderr
         assert p.returncode == 2 and words in out and "Traceback" not in out, (override, out[-2000:])
     assert TeacherCfg(path="x").kl_coef == 1.0

@@ -125,6 +125,17 @@ def test_logprobs_equal_the_trainers_recomputation(server):
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-4, rtol=0)
 
 
+def test_a_teacher_on_vllm_scores_given_tokens_as_the_trainer_does(server):
+    """/score's vLLM form (prompt logprobs of a batch of sequences): the trainer's logprobs of each given token."""
+    model = hf_model(server.run_dir / "model")
+    items = [(PROMPT + [5, 9, 14, 3], len(PROMPT)), ([7, 8, 9, 10, 11], 2)]
+    got = call(server, lambda b: b.score(items))
+    assert got.version == -1 and [len(x) for x in got.logprobs] == [4, 3]
+    for (ids, start), row in zip(items, got.logprobs):
+        ref = reference_logprobs(model, ids[:start], ids[start:])
+        torch.testing.assert_close(torch.tensor(row), ref, atol=2e-4, rtol=0)
+
+
 def test_weight_update_changes_logprobs_to_the_new_version(server):
     model = hf_model(server.run_dir / "model")
     publish(server, 1, perturbed_state(model, seed=1))

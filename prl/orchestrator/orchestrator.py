@@ -225,12 +225,15 @@ class Orchestrator:
                              on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"{kind}-{i}", cause=cause))
 
     def teacher_client(self):
-        """On-policy distillation: the teacher's servers (None without a teacher)."""
+        """On-policy distillation: the teacher's servers, of the run's inference backend (None without a teacher)."""
         if self.cfg.teacher is None:
             return None
         from prl.orchestrator.teacher import Teacher
 
-        return Teacher(self.cfg.teacher, self.frozen("teacher", self.cfg.teachers))
+        spec, secret = registry.get(self.cfg.backend), self.cfg.secret()
+        clients = [spec.make_client(url, secret, self.rl.max_inflight_rollouts + 8,
+                                    **spec.client_options(self.tokenizer, self.cfg)) for url in self.cfg.teachers]
+        return Teacher(self.cfg.teacher, self.frozen("teacher", self.cfg.teachers, clients))
 
     def rewards_client(self):
         """`[reward.model]`, `[reward.judge]`: the models a group's rewards come from (None without them)."""

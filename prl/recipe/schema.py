@@ -1116,7 +1116,7 @@ class TeacherCfg(Section):
     """The teacher: a Hugging Face model folder on this machine (e.g. a `prl ckpt export` of a trained run), with the
     student's tokenizer."""
     servers: int = Field(1, gt=0)
-    """Inference servers of the teacher (embedded engine, the recipe's [inference] settings, its weights never
+    """Inference servers of the teacher (the recipe's inference.backend and [inference] settings; its weights never
     change)."""
     kl_coef: float = Field(1.0, ge=0)
     """Weight of the per-token reverse-KL advantage, log p_teacher - log p_student of each sampled token."""
@@ -1291,9 +1291,9 @@ class Recipe(Section):
             return self
         if self.cluster is not None:
             raise ValueError("teacher: a teacher on a [cluster] is not built yet: distil on one machine")
-        if self.inference.backend != "embedded":
-            raise ValueError("teacher: the teacher is served by the embedded engine: set inference.backend = "
-                             "'embedded' (a teacher on vLLM is not built yet)")
+        if self.inference.fp8:
+            raise ValueError("teacher: a teacher served with inference.fp8 is not built yet (the trainer publishes FP8 "
+                             "weights for the policy, not the teacher): set inference.fp8 = false")
         if self.rl.credit == "turn":
             raise ValueError("teacher: per-turn credit (rl.credit = 'turn') and a teacher's per-token advantages do "
                              "not combine yet: set rl.credit = 'trajectory'")

@@ -38,7 +38,8 @@ import httpx
 from prl.backends.base import BackendError, InferenceBackend, MalformedResponse, ServerStuck, WeightsRejected
 from prl.backends.vllm.rejected import REJECTED
 from prl.model.weights import STREAMED_ONLY
-from prl.inference.protocol import Completion, GenerateRequest, GenerateResponse, Metrics, Routing, encode_routing
+from prl.inference.protocol import (Completion, GenerateRequest, GenerateResponse, Metrics, Routing, ScoreResponse,
+                                    encode_routing)
 
 # vLLM's label for the weights it started with (a tiny model's dummy init, or the pretrained folder)
 STARTUP_VERSION = -1
@@ -136,6 +137,23 @@ class VllmBackend(InferenceBackend):
                 finish_reason=choice["finish_reason"] or "length", routing=routing,
             ))
         return GenerateResponse(completions=completions, prompt_routing=prompt_routing)
+
+    # ---- scoring ----
+    async def score(self, items: list[tuple[list[int], int]]) -> ScoreResponse:
+        """For each (ids, start): the logprobs of `ids[start:]` under the served weights (a teacher's scoring), from
+        one /v1/completions request of all the sequences with `prompt_logprobs` (vLLM's prompt logprobs: one
+        prefill each; the one token it also generates is dropped)."""
+        body = {"prompt": [ids for ids, _ in items], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
+                "cache_salt": f"prl-{self.salt}"}
+        r = self.check(await self.post("/v1/completions", body, repeatable=True), "/v1/completions")
+        try:
+            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+            out = [[row[str(ids[i])]["logprob"] for i, row in enumerate(c["prompt_logprobs"]) if i >= start]
+                   for (ids, start), c in zip(items, choices, strict=True)]
+        except (ValueError, KeyError, TypeError) as e:
+            raise MalformedResponse(f"{self.base_url}/v1/completions: no prompt logprobs in the answer "
+                                    f"({type(e).__name__}: {e})") from None
+        return ScoreResponse(logprobs=out, version=self.version)
 
     # ---- weights ----
     def reset(self) -> None:
