@@ -45,14 +45,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--fit-steps", type=int, default=3000)
+    ap.add_argument("--reward-model", type=Path, default=None, help="a fitted folder to use instead of fitting one")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="trainer.loss.kl_coef of both runs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="prl-rm-"))
-    folder = fit_reward_model(out / "reward-model", steps=args.fit_steps, hidden=128, layers=3)
+    folder = args.reward_model or fit_reward_model(out / "reward-model", steps=args.fit_steps, hidden=128, layers=4,
+                                                   batch=128, lr=1e-3)
     corr = correlation(folder)
-    steps = f"rl.max_steps={args.steps}"
-    rule = figures(run(out, "rule", steps))
-    model = figures(run(out, "model", steps, f'reward.model.path="{folder}"', "reward.task_weight=0"))
+    both = (f"rl.max_steps={args.steps}", f"trainer.loss.kl_coef={args.kl_coef}")
+    rule = figures(run(out, "rule", *both))
+    model = figures(run(out, "model", *both, f'reward.model.path="{folder}"', "reward.task_weight=0"))
     gains = {}
     for name, f in (("rule", rule), ("model", model)):
         held = f["heldout_by_step"]

@@ -34,6 +34,7 @@ from prl.metrics import EventLog, reporting_errors
 from prl.orchestrator.budget import InflightBudget
 from prl.orchestrator.buffer import DataCursor, Group, GroupBuffer, GroupFilter, uniform
 from prl.orchestrator.evals import InRunEvals
+from prl.orchestrator.models import ModelClients
 from prl.orchestrator.rewards import RewardUnavailable, step_figures
 from prl.orchestrator.samples import SampleWriter
 from prl.orchestrator.servers import Home, ServerPool
@@ -177,8 +178,8 @@ class Orchestrator:
             r.rl.filter_groups, r.rl.filter_min_std, r.rl.filter_bound(), r.rl.max_steps))
         self.budget = InflightBudget(r.rl.max_inflight_rollouts, r.rl.group_size, len(cfg.servers), r.rl.kv_usage_target,
                                      prefill=cfg.prefill_servers)
-        self.teacher = self.teacher_client()
-        self.rewards = self.rewards_client()
+        models = ModelClients(cfg, self.tokenizer, self.log, self.locator)
+        self.teacher, self.rewards = models.teacher(), models.rewards()
         self.reward_dropped = self.reward_dropped_total = 0  # groups a model gave no score: since the last batch, in all
         self.judge_unparsed = 0  # judge answers that gave no score, since the last batch
         self.pool.on_metrics = self.observe_kv
@@ -209,58 +210,6 @@ class Orchestrator:
         client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer, self.cfg))
         client.locate = self.locator(f"inference-{index}", url)
         return client
-
-    def frozen(self, kind: str, urls: list[str], backends: list | None = None):
-        """Servers of the run whose weights never change (a teacher's, a reward model's, a judge's), `kind-N` each:
-        prl's own API at `urls`, or the given `backends`."""
-        from prl.backends.embedded import EmbeddedBackend
-        from prl.orchestrator.frozen import FrozenServers
-
-        if backends is None:
-            backends = [EmbeddedBackend(url, self.cfg.secret(), self.rl.max_inflight_rollouts + 8) for url in urls]
-        for i, (client, url) in enumerate(zip(backends, urls)):
-            client.locate = self.locator(f"{kind}-{i}", url)
-        hang = self.cfg.run.hang_timeout_s
-        return FrozenServers(kind, backends, retry_s=max(self.cfg.startup_timeout_s, 3 * hang), hang_s=hang,
-                             on_hang=lambda i, cause: self.log.emit("unresponsive", name=f"{kind}-{i}", cause=cause))
-
-    def teacher_client(self):
-        """On-policy distillation: the teacher's servers, of the run's inference backend (None without a teacher)."""
-        if self.cfg.teacher is None:
-            return None
-        from prl.orchestrator.teacher import Teacher
-
-        spec, secret = registry.get(self.cfg.backend), self.cfg.secret()
-        clients = [spec.make_client(url, secret, self.rl.max_inflight_rollouts + 8,
-                                    **spec.client_options(self.tokenizer, self.cfg)) for url in self.cfg.teachers]
-        return Teacher(self.cfg.teacher, self.frozen("teacher", self.cfg.teachers, clients))
-
-    def rewards_client(self):
-        """`[reward.model]`, `[reward.judge]`: the models a group's rewards come from (None without them)."""
-        cfg = self.cfg.reward
-        if cfg.model is None and cfg.judge is None:
-            return None
-        from prl.orchestrator.rewards import ModelRewards
-
-        scorer = self.frozen("reward-model", self.cfg.reward_models) if cfg.model is not None else None
-        return ModelRewards(cfg, self.tokenizer, scorer, self.judge_client())
-
-    def judge_client(self):
-        judge = self.cfg.reward.judge
-        if judge is None:
-            return None
-        from prl.orchestrator.frozen import FrozenServers
-        from prl.orchestrator.judge import Judge, judge_servers
-        from prl.tasks import import_function
-
-        parse = import_function(judge.parser, "reward.judge.parser") if judge.parser else None
-        chats = judge_servers(judge, self.cfg.judges, self.cfg.secret())
-        if self.cfg.judges:  # served by the run: hung ones are reported, and the driver restarts them
-            servers = self.frozen("judge", self.cfg.judges, chats)
-            servers.hang_s = judge.timeout_s
-        else:
-            servers = FrozenServers("judge", chats, retry_s=3 * judge.timeout_s, hang_s=judge.timeout_s)
-        return Judge(judge, servers, parse)
 
     def sandbox_client(self):
         """The run's sandbox workers (an environment that needs the sandbox), None without them."""
