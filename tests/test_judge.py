@@ -20,6 +20,7 @@ from prl.recipe.load import load_recipe
 from prl.usercode import UserCodeError
 from test_reward_model import wait_for
 from test_teacher import teacher_folder
+from reward_fixture import fit_reward_model
 
 RECIPE = ROOT / "recipes" / "reverse-tiny.toml"
 
@@ -39,7 +40,7 @@ def test_the_default_parser_takes_the_last_score_and_gives_none_without_one():
     judge.parse = lambda text, example: "7"
     with pytest.raises(UserCodeError, match="returned str; it returns a number, or None"):
         judge.score_of("Score: 7", {})
-    msg = judge.message({"prompt": "rev:ab=", "answer": "ba"}, "ab")
+    msg = judge.message({"prompt": "ignored", "answer": "ba"}, [{"role": "user", "content": "rev:ab="}], "ab")
     assert "Task: rev:ab=" in msg and "Reference answer: ba" in msg and "Answer: ab" in msg
 
 
@@ -136,8 +137,26 @@ def test_a_run_with_a_judge_it_serves_counts_unparsable_answers_and_restarts_a_k
     assert not [e for e in events if e["kind"] == "error" and e.get("name") != "judge-0"]
 
 
+@pytest.mark.slow
+def test_a_run_whose_judge_never_answers_stops_in_one_line_after_dropping_groups(tmp_path):
+    """An outside judge nobody listens at: each group is retried for three timeouts, then dropped and counted; 32
+    groups in a row without a score stop the run at once (no restart) in one line naming the reason."""
+    sets = [f"run.output_dir={tmp_path}", "sft.steps=0", "rl.max_steps=3", "eval.heldout.examples=8",
+            'reward.judge={base_url = "http://127.0.0.1:9/v1", timeout_s = 1.0, concurrency = 256}']
+    p = subprocess.run(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "32 groups in a row got no score (reward_dropped)" in out, out[-3000:]
+    assert "127.0.0.1:9" in out and "Traceback" not in out and "env.on_error" not in out, out[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "reverse-tiny" / "metrics.jsonl").read_text().splitlines()]
+    dropped = [e for e in events if e["kind"] == "reward_dropped"]
+    assert len(dropped) == 20 and dropped[-1]["total"] == 20 and "judge's servers failed" in dropped[0]["why"]
+    assert not [e for e in events if e["kind"] in ("restart", "orch_step")]
+
+
 def test_a_judge_prl_cannot_ask_is_refused_before_anything_starts(tmp_path):
     folder = teacher_folder(tmp_path / "judge")
+    classifier = fit_reward_model(tmp_path / "classifier", steps=1)
     cases = {f'reward.judge.path="{tmp_path}/nowhere"': "is not a folder",
              'reward.judge={base_url = "http://127.0.0.1:9/v1", api_key_env = "PRL_TEST_UNSET_KEY"}':
                  "'PRL_TEST_UNSET_KEY': that variable is not set",
@@ -146,6 +165,11 @@ def test_a_judge_prl_cannot_ask_is_refused_before_anything_starts(tmp_path):
              f'reward.judge={{path = "{folder}", template = "{{completion}} {{oops}}"}}': "it takes {prompt}",
              f'reward.judge={{path = "{folder}", score_regex = "Score: \\\\d+"}}': "needs a group",
              f'reward.judge={{path = "{folder}", parser = "nowhere_module:parse"}}': "no module named 'nowhere_module'",
+             f'reward.judge={{path = "{folder}", template = "{{completion:d}}"}}': "cannot be filled",
+             'reward.judge.base_url="http://user:key@host/v1"': "reward.judge.base_url",
+             f'reward.judge={{path = "{folder}", weight = nan}}': "finite number",
+             f'reward.judge.path="{tmp_path}"': "config.json",
+             f'reward.judge.path="{classifier}"': "is not a causal language model",
              f'reward.judge.path="{folder}"': None}
     for override, words in cases.items():
         p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", override, "--set",

@@ -66,6 +66,32 @@ def test_the_servers_scores_are_transformers_classifier_on_each_conversation(tmp
     assert got["tokens"] == 10 + 10 + 7
 
 
+def test_an_encoder_classifier_is_scored_as_transformers_pools_it_and_a_score_that_is_not_finite_is_refused():
+    """A BERT-like classifier (no `score` head, pooled at its first token) through the server's app: its padded batch
+    equals transformers' forward of each conversation alone; a model giving NaN answers 422, never a score."""
+    from fastapi.testclient import TestClient
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from prl.inference.reward_model import Scorer, create_app
+    from prl.model.tiny import char_tokenizer
+
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
+    client = TestClient(create_app(Scorer(model, tok, 64), "key"), headers={"Authorization": "Bearer key"})
+    items = [("rev:abc=", "cba"), ("rev:hello=", "ol")]
+    r = client.post("/reward", json={"items": [{"prompt": p, "completion": c} for p, c in items]})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        want = [model(input_ids=torch.tensor([tok(p + c).input_ids])).logits[0, 0].item() for p, c in items]
+    torch.testing.assert_close(torch.tensor(r.json()["scores"]), torch.tensor(want), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        model.classifier.weight.fill_(float("nan"))
+    bad = client.post("/reward", json={"items": [{"prompt": "rev:ab=", "completion": "ba"}]})
+    assert bad.status_code == 422 and "not finite" in bad.text
+
+
 def test_a_reward_model_that_gives_no_score_drops_the_group_instead_of_scoring_it(tmp_path):
     """A server that never answers: retried for retry_s, then RewardUnavailable (the orchestrator drops the group)."""
     from prl.backends.embedded import EmbeddedBackend

@@ -141,7 +141,7 @@ class ScoreRequest(Msg):
     """Sequences scored under the served weights in one forward, nothing generated (a teacher scoring a group of a
     student's sampled trajectories)."""
 
-    items: list[ScoreItem] = Field(min_length=1, max_length=1024)
+    items: list[ScoreItem] = Field(min_length=1, max_length=16384)
 
 
 class ScoreResponse(Msg):
@@ -226,7 +226,7 @@ class RewardItem(Msg):
 class RewardRequest(Msg):
     """Score conversations with the served reward model (`prl.inference.reward_model`), one forward for all."""
 
-    items: list[RewardItem] = Field(min_length=1, max_length=1024)
+    items: list[RewardItem] = Field(min_length=1, max_length=16384)
 
 
 class RewardResponse(Msg):

@@ -5,11 +5,11 @@ Rules:
 - the reward model reads text, not the policy's tokens: each conversation is rendered with its own tokenizer (its
   chat template when it has one, the completion as the assistant's message; else the prompt's text followed by the
   completion), so it need not share the policy's vocabulary;
-- a conversation longer than `reward.model.max_tokens` is cut from the left (the prompt's start): the completion
-  is always scored whole;
-- one forward per request: conversations padded on the right and each scored at its own last token (causal
-  attention: padding after a sequence changes nothing before it), the classifier's head on the final hidden state,
-  as transformers' classifier pools;
+- a conversation longer than `reward.model.max_tokens` is cut from the left (the prompt's start first);
+- one forward per request: conversations padded on the right; a decoder's classifier scores each at its own last
+  token (causal attention: padding after a sequence changes nothing before it), its head on the final hidden
+  state, as transformers pools; an encoder's classifier (BERT-like) runs its own forward with the padding masked;
+- a score that is not finite answers 422 (the group is dropped, not retried);
 - requests run one at a time on one thread; the weights never change (`/health` answers version 0).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import threading
 
 from fastapi import Depends, FastAPI, HTTPException
@@ -46,6 +47,8 @@ class Scorer:
         return ids[-self.max_tokens:]
 
     def scores(self, seqs: list[list[int]]) -> list[float]:
+        """A decoder's classifier (a `score` head): its head on each conversation's last token. Any other (an
+        encoder's, pooled at its first token): the model's own forward with the padding masked."""
         import torch
 
         with self.lock, torch.no_grad():
@@ -53,6 +56,9 @@ class Scorer:
             x = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
             for i, s in enumerate(seqs):
                 x[i, :len(s)] = torch.tensor(s)
+            if not hasattr(self.model, "score"):
+                mask = torch.arange(x.shape[1])[None] < lengths[:, None]
+                return self.model(input_ids=x, attention_mask=mask.long()).logits[:, 0].float().tolist()
             hidden = self.backbone(input_ids=x).last_hidden_state
             last = hidden[torch.arange(len(seqs)), lengths - 1]
             return self.model.score(last)[:, 0].float().tolist()
@@ -75,6 +81,8 @@ def create_app(scorer: Scorer, secret: str) -> FastAPI:
         if not all(seqs):
             raise HTTPException(400, "a conversation renders to no tokens")
         scores = await asyncio.to_thread(scorer.scores, seqs)
+        if not all(map(math.isfinite, scores)):  # a 4xx: the same request would give the same score
+            raise HTTPException(422, "the reward model's score is not finite (NaN or infinite) for this conversation")
         return RewardResponse(scores=scores, tokens=sum(map(len, seqs)))
 
     return app

@@ -200,12 +200,12 @@ def check_teacher(recipe: Recipe, ours) -> None:
     """`[teacher]`: a model folder here whose tokenizer is the student's (`ours`, None on a cluster: its logprobs are
     of the same tokens)."""
     from prl.model.build import load_tokenizer
-    from prl.model.pretrained import PretrainedError, check_pretrained
+    from prl.model.pretrained import PretrainedError, check_language_model
 
     if recipe.teacher is None:
         return
     try:
-        check_pretrained(recipe.teacher.path)
+        check_language_model(recipe.teacher.path)
         theirs = load_tokenizer(recipe.teacher.path)
     except PretrainedError as e:
         raise RecipeError(f"teacher.path: {e}; nothing was started") from None
@@ -248,7 +248,7 @@ def check_judge(recipe: Recipe) -> None:
     import os
 
     from prl.model.build import load_tokenizer
-    from prl.model.pretrained import PretrainedError, check_pretrained
+    from prl.model.pretrained import PretrainedError, check_language_model
     from prl.tasks import import_function
 
     judge = recipe.reward.judge
@@ -256,7 +256,7 @@ def check_judge(recipe: Recipe) -> None:
         return
     if judge.path is not None:
         try:
-            check_pretrained(judge.path)
+            check_language_model(judge.path)
             load_tokenizer(judge.path)
         except PretrainedError as e:
             raise RecipeError(f"reward.judge.path: {e}; nothing was started") from None
@@ -730,7 +730,7 @@ def check_exits(sup: Supervisor, log: EventLog, faults: Faults) -> Outcome | Non
             written = log.path.parent / "user_error.json"
             fresh = written.is_file() and written.stat().st_mtime >= since
             where = f"; the example and its traceback: {written}" if fresh else ""
-            dropping = "env.max_error_share" in line  # on_error is "drop" already
+            dropping = "env.max_error_share" in line or "(reward_dropped)" in line  # dropping already
             hint = " (env.on_error = 'drop' drops such examples instead)" if p.spec.role == "orchestrator" and \
                 not dropping else ""
             return Outcome("failed", f"{line}{where}{hint}", 1, failed=name)

@@ -65,7 +65,7 @@ def weight_files(folder: Path) -> list[Path]:
     if any(folder.glob("*.bin")):
         raise PretrainedError(f"{folder}: only PyTorch .bin weights; prl reads safetensors (convert with "
                               f"`AutoModelForCausalLM.from_pretrained(...).save_pretrained(...)`)")
-    raise PretrainedError(f"{folder}: no {SINGLE} and no {INDEX}; model.path must be a Hugging Face folder with weights")
+    raise PretrainedError(f"{folder}: no {SINGLE} and no {INDEX}: not a Hugging Face folder with weights")
 
 
 def has_weights(folder: Path) -> bool:
@@ -160,6 +160,17 @@ def load_pretrained(folder: Path, dtype, head: str = "causal"):
         detail = "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in problems.items())
         raise PretrainedError(f"{folder}: weights do not match config.json ({detail})")
     return model
+
+
+def check_language_model(folder: str | Path) -> FolderInfo:
+    """A model the run serves to generate or score tokens (a teacher, a judge): a model folder whose architecture is
+    a causal language model."""
+    info = check_pretrained(folder)
+    arches = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in arches):
+        raise PretrainedError(f"{folder}: architecture {arches or 'unnamed'} is not a causal language model "
+                              f"(...ForCausalLM)")
+    return info
 
 
 def check_reward_model(folder: str | Path) -> FolderInfo:

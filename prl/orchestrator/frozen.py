@@ -5,7 +5,8 @@ Rules:
 - a server that fails a request is retried on the next one, for up to `retry_s` while the driver restarts it;
 - one that does not answer within `hang_s` is reported hung once per process (an `unresponsive` event: the driver
   kills and restarts it; requests sent before the report belong to the killed one) and the request retried;
-- a client error (4xx: the request itself is wrong) is not retried;
+- a client error (4xx: the request itself is wrong) is not retried, but for 408 and 429 (a timeout, a rate limit),
+  retried after 5 s;
 - past `retry_s` the caller gets a BackendError naming the servers and the last failure.
 """
 
@@ -20,6 +21,7 @@ from typing import TypeVar
 from prl.backends.base import BackendError
 
 T = TypeVar("T")
+RETRIED = (408, 429)  # client errors sent again: the server timed out, or limits the rate
 
 
 class FrozenServers:
@@ -49,10 +51,10 @@ class FrozenServers:
                     self.reported[index] = time.monotonic()
                     self.on_hang(index, str(error))
             except BackendError as e:
-                if e.client_error:
+                if e.client_error and e.status not in RETRIED:
                     raise
                 error = e
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0 if e.status not in RETRIED else 5.0)
         raise BackendError(f"the {self.kind}'s servers failed for {self.retry_s:.0f} s: {error}")
 
     async def close(self) -> None:

@@ -7,8 +7,8 @@ Rules:
   completion and the example's answer, sent as one user message; at most `concurrency` in flight;
 - the score is the first group of `score_regex`'s last match in the answer, or what the user's `parser` returns;
   an answer that gives none is counted (`judge_unparsed`) and its group dropped, never scored 0;
-- a request unanswered within `timeout_s` or failed is sent again (`prl.orchestrator.frozen`: a judge the run serves
-  is reported hung and restarted); an outside judge is given three timeouts;
+- a request that fails is sent again (`prl.orchestrator.frozen`); one unanswered too long too: a judge the run serves
+  past `run.hang_timeout_s` is reported hung and restarted, an outside judge is given three `timeout_s`;
 - the API key of an outside judge comes from the environment variable `api_key_env` names, read here, written nowhere.
 """
 
@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from prl.backends.base import BROKEN, NEVER_SENT, BackendError, MalformedResponse
+from prl.backends.base import NEVER_SENT, BackendError, MalformedResponse
 from prl.orchestrator.frozen import FrozenServers
 from prl.tasks import function_name
 from prl.tasks.prompts import raw_text
@@ -56,16 +56,17 @@ class ChatServer:
             try:
                 r = await self.http.post(url, json=body)
                 break
-            except httpx.TransportError as e:
-                if attempt == 2 or not isinstance(e, NEVER_SENT + BROKEN):
+            except httpx.TransportError as e:  # sent again only if it never left: an outside judge may bill it
+                if attempt == 2 or not isinstance(e, NEVER_SENT):
                     raise BackendError(f"{url}: {type(e).__name__}: {e}") from None
                 await asyncio.sleep(0.2 * (attempt + 1))
         if r.status_code >= 400:
             raise BackendError(f"{url} answered {r.status_code}: {r.text[:300]}", r.status_code)
         try:
             answer = r.json()
-            return str(answer["choices"][0]["message"]["content"] or ""), int(answer.get("usage", {}).get("total_tokens", 0))
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+            usage = answer.get("usage") or {}
+            return str(answer["choices"][0]["message"]["content"] or ""), int(usage.get("total_tokens") or 0)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             raise MalformedResponse(f"{url}: not a chat completion ({type(e).__name__}: {e})") from None
 
     async def close(self) -> None:
@@ -79,10 +80,10 @@ class Judge:
         self.parse = parse  # the user's parser, or None: score_regex
         self.gate = asyncio.Semaphore(cfg.concurrency)
 
-    def message(self, example: dict, completion: str) -> str:
-        prompt = example.get("prompt", "") if isinstance(example, dict) else ""
+    def message(self, example: dict, prompt, completion: str) -> str:
+        """The template filled: `prompt` as text (chat messages' contents joined), the example's answer."""
         answer = example.get("answer", "") if isinstance(example, dict) else ""
-        return self.cfg.template.format(prompt=raw_text(prompt) if prompt else "", completion=completion,
+        return self.cfg.template.format(prompt=raw_text(prompt), completion=completion,
                                         answer="" if answer is None else str(answer))
 
     def score_of(self, text: str, example: dict) -> float | None:
@@ -101,9 +102,9 @@ class Judge:
         except ValueError:
             return None
 
-    async def score(self, example: dict, completion: str) -> tuple[float | None, int]:
-        """The judge's score of one completion (None: its answer gave none) and the tokens it cost."""
-        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": self.message(example, completion)}],
+    async def score(self, example: dict, prompt, completion: str) -> tuple[float | None, int]:
+        """The judge's score of one completion of `prompt` (None: its answer gave none) and the tokens it cost."""
+        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": self.message(example, prompt, completion)}],
                 "max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
         async with self.gate:
             text, tokens = await self.servers.call(lambda server: server.chat(body))

@@ -58,9 +58,8 @@ class ModelClients:
 
         parse = import_function(judge.parser, "reward.judge.parser") if judge.parser else None
         chats = judge_servers(judge, self.cfg.judges, self.cfg.secret())
-        if self.cfg.judges:  # served by the run
+        if self.cfg.judges:  # served by the run: hung past run.hang_timeout_s, as its other servers
             servers = self.frozen("judge", self.cfg.judges, chats)
-            servers.hang_s = judge.timeout_s
         else:  # outside: nothing to restart, three timeouts
             servers = FrozenServers("judge", chats, retry_s=3 * judge.timeout_s, hang_s=judge.timeout_s)
         return Judge(judge, servers, parse)

@@ -99,6 +99,7 @@ def turn_advantages(trajs) -> list[list[float]] | None:
 
 SKIPS_LOGGED = 20  # example_skipped events a run writes; past them, orch_step's skipped_examples counts
 SKIPS_IN_A_ROW = 1000  # examples skipped with none run between them: the data is not usable, the run stops
+UNSCORED_IN_A_ROW = 32  # groups in a row a model gave no score: the judge or reward model is not usable, the run stops
 
 
 class GroupSampler:
@@ -181,6 +182,7 @@ class Orchestrator:
         models = ModelClients(cfg, self.tokenizer, self.log, self.locator)
         self.teacher, self.rewards = models.teacher(), models.rewards()
         self.reward_dropped = self.reward_dropped_total = 0  # groups a model gave no score: since the last batch, in all
+        self.unscored_in_a_row = 0  # since the last group a model scored
         self.judge_unparsed = 0  # judge answers that gave no score, since the last batch
         self.pool.on_metrics = self.observe_kv
         self.pool.room = lambda server, n: server.active + n <= self.budget.limits[server.index]
@@ -442,7 +444,7 @@ class Orchestrator:
             elif unscored is not None:
                 self.unscored(index, unscored)
             elif group is not None:
-                self.skipped_in_a_row = 0
+                self.skipped_in_a_row = self.unscored_in_a_row = 0
             self.changed.notify_all()
 
     def data_epoch(self, position: int) -> dict:
@@ -469,8 +471,12 @@ class Orchestrator:
         self.reward_dropped += 1
         self.judge_unparsed += why.unparsed
         self.reward_dropped_total += 1
+        self.unscored_in_a_row += 1
         if self.reward_dropped_total <= SKIPS_LOGGED:
             self.log.emit("reward_dropped", index=index, why=str(why)[:300], total=self.reward_dropped_total)
+        if self.unscored_in_a_row >= UNSCORED_IN_A_ROW and self.error is None:  # the recipe's to fix: no restart
+            self.error = UserCodeError(f"{UNSCORED_IN_A_ROW} groups in a row got no score (reward_dropped) from "
+                                       f"[reward.model] or [reward.judge]; the last: {why}"[:600])
 
     def reward_counts(self, groups: list[Group]) -> dict:
         """The model rewards' figures for a step (nothing without a reward model or judge)."""

@@ -63,24 +63,29 @@ class ModelRewards:
         return [s for s in (self.scorer, self.judge and self.judge.servers) if s is not None]
 
     def prompt(self, example: dict, traj):
+        """The example's prompt: its text, or its chat messages as {role, content} with text contents; a user
+        environment's example without one: the prompt as it was sampled, decoded."""
         prompt = example.get("prompt") if isinstance(example, dict) else None
-        if not isinstance(prompt, (str, list)):  # a user environment's example: the prompt as it was sampled
-            prompt = self.tokenizer.decode(traj.prompt_ids, skip_special_tokens=True)
-        return prompt
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return [{"role": str(m.get("role", "user")), "content": m["content"] if isinstance(m.get("content"), str)
+                     else str(m.get("content", ""))} for m in prompt]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(traj.prompt_ids, skip_special_tokens=True)
 
     async def rewarded(self, example: dict, trajs: list) -> tuple[list, dict]:
         """The group with its rewards combined, and its figures (sums over its members); RewardUnavailable when a
         model gave no score."""
         texts = [self.tokenizer.decode(t.completion_ids, skip_special_tokens=True) for t in trajs]
+        prompts = [self.prompt(example, t) for t in trajs]
         task = [t.reward for t in trajs]
         signals, figures = [], {"members": len(trajs), "task_reward": sum(task)}
         if self.scorer is not None:
-            items = [{"prompt": self.prompt(example, t), "completion": c} for t, c in zip(trajs, texts)]
-            scores, more = await self.model_scores(items)
+            scores, more = await self.model_scores([{"prompt": p, "completion": c} for p, c in zip(prompts, texts)])
             signals.append((scores, self.cfg.model.weight, self.cfg.model.normalize))
             figures.update(more)
         if self.judge is not None:
-            scores, more = await self.judge_scores(example, texts)
+            scores, more = await self.judge_scores(example, prompts, texts)
             signals.append((scores, self.cfg.judge.weight, self.cfg.judge.normalize))
             figures.update(more)
         rewards = combine(task, self.cfg.task_weight, signals)
@@ -98,12 +103,17 @@ class ModelRewards:
         return resp.scores, {"reward_model_score": sum(resp.scores), "reward_model_tokens": resp.tokens,
                              "reward_model_s": time.monotonic() - t0}
 
-    async def judge_scores(self, example: dict, texts: list[str]) -> tuple[list[float], dict]:
+    async def judge_scores(self, example: dict, prompts: list, texts: list[str]) -> tuple[list[float], dict]:
+        """Every member judged, or none. Each request runs to its end (cancelling a request that waits on the judge's
+        concurrency gate can lose the gate's wake-up in Python 3.11's asyncio)."""
         t0 = time.monotonic()
-        try:
-            judged = await asyncio.gather(*(self.judge.score(example, text) for text in texts))
-        except BackendError as e:
-            raise RewardUnavailable(str(e)) from None
+        judged = await asyncio.gather(*(self.judge.score(example, p, text) for p, text in zip(prompts, texts)),
+                                      return_exceptions=True)
+        failed = [e for e in judged if isinstance(e, BaseException)]
+        if failed:
+            if not isinstance(failed[0], BackendError):
+                raise failed[0]  # a user's parser, or prl's own failure
+            raise RewardUnavailable(str(failed[0])) from None
         scores = [s for s, _ in judged]
         missing = sum(s is None or not math.isfinite(s) for s in scores)
         if missing:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prl.recipe.schema import EnvCfg, Recipe, TaskCfg, takes_options
+from prl.recipe.schema import CALLABLE, EnvCfg, Recipe, TaskCfg, takes_options
 
 
 
@@ -125,7 +125,7 @@ def format_errors(err: ValidationError, source: str, set_keys: list[str] = ()) -
             lines.append(refusal(msg, source, set_keys))
             continue
         msg = re.sub(r" or instance of \w+Cfg", "", msg)  # a table: the schema's class names are not the user's
-        if item["type"] == "string_pattern_mismatch" and ":" in str(item.get("ctx", {}).get("pattern")):
+        if item["type"] == "string_pattern_mismatch" and CALLABLE in str(item.get("ctx", {}).get("pattern")):
             msg = f"{item.get('input')!r:.60} is not 'module:function' (a module on the path, then its function)"
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `prl run --dry-run` prints every valid key)"

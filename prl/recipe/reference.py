@@ -210,6 +210,8 @@ def limits(info: FieldInfo) -> list[str]:
             out.append("not empty" if m.min_length == 1 else f"at least {m.min_length} long")
         elif getattr(m, "pattern", None):
             out.append(f"matching `{m.pattern}`")
+        elif getattr(m, "allow_inf_nan", True) is False:
+            out.append("finite")
         else:
             raise TypeError(f"prl.recipe.reference: no words for the constraint {m!r}; add them to limits()")
     if low and not high:  # "value > 0" reads better than "0 < value"

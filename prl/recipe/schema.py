@@ -1139,7 +1139,7 @@ class RewardModelCfg(Section):
     (e.g. Qwen3ForSequenceClassification) and that has one label."""
     servers: int = Field(1, gt=0)
     """Reward-model servers (`reward-model-N`, started, health-checked and restarted with the run)."""
-    weight: float = 1.0
+    weight: float = Field(1.0, allow_inf_nan=False)
     """What the score counts in each sample's reward: reward.task_weight * task reward + weight * score."""
     normalize: Literal["none", "group"] = "none"
     """"group": each score minus its group's mean, over the group's standard deviation (a group whose scores are
@@ -1149,8 +1149,8 @@ class RewardModelCfg(Section):
     threads: int = Field(1, gt=0)
     """CPU threads of each reward-model server."""
     max_tokens: int = Field(4096, gt=0)
-    """The longest conversation scored, in the reward model's tokens; a longer one is cut from the left (its
-    prompt's start), so the completion is always scored whole."""
+    """The longest conversation scored, in the reward model's tokens; a longer one is cut from the left (the
+    prompt's start first)."""
 
 
 JUDGE_TEMPLATE = ("Rate how well the answer solves the task, from 0 (wrong) to 10 (right).\n\nTask: {prompt}\n\n"
@@ -1162,12 +1162,12 @@ class JudgeCfg(Section):
     """An LLM judge: a model asked, for each sampled completion, to rate it with a rubric; its answer is parsed to a
     score. Either served by the run (`path`) or an OpenAI-compatible server elsewhere (`base_url`)."""
 
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)
     """A Hugging Face model folder here that the run serves as the judge (`judge-N` servers, embedded engine, its
     weights never change)."""
-    base_url: str | None = Field(None, pattern=r"^https?://\S+$")
+    base_url: str | None = Field(None, pattern=r"^https?://[^\s@/]+(/\S*)?$")
     """An OpenAI-compatible server's base URL, e.g. "http://10.0.0.5:8000/v1" (its /chat/completions is asked)."""
-    model: str = "judge"
+    model: str = Field("judge", min_length=1)
     """The model name sent with each request (a served judge answers whatever it is)."""
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """With base_url: the environment variable holding the server's API key (read by the orchestrator; never
@@ -1188,10 +1188,11 @@ class JudgeCfg(Section):
     """The longest judge answer."""
     concurrency: int = Field(16, gt=0)
     """Judge requests in flight at once."""
-    timeout_s: float = Field(60.0, gt=0)
-    """A judge request unanswered this long is sent again (a served judge is reported hung and restarted); after
-    three such times, or on its failures, the group is dropped and counted."""
-    weight: float = 1.0
+    timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    """An outside judge's request unanswered this long is sent again; after three such times, or on its failures,
+    the group is dropped and counted. A judge the run serves is reported hung past run.hang_timeout_s, as the run's
+    other servers are."""
+    weight: float = Field(1.0, allow_inf_nan=False)
     """What the judge's score counts in each sample's reward (a 0-10 rubric: 0.1 puts it in [0, 1])."""
     normalize: Literal["none", "group"] = "none"
     """As reward.model.normalize, for the judge's scores."""
@@ -1199,10 +1200,9 @@ class JudgeCfg(Section):
     @model_validator(mode="after")
     def _one_judge(self):
         if (self.path is None) == (self.base_url is None):
-            raise ValueError("reward.judge: give path (a model the run serves) or base_url (an OpenAI-compatible "
-                             "server), one of them")
+            raise ValueError("give path (a model the run serves) or base_url (an OpenAI-compatible server), one of them")
         if self.api_key_env is not None and self.base_url is None:
-            raise ValueError("reward.judge.api_key_env goes with base_url: a judge the run serves takes the run's key")
+            raise ValueError("api_key_env goes with base_url: a judge the run serves takes the run's key")
         return self
 
     @field_validator("template")
@@ -1213,10 +1213,15 @@ class JudgeCfg(Section):
         try:
             names = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
         except ValueError as e:
-            raise ValueError(f"reward.judge.template: {e} (write a literal brace as {{{{ or }}}})") from None
+            raise ValueError(f"{e} (write a literal brace as {{{{ or }}}})") from None
         if names - JUDGE_FIELDS or "completion" not in names:
-            raise ValueError(f"reward.judge.template: uses {sorted(names) or 'no field'}; it takes {{prompt}}, "
-                             f"{{answer}} and must hold {{completion}}")
+            raise ValueError(f"uses {sorted(names) or 'no field'}; it takes {{prompt}}, {{answer}} and must hold "
+                             f"{{completion}}")
+        try:
+            v.format(prompt="", completion="", answer="")
+        except (ValueError, KeyError, IndexError) as e:
+            raise ValueError(f"cannot be filled ({type(e).__name__}: {e}); write the fields as {{completion}}, without "
+                             f"a format spec or conversion") from None
         return v
 
     @field_validator("score_regex")
@@ -1225,16 +1230,16 @@ class JudgeCfg(Section):
         try:
             groups = re.compile(v).groups
         except re.error as e:
-            raise ValueError(f"reward.judge.score_regex: not a regular expression ({e})") from None
+            raise ValueError(f"not a regular expression ({e})") from None
         if groups < 1:
-            raise ValueError("reward.judge.score_regex: needs a group around the number, e.g. 'Score: (\\d+)'")
+            raise ValueError("needs a group around the number, e.g. 'Score: (\\d+)'")
         return v
 
 
 class RewardCfg(Section):
     """Where each sample's reward comes from: the task's function and, with [reward.model], a reward model."""
 
-    task_weight: float = 1.0
+    task_weight: float = Field(1.0, allow_inf_nan=False)
     """What the task's own reward counts (0: the reward model's score alone). Eval sets always score with the
     task's reward."""
     model: RewardModelCfg | None = None
