@@ -200,7 +200,17 @@ def test_the_official_openai_client(server):
     texts = [c.text for c in out.choices]
     assert len(texts) == 4 and len(set(texts)) > 1, f"n completions with one seed must differ: {texts}"
     assert all(len(c.logprobs.token_logprobs) > 0 for c in out.choices)
-    for kwargs, words in (({"stream": True}, "stream"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+    echo = oai.completions.create(model="run", prompt="rev:abc=", max_tokens=0, echo=True, logprobs=0)
+    [c] = echo.choices
+    assert c.text == "rev:abc=" and c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == 8
+    from prl.model.tiny import char_tokenizer
+
+    scored = client.post("/score", json={"items": [{"ids": char_tokenizer()("rev:abc=").input_ids, "start": 1}]})
+    assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs[1:], scored.json()["logprobs"][0])) < 1e-5
+    both = oai.completions.create(model="run", prompt="rev:abc=", max_tokens=3, echo=True, logprobs=0, seed=1,
+                                  stop=None)
+    assert both.choices[0].text.startswith("rev:abc=") and len(both.choices[0].logprobs.token_logprobs) >= 9
+    for kwargs, words in (({"stream": True}, "stream"), ({"max_tokens": 0}, "max_tokens"), ({"best_of": 3}, "best_of"),
                           ({"logprobs": 5}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
                           ({"prompt": ""}, "prompt")):
         args = {"model": "run", "prompt": "rev:abc=", "max_tokens": 2, **kwargs}

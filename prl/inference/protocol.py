@@ -74,15 +74,17 @@ class ChatMessage(Msg):
 
 
 class CompletionRequest(BaseModel):
-    """The OpenAI /v1/completions request. What the engine does not do (streaming, echo, best_of,
-    penalties, more than the sampled token's logprob, unknown fields) is refused with a 400 naming
-    it, never silently ignored (`unsupported`)."""
+    """The OpenAI /v1/completions request. What the engine does not do (streaming, best_of, penalties,
+    more than the sampled token's logprob, unknown fields) is refused with a 400 naming it, never
+    silently ignored (`unsupported`). `echo` returns the prompt before each completion, with its tokens'
+    logprobs when `logprobs` is set (the first is null); with `max_tokens = 0` nothing is generated:
+    the prompt scored, as a teacher's scoring uses it."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    max_tokens: int = Field(16, gt=0)
+    max_tokens: int = Field(16, ge=0)
     temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, gt=0, le=64)
@@ -98,8 +100,8 @@ class CompletionRequest(BaseModel):
         """The first field asking for something the engine does not do, with the reason."""
         if self.stream:
             return "stream: streaming is not supported; send stream=false"
-        if self.echo:
-            return "echo: not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens: 0 generates nothing; it goes with echo=true (the prompt's logprobs)"
         if self.best_of not in (None, 1):
             return "best_of: not supported (use n)"
         if self.logprobs is not None and self.logprobs > 1:
@@ -117,6 +119,11 @@ class ChatCompletionRequest(CompletionRequest):
     prompt: None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo: not part of the chat API (use /v1/completions)"
+        return super().unsupported()
 
 
 class UpdateWeightsRequest(Msg):

@@ -171,8 +171,12 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
         s.check_prompt(ids, req.max_tokens, "prompt")
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]  # n different completions
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]
-        seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
-        return _openai_response(req, ids, seqs, s.tokenizer, s.model_name)
+        if req.max_tokens == 0:  # echo: the prompt scored, nothing generated
+            seqs = [Sequence(list(ids), p, finish_reason="length") for p in params]
+        else:
+            seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
+        echoed = await prompt_logprobs(s.loop, ids) if req.echo else None
+        return _openai_response(req, ids, seqs, s.tokenizer, s.model_name, echoed)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict:
@@ -189,6 +193,14 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]
         seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
         return chat_response(_openai_response(req, ids, seqs, s.tokenizer, s.model_name))
+
+
+async def prompt_logprobs(loop: EngineLoop, ids: list[int]) -> list[float | None]:
+    """Each prompt token's logprob given those before it (the first has none: null), under the served weights."""
+    if len(ids) < 2:
+        return [None]
+    [scored], _ = await loop.run(lambda core: core.score([(ids, 1)]))
+    return [None, *scored]
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -413,8 +425,12 @@ def _sequence(prompt_ids: list[int], params: SamplingParams) -> Sequence:
     return seq
 
 
-def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence], tokenizer, model_name) -> dict:
+def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence], tokenizer, model_name,
+                     echoed: list[float | None] | None = None) -> dict:
+    """OpenAI's completion answer; `echoed`: the prompt's logprobs (echo), the prompt then written before each
+    completion's text and tokens."""
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    prompt_text = tokenizer.decode(ids, skip_special_tokens=True) if echoed is not None else ""
     choices = []
     for i, s in enumerate(seqs):
         text = tokenizer.decode(s.out_ids, skip_special_tokens=True)
@@ -422,11 +438,12 @@ def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence
         for stop in stops:  # stop strings are applied to the text (simplified: after generation)
             if stop in text:
                 text, reason = text[: text.index(stop)], "stop"
-        choice = {"index": i, "text": text, "finish_reason": reason}
+        choice = {"index": i, "text": prompt_text + text, "finish_reason": reason}
         if req.logprobs is not None:
+            shown = [*ids, *s.out_ids] if echoed is not None else s.out_ids
             choice["logprobs"] = {
-                "tokens": [tokenizer.decode([t]) for t in s.out_ids],
-                "token_logprobs": s.logprobs,
+                "tokens": [tokenizer.decode([t]) for t in shown],
+                "token_logprobs": [*(echoed or []), *s.logprobs],
             }
         choices.append(choice)
     completion = sum(len(s.out_ids) for s in seqs)
