@@ -80,17 +80,19 @@ def test_the_teachers_advantages_are_its_own_logprobs_in_transformers(tmp_path):
 
 
 def test_a_run_distils_from_a_teacher_it_serves(tmp_path):
-    """`prl run` with [teacher]: the teacher's server starts beside the run's, every step logs `teacher_kl`, and the
-    run ends well with no restart."""
+    """`prl run` with [teacher] on a multi-turn environment (tool calls, the tools' answers in the completion): the
+    teacher's server starts beside the run's, every step logs `teacher_kl` over the model's tokens, and the run ends
+    well with no restart."""
     folder = teacher_folder(tmp_path / "teacher")
-    sets = [f"run.output_dir={tmp_path}", "sft.steps=0", "rl.max_steps=3", "eval.heldout.examples=8",
+    sets = [f"run.output_dir={tmp_path}", "sft.steps=60", "rl.max_steps=3", "rl.credit='trajectory'",
             f'teacher.path="{folder}"']
-    p = subprocess.run(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(prl_cmd("run", ROOT / "recipes" / "tool-tiny.toml", "--no-tui",
+                               *(x for s in sets for x in ("--set", s))), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "teacher-0: started" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
-    events = [json.loads(line) for line in (tmp_path / "reverse-tiny" / "metrics.jsonl").read_text().splitlines()]
-    kls = [e["teacher_kl"] for e in events if e["kind"] == "orch_step"]
-    assert len(kls) == 3 and all(k > 0 for k in kls), kls  # two different models: KL above 0
+    events = [json.loads(line) for line in (tmp_path / "tool-tiny" / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "orch_step"]
+    assert len(steps) == 3 and all(e["teacher_kl"] > 0 for e in steps), steps  # two different models: KL above 0
+    assert all(e["env_tokens"] > 0 for e in steps)  # the tools answered: tokens the teacher gives no advantage
     assert not [e for e in events if e["kind"] in ("error", "restart")]
 
 
