@@ -68,7 +68,8 @@ def rig(tmp_path_factory):
 
 def start_server(run_dir: Path, recipe, timeout: float = 60, name: str | None = None):
     """A real server of the run (`python -m prl.inference`, or the role's own module; its own process group) for
-    `recipe`'s first server (or the process `name`, e.g. "teacher-0", "reward-model-0"), in `run_dir`, once it answers /health:
+    `recipe`'s first server (or the process `name`, e.g. "teacher-0", "reward-model-0"), in `run_dir`, once it
+    answers /health:
     (process, its config, an authenticated client). A server that dies while starting fails at once, with its log."""
     import subprocess
     import time

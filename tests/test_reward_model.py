@@ -47,7 +47,8 @@ def test_the_servers_scores_are_transformers_classifier_on_each_conversation(tmp
 
     from prl.model.tiny import char_tokenizer
 
-    recipe = load_recipe(RECIPE, [f'reward.model={{path = "{reward_folder}", max_tokens = 10}}', "reward.task_weight=0"])
+    recipe = load_recipe(RECIPE, [f'reward.model={{path = "{reward_folder}", max_tokens = 10}}',
+                                  "reward.task_weight=0"])
     proc, cfg, client = start_server(tmp_path / "run", recipe, name="reward-model-0")
     items = [("rev:abc=", "cba"), ("rev:hello=", "ol"), ("rev:xy=", "")]
     try:
@@ -172,7 +173,8 @@ def test_a_reward_model_prl_cannot_serve_is_refused_before_anything_starts(tmp_p
              f'reward.model.path="{causal}"': "has no classification head",
              f'reward.model.path="{two}"': "a classifier of 2 labels",
              "reward.task_weight=0.5": "reward.task_weight without [reward.model] or [reward.judge]",
-             f'reward={{task_weight = 0, model = {{path = "{reward_folder}", weight = 0}}}}': "every model's weight are 0"}
+             f'reward={{task_weight = 0, model = {{path = "{reward_folder}", weight = 0}}}}':
+                 "every model's weight are 0"}
     for override, words in cases.items():
         p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", override), capture_output=True, text=True,
                            timeout=120)

@@ -104,8 +104,9 @@ class Judge:
 
     async def score(self, example: dict, prompt, completion: str) -> tuple[float | None, int]:
         """The judge's score of one completion of `prompt` (None: its answer gave none) and the tokens it cost."""
-        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": self.message(example, prompt, completion)}],
-                "max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
+        message = {"role": "user", "content": self.message(example, prompt, completion)}
+        body = {"model": self.cfg.model, "messages": [message], "max_tokens": self.cfg.max_tokens,
+                "temperature": self.cfg.temperature}
         async with self.gate:
             text, tokens = await self.servers.call(lambda server: server.chat(body))
         return self.score_of(text, example), tokens

@@ -99,7 +99,7 @@ def turn_advantages(trajs) -> list[list[float]] | None:
 
 SKIPS_LOGGED = 20  # example_skipped events a run writes; past them, orch_step's skipped_examples counts
 SKIPS_IN_A_ROW = 1000  # examples skipped with none run between them: the data is not usable, the run stops
-UNSCORED_IN_A_ROW = 32  # groups in a row a model gave no score: the judge or reward model is not usable, the run stops
+UNSCORED_IN_A_ROW = 32  # groups in a row a model gave no score: the judge or reward model is unusable, the run stops
 
 
 class GroupSampler:
@@ -181,7 +181,7 @@ class Orchestrator:
                                      prefill=cfg.prefill_servers)
         models = ModelClients(cfg, self.tokenizer, self.log, self.locator)
         self.teacher, self.rewards = models.teacher(), models.rewards()
-        self.reward_dropped = self.reward_dropped_total = 0  # groups a model gave no score: since the last batch, in all
+        self.reward_dropped = self.reward_dropped_total = 0  # groups a model gave no score: since the batch, in all
         self.unscored_in_a_row = 0  # since the last group a model scored
         self.judge_unparsed = 0  # judge answers that gave no score, since the last batch
         self.pool.on_metrics = self.observe_kv
@@ -302,8 +302,8 @@ class Orchestrator:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(s.backend.close() for s in self.pool.servers), *(f.close() for f in self.frozen_servers()),
-                             self.trainer.close())
+        await asyncio.gather(*(s.backend.close() for s in self.pool.servers),
+                             *(f.close() for f in self.frozen_servers()), self.trainer.close())
         if self.sandbox is not None:
             await self.sandbox.close()
 

@@ -4,7 +4,8 @@ advantage.
 
 Rules:
 - one `/score` request per group (each trajectory's prompt and completion, scored from the completion's first
-  token): one forward of the group, nothing generated; the teacher's weights never change, so every answer is under the same model;
+  token): one forward of the group, nothing generated; the teacher's weights never change, so every answer is
+  under the same model;
 - the student's logprob of a token is the one the inference server sampled it with (the policy that sampled it,
   as the importance ratio uses); environment tokens (mask 0) get no advantage;
 - a teacher server that fails or hangs is retried as `prl.orchestrator.frozen` says; past its retries the

@@ -272,7 +272,8 @@ def orchestrator_config(recipe: Recipe, lay: Layout, common, servers: list[Serve
         prefill_servers=list(range(recipe.inference.prefill_servers)), trainer_url=trainer_url,
         data_parallel=par.dims(recipe.trainer_world()).dp_size,
         micro_batch_tokens=recipe.trainer.micro_batch_tokens, share_prompts=recipe.trainer.shares_prompts,
-        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), teacher=recipe.teacher, reward=recipe.reward,
+        draft_weights=bool(recipe.inference.mtp_tokens and recipe.inference.fp8), teacher=recipe.teacher,
+        reward=recipe.reward,
         **common(lay.orchestrator),
     )
 

@@ -1200,7 +1200,8 @@ class JudgeCfg(Section):
     @model_validator(mode="after")
     def _one_judge(self):
         if (self.path is None) == (self.base_url is None):
-            raise ValueError("give path (a model the run serves) or base_url (an OpenAI-compatible server), one of them")
+            raise ValueError("give path (a model the run serves) or base_url (an OpenAI-compatible server), one of "
+                             "them")
         if self.api_key_env is not None and self.base_url is None:
             raise ValueError("api_key_env goes with base_url: a judge the run serves takes the run's key")
         return self
