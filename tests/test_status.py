@@ -136,6 +136,21 @@ def test_the_steps_exchanges_reach_status(tmp_path):
     assert "1.25s in flight, 0.25s exposed (80% hidden behind compute)" in status(tmp_path / "a")
 
 
+def test_the_models_signals_reach_status(tmp_path):
+    """A reward model's and a judge's last step (scores, tokens, seconds, drops) and the KL to a teacher in `prl
+    status`; a run without them shows none of these rows."""
+    write_run(tmp_path / "a", "rm", 2, 0.01)
+    assert "reward model" not in status(tmp_path / "a") and "judge" not in status(tmp_path / "a")
+    path = tmp_path / "a" / "metrics.jsonl"
+    step = {"kind": "orch_step", "src": "orchestrator", "t": 9, "step": 1, "reward": 0.4, "task_reward": 0.25,
+            "reward_dropped": 3, "reward_model_score": 1.5, "reward_model_tokens": 640, "reward_model_s": 0.5,
+            "judge_score": 7.25, "judge_tokens": 900, "judge_s": 2.0, "judge_unparsed": 2, "teacher_kl": 0.125}
+    path.write_text(path.read_text() + json.dumps(step) + "\n")
+    out = status(tmp_path / "a")
+    assert "task reward 0.250  groups dropped 3" in out and "score 1.500  640 tokens in 0.50s" in out, out
+    assert "score 7.250  900 tokens in 2.00s  unparsed 2" in out and "KL to the teacher 0.125" in out, out
+
+
 def test_plain_output_prints_each_step_once_and_a_tenth_of_the_warm_start():
     """`--no-tui`: every RL step once, in order, even when the driver looks after several (and not a step a restarted
     trainer replays); a warm-start line per tenth."""
