@@ -1238,11 +1238,12 @@ class JudgeCfg(Section):
 
 
 class RewardCfg(Section):
-    """Where each sample's reward comes from: the task's function and, with [reward.model], a reward model."""
+    """Where each sample's reward comes from: the task's function and, with [reward.model] and [reward.judge], a
+    reward model's and an LLM judge's scores (docs/rewards-from-models.md)."""
 
     task_weight: float = Field(1.0, allow_inf_nan=False)
-    """What the task's own reward counts (0: the reward model's score alone). Eval sets always score with the
-    task's reward."""
+    """What the task's own reward counts (0: the models' scores alone). Eval sets always score with the task's
+    reward."""
     model: RewardModelCfg | None = None
     """A reward model the run serves; unset: none."""
     judge: JudgeCfg | None = None
@@ -1289,7 +1290,7 @@ class Recipe(Section):
     teacher: TeacherCfg | None = None
     """On-policy distillation from a frozen teacher the run serves; unset: none."""
     reward: RewardCfg = RewardCfg()
-    """Rewards from models: the task reward's weight and a reward model the run serves."""
+    """Rewards from models: the task reward's weight, a reward model and an LLM judge."""
 
     @model_validator(mode="after")
     def _teacher_where_built(self):
