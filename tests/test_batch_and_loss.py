@@ -236,3 +236,41 @@ def test_turn_credit_judges_each_attempt_against_the_same_attempt_of_the_others(
     with pytest.raises(ValueError, match="has no effect with rl.credit = 'turn'"):
         Recipe.model_validate({"rl": {"credit": "turn", "loss_weighting": "sequence"},
                                "env": {"kind": "code", "max_total_tokens": 64}})
+
+
+def test_the_teachers_logprobs_travel_with_their_tokens_and_add_the_kl_to_the_teacher_to_the_loss():
+    """teacher.mode = "loss": each sample's teacher logprobs sit on its loss tokens through packing, padding,
+    regrouping and a context-parallel split (0 elsewhere; no column when a sample lacks them); the loss gains
+    coef * k3(log p_teacher - log p) on every loss token, its gradient (1 - exp(r)) * coef, as computed here in
+    float64."""
+    from prl.transport.batch import pad_row, shard_sequence
+
+    samples = make_samples(5)
+    g = torch.Generator().manual_seed(1)
+    for s in samples:
+        s.teacher_logprobs = (-torch.rand(len(s.completion_ids), generator=g) * 3).tolist()
+        s.mask = [1] * (len(s.completion_ids) - 1) + [0]  # the last token the environment's: no teacher signal
+    [[mb]] = pack(samples, num_ranks=1, max_tokens=64)
+    want = sorted(q for s in samples for q, m in zip(s.teacher_logprobs, s.mask) if m)  # packing reorders samples
+    assert sorted(mb.teacher_logprobs[mb.loss_mask].tolist()) == pytest.approx(want)
+    assert (mb.teacher_logprobs[~mb.loss_mask] == 0).all()
+    padded = pad_row(mb, 16)
+    grouped, _ = rows_by_sample(padded)
+    halves = [shard_sequence(padded, r, 2) for r in range(2)]
+    for view in (padded, grouped):
+        assert sorted(view.teacher_logprobs[view.loss_mask].tolist()) == pytest.approx(want)
+    assert sorted(sum((h.teacher_logprobs[h.loss_mask].tolist() for h in halves), [])) == pytest.approx(want)
+    samples[0].teacher_logprobs = None
+    assert pack(samples, 1, 64)[0][0].teacher_logprobs is None
+    logp = (torch.linspace(-2.5, -0.2, mb.input_ids.numel())).requires_grad_(True)
+    zero = type(mb)(**{**vars(mb), "advantages": torch.zeros_like(mb.advantages)})  # the KL alone
+    loss, stats = rl_loss(logp, zero, LossCfg(kl_estimator="k3"), teacher_kl_coef=0.5)
+    loss.backward()
+    m = mb.loss_mask
+    r = mb.teacher_logprobs.double()[m] - logp.detach().double()[m]
+    assert float(loss.detach()) == pytest.approx(float(0.5 * (r.exp() - r - 1).sum()), rel=1e-5)
+    assert float(stats["kl_teacher"]) == pytest.approx(float((r.exp() - r - 1).sum()), rel=1e-5)
+    torch.testing.assert_close(logp.grad[m].double(), 0.5 * (1 - r.exp()), atol=1e-6, rtol=0)
+    assert (logp.grad[~m] == 0).all()
+    plain, plain_stats = rl_loss(logp.detach(), zero, LossCfg(kl_estimator="k3"))
+    assert float(plain) == 0 and "kl_teacher" not in plain_stats

@@ -96,6 +96,22 @@ def test_a_run_distils_from_a_teacher_it_serves(tmp_path):
     assert not [e for e in events if e["kind"] in ("error", "restart")]
 
 
+def test_a_run_adds_the_kl_to_the_teacher_to_its_loss(tmp_path):
+    """teacher.mode = "loss": the samples carry the teacher's logprobs and the trainer logs `kl_teacher`, its KL to
+    the teacher over the loss tokens (k3: above 0 for two different models); the run ends well with no restart."""
+    folder = teacher_folder(tmp_path / "teacher")
+    sets = [f"run.output_dir={tmp_path}", "sft.steps=0", "rl.max_steps=3", "eval.heldout.examples=8",
+            f'teacher={{path = "{folder}", mode = "loss", kl_coef = 0.5}}']
+    p = subprocess.run(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "reverse-tiny" / "metrics.jsonl").read_text().splitlines()]
+    trained = [e for e in events if e["kind"] == "trainer_step" and e.get("stage") == "rl"]
+    assert len(trained) == 3 and all(e["kl_teacher"] > 0 for e in trained), trained
+    assert all(e["teacher_kl"] > 0 for e in events if e["kind"] == "orch_step")
+    assert not [e for e in events if e["kind"] in ("error", "restart")]
+
+
 def test_a_teacher_that_cannot_serve_the_student_is_refused_before_anything_starts(tmp_path):
     from prl.model.tiny import char_tokenizer
 
@@ -108,7 +124,8 @@ def test_a_teacher_that_cannot_serve_the_student_is_refused_before_anything_star
              f'teacher.path="{other}"': "has another vocabulary",
              f'teacher={{path = "{other}", kl_coef = 0.0}}': "teacher.kl_coef and teacher.reward_weight are both 0",
              (f'teacher.path="{folder}"', "inference.fp8=true", "trainer.fp8=true"):
-                 "a teacher served with inference.fp8 is not built"}
+                 "a teacher served with inference.fp8 is not built",
+             (f'teacher={{path = "{folder}", mode = "loss"}}', "trainer.loss.kl_coef=0.1"): "the loss holds one KL"}
     for override, words in cases.items():
         sets = override if isinstance(override, tuple) else (override,)
         p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", *(x for s in sets for x in ("--set", s))),

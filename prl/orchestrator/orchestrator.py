@@ -529,11 +529,15 @@ class Orchestrator:
         if self.rl.loss_weighting == "sequence":
             advantages = sequence_weighted(advantages, [sum(t.mask) if t.mask else len(t.completion_ids) for t in trajs])
         per_token = turn_advantages(trajs) if self.rl.credit == "turn" else None
-        kl = None
-        if self.teacher is not None:
+        kl = taught = None
+        if self.teacher is not None and self.teacher.cfg.mode == "loss":  # the trainer adds the KL to the teacher
+            taught, kl = await self.teacher.scored(trajs)
+            advantages = [self.teacher.cfg.reward_weight * a for a in advantages]
+        elif self.teacher is not None:
             per_token, kl = await self.teacher.token_advantages(trajs, advantages)
         return Group(index, [Sample(t.prompt_ids, t.completion_ids, t.logprobs, t.versions, a, t.reward,
-                                    routing=t.routing, mask=t.mask, token_advantages=per_token[i] if per_token else None)
+                                    routing=t.routing, mask=t.mask, token_advantages=per_token[i] if per_token else None,
+                                    teacher_logprobs=taught[i] if taught else None)
                              for i, (t, a) in enumerate(zip(trajs, advantages))],
                      infos=[t.info or {} for t in trajs], teacher_kl=kl, figures=figures)
 

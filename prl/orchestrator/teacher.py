@@ -1,6 +1,7 @@
-"""On-policy distillation: the teacher's servers score every token the student sampled, and each model token's
-advantage becomes `kl_coef * (log p_teacher - log p_student) + reward_weight * A`, A the task reward's group
-advantage.
+"""On-policy distillation: the teacher's servers score every token the student sampled. With `mode = "advantage"`
+each model token's advantage becomes `kl_coef * (log p_teacher - log p_student) + reward_weight * A`, A the task
+reward's group advantage; with `mode = "loss"` the samples carry the teacher's logprobs, their advantage is
+`reward_weight * A`, and the trainer adds `kl_coef` times the KL to the teacher to its loss.
 
 Rules:
 - one `/score` request per group (each trajectory's prompt and completion, scored from the completion's first
@@ -40,14 +41,21 @@ class Teacher:
             return []
         return (await self.servers.call(lambda b: b.score(items))).logprobs
 
-    async def token_advantages(self, trajs, advantages: list[float]) -> tuple[list[list[float]], tuple[float, int]]:
-        """Each trajectory's per-token advantages, and (sum, count) of log p_student - log p_teacher over model tokens."""
+    async def scored(self, trajs) -> tuple[list[list[float]], tuple[float, int]]:
+        """Each trajectory's teacher logprobs (empty without a completion), and (sum, count) of log p_student -
+        log p_teacher over model tokens."""
         it = iter(await self.logprobs(trajs))
         out, total, count = [], 0.0, 0
-        for t, a in zip(trajs, advantages):
+        for t in trajs:
             teacher = next(it) if t.completion_ids else []
-            out.append(distill_advantages(teacher, t.logprobs, t.mask, a, self.cfg.kl_coef, self.cfg.reward_weight))
             mask = t.mask if t.mask is not None else [1] * len(teacher)
             total += sum(s - q for s, q, m in zip(t.logprobs, teacher, mask) if m)
             count += sum(mask)
+            out.append(teacher)
         return out, (total, count)
+
+    async def token_advantages(self, trajs, advantages: list[float]) -> tuple[list[list[float]], tuple[float, int]]:
+        """Each trajectory's per-token advantages, and (sum, count) of log p_student - log p_teacher over model tokens."""
+        taught, kl = await self.scored(trajs)
+        return [distill_advantages(q, t.logprobs, t.mask, a, self.cfg.kl_coef, self.cfg.reward_weight)
+                for t, q, a in zip(trajs, taught, advantages)], kl

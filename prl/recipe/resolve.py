@@ -221,8 +221,14 @@ def trainer_configs(recipe: Recipe, lay: Layout, common, publish_format: str) ->
         trainer=recipe.trainer, publish_format=publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
         rendezvous=rendezvous, threads=recipe.trainer.threads, eval_points=recipe.eval_points(),
-        await_orchestrator=bool(recipe.eval), **common(pl),
+        await_orchestrator=bool(recipe.eval), teacher_kl_coef=teacher_kl_coef(recipe), **common(pl),
     ) for i, pl in enumerate(lay.trainers)]
+
+
+def teacher_kl_coef(recipe: Recipe) -> float:
+    """The KL to the teacher's weight in the trainer's loss (teacher.mode = "loss"), else 0."""
+    t = recipe.teacher
+    return t.kl_coef if t is not None and t.mode == "loss" else 0.0
 
 
 def server_configs(recipe: Recipe, lay: Layout, common, trainer_url: str) -> list[ServerConfig]:

@@ -1122,6 +1122,10 @@ class TeacherCfg(Section):
     """Weight of the per-token reverse-KL advantage, log p_teacher - log p_student of each sampled token."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task reward's group advantage beside it (0: distillation alone)."""
+    mode: Literal["advantage", "loss"] = "advantage"
+    """How the teacher's logprobs teach: "advantage", each model token's advantage gains kl_coef * (log p_teacher -
+    log p_student); "loss", the trainer adds kl_coef times the KL to the teacher (trainer.loss.kl_estimator of the
+    sampled tokens' log p_student - log p_teacher) to the loss, as it adds the KL to a reference."""
 
     @model_validator(mode="after")
     def _some_signal(self):
@@ -1298,6 +1302,9 @@ class Recipe(Section):
             return self
         if self.cluster is not None:
             raise ValueError("teacher: a teacher on a [cluster] is not built yet: distil on one machine")
+        if self.teacher.mode == "loss" and self.trainer.loss.kl_coef > 0:
+            raise ValueError("teacher.mode = 'loss' and trainer.loss.kl_coef: the loss holds one KL term, to the "
+                             "teacher or to a reference; set trainer.loss.kl_coef = 0 or teacher.mode = 'advantage'")
         if self.inference.fp8:
             raise ValueError("teacher: a teacher served with inference.fp8 is not built yet (the trainer publishes FP8 "
                              "weights for the policy, not the teacher): set inference.fp8 = false")

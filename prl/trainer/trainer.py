@@ -322,6 +322,7 @@ class Trainer:
         self.log_main(
             "trainer_step", stage="rl", step=step, total=self.rl.max_steps, loss=stats["loss_sum"] / stats["loss_divisor"],
             entropy=stats["entropy"] / n, kl_ref=stats["kl_ref"] / n if "kl_ref" in stats else None,
+            kl_teacher=stats["kl_teacher"] / n if "kl_teacher" in stats else None,
             mismatch_kl=stats["mismatch_kl"] / n, extreme_token_frac=stats["extreme_tokens"] / n,
             masked_frac=stats["masked_tokens"] / n, truncated_frac=stats["truncated_tokens"] / n,
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
@@ -359,7 +360,8 @@ class Trainer:
         temperature = self.temperature if kind == "rl" else 1.0
         CLOCK.reset()
         stats = forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
-                                 norm_constant=self.norm_constant, reference=self.reference if kind == "rl" else None)
+                                 norm_constant=self.norm_constant, reference=self.reference if kind == "rl" else None,
+                                 teacher_kl_coef=self.cfg.teacher_kl_coef)
         host_waits = dist.get_backend() == "gloo"
         stats["comm_s"], stats["exposed_comm_s"] = CLOCK.figures() if host_waits else (None, None)
         return stats

@@ -32,6 +32,7 @@ class Sample:
     routing: torch.Tensor | None = None  # [num_tokens, MoE layers, k]: experts the engine used per input token
     mask: list[int] | None = None  # per completion token: 1 the model's (trained), 0 the environment's; None: all 1
     token_advantages: list[float] | None = None  # per completion token (per-turn credit); None: `advantage` for all
+    teacher_logprobs: list[float] | None = None  # per completion token: the teacher's (teacher.mode = "loss")
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +57,7 @@ class MicroBatch:
     infer_logprobs: torch.Tensor
     versions: torch.Tensor  # -1 where no loss
     routing: torch.Tensor | None = None  # [L, MoE layers, k] (R3), None when not captured
+    teacher_logprobs: torch.Tensor | None = None  # the teacher's logprob per token (0 where no loss), or None
 
     @property
     def loss_tokens(self) -> int:
@@ -109,7 +111,7 @@ def load_batch(data: bytes, step: int, world: int | None = None, vocab_size: int
 
 
 def check_micro_batch(mb: MicroBatch, where: str, vocab_size: int | None) -> None:
-    fields = {k: v for k, v in vars(mb).items() if k != "routing"}
+    fields = {k: v for k, v in vars(mb).items() if k != "routing" and (v is not None or k != "teacher_logprobs")}
     for name, t in fields.items():
         if not isinstance(t, torch.Tensor) or t.dim() != 1:
             raise BadBatch(f"{where}: {name} is not a 1-D tensor")
@@ -143,6 +145,8 @@ def sample_arrays(s: Sample) -> dict[str, list]:
                        else [s.advantage if m else 0.0 for m in loss]),
         "infer_logprobs": pad + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask)],
         "versions": [-1] * (p - 1) + [v if m else -1 for v, m in zip(s.versions, mask)],
+        **({"teacher_logprobs": pad + [lp if m else 0.0 for lp, m in zip(s.teacher_logprobs, mask)]}
+           if s.teacher_logprobs is not None else {}),
     }
 
 
@@ -155,18 +159,21 @@ def make_micro_batch(units: list[list[Sample]]) -> MicroBatch:
     tree (`prl.transport.trees`)."""
     if not units:  # an empty slot: one token, no loss, keeps the ranks' collectives in step
         return MicroBatch(**{k: torch.zeros(1, dtype=dt) for k, dt in DTYPES.items()})
-    cols: dict[str, list] = {k: [] for k in DTYPES}
+    samples = [s for unit in units for s in unit]
+    taught = all(s.teacher_logprobs is not None for s in samples)
+    cols: dict[str, list] = {k: [] for k in (*DTYPES, *(["teacher_logprobs"] if taught else []))}
     for unit in units:
         for k, v in trees.tree_arrays(unit, sample_arrays).items():
-            cols[k].extend(v)
-    samples = [s for unit in units for s in unit]
+            if k in cols:
+                cols[k].extend(v)
     routing = None
     if all(s.routing is not None for s in samples):
         for s in samples:
             if s.routing.shape[0] != s.num_tokens:
                 raise ValueError(f"routing covers {s.routing.shape[0]} tokens, the sample has {s.num_tokens}")
         routing = torch.cat([trees.tree_routing(unit) for unit in units])
-    return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES[k]) for k, v in cols.items()}, routing=routing)
+    return MicroBatch(**{k: torch.tensor(v, dtype=DTYPES.get(k, torch.float32)) for k, v in cols.items()},
+                      routing=routing)
 
 
 def pad_row(mb: MicroBatch, multiple: int) -> MicroBatch:
@@ -176,6 +183,8 @@ def pad_row(mb: MicroBatch, multiple: int) -> MicroBatch:
     if not pad:
         return mb
     fields = {k: torch.cat([getattr(mb, k), torch.zeros(pad, dtype=dt)]) for k, dt in DTYPES.items()}
+    if mb.teacher_logprobs is not None:
+        fields["teacher_logprobs"] = torch.cat([mb.teacher_logprobs, torch.zeros(pad)])
     routing = mb.routing
     if routing is not None:
         ids = torch.arange(routing.shape[-1], dtype=routing.dtype).expand(pad, *routing.shape[1:])
