@@ -1,12 +1,14 @@
 """Distillation against RL at equal steps: does a fresh student learn more from a teacher than from the reward?
 
-    .venv/bin/python bench/distill.py [--teacher-steps 120] [--steps 60] [--out DIR]
+    .venv/bin/python bench/distill.py [--teacher-steps 120] [--steps 60] [--mode advantage|loss] [--recipe R]
+                                      [--out DIR]
 
 1. The teacher: `recipes/reverse-tiny.toml` as shipped (its warm start, then `--teacher-steps` RL steps), exported
    at its last step (`prl ckpt export`).
 2. Two students from the same random init, no warm start, `--steps` RL steps each, one after the other on this
    machine: `rl` learns from the task reward; `distill` from the teacher alone (`[teacher]`, kl_coef 1,
-   reward_weight 0). Both are scored by the recipe's held-out set (greedy) every 10 steps.
+   reward_weight 0, `--mode`). Both are scored by the recipe's held-out set (greedy) every 10 steps. `--recipe
+   recipes/reverse-tiny-vllm.toml` runs all three on vLLM (the teacher on a vLLM server too).
 
 Prints per student the held-out reward by step and by seconds since its first RL step, the training reward's last
 5 steps, and the teacher's own held-out reward; ends with one JSON line: `distill_over_rl` (held-out reward at the
@@ -33,9 +35,9 @@ def prl(*args: str) -> None:
         raise SystemExit(f"prl {' '.join(args[:2])} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
 
 
-def run(out: Path, name: str, *sets: str) -> Path:
+def run(out: Path, name: str, *sets: str, recipe: Path = RECIPE) -> Path:
     keys = [f"run.output_dir={out}", f"run.name={name}", "eval.heldout.every=10", *sets]
-    prl("run", str(RECIPE), "--no-tui", "--force", *(x for s in keys for x in ("--set", s)))
+    prl("run", str(recipe), "--no-tui", "--force", *(x for s in keys for x in ("--set", s)))
     return out / name
 
 
@@ -59,15 +61,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher-steps", type=int, default=120)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--mode", choices=("advantage", "loss"), default="advantage", help="teacher.mode of the student")
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="recipes/reverse-tiny-vllm.toml: every run on vLLM")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="prl-distill-"))
-    teacher_run = run(out, "teacher", f"rl.max_steps={args.teacher_steps}")
+    teacher_run = run(out, "teacher", f"rl.max_steps={args.teacher_steps}", recipe=args.recipe)
     folder = out / "teacher-hf"
     prl("ckpt", "export", str(teacher_run), "--step", "latest", "--out", str(folder))
     student = ["sft.steps=0", f"rl.max_steps={args.steps}"]
-    rl = figures(run(out, "rl", *student))
-    distill = figures(run(out, "distill", *student, f'teacher={{path = "{folder}", kl_coef = 1.0, reward_weight = 0.0}}'))
+    rl = figures(run(out, "rl", *student, recipe=args.recipe))
+    taught = f'teacher={{path = "{folder}", kl_coef = 1.0, reward_weight = 0.0, mode = "{args.mode}"}}'
+    distill = figures(run(out, "distill", *student, taught, recipe=args.recipe))
     teacher_held = max(events(teacher_run, "eval"), key=lambda e: e["step"])["reward"]
     last = max(rl["heldout_by_step"])
     within = [r for s, r in distill["heldout_by_s"].items() if s <= rl["rl_s"]]
@@ -75,7 +80,8 @@ def main() -> None:
         print(f"{name}: held-out reward by step {f['heldout_by_step']}, by seconds {f['heldout_by_s']}, training "
               f"reward (last 5 steps) {f['train_reward_last5']}, {f['rl_s']} s of RL")
     print(f"teacher: held-out reward {teacher_held:.4f} after {args.teacher_steps} RL steps")
-    result = {"distill_over_rl": round(distill["heldout_by_step"][last] / max(rl["heldout_by_step"][last], 1e-9), 3),
+    result = {"mode": args.mode, "recipe": args.recipe.name,
+              "distill_over_rl": round(distill["heldout_by_step"][last] / max(rl["heldout_by_step"][last], 1e-9), 3),
               "distill_over_rl_at_equal_wall": round(within[-1] / max(rl["heldout_by_step"][last], 1e-9), 3),
               "teacher_heldout": round(teacher_held, 4), "steps": args.steps, "rl": rl, "distill": distill}
     print(json.dumps(result))
