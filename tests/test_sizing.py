@@ -644,3 +644,22 @@ def test_the_removed_overlap_key_is_refused_with_its_replacement():
                        timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "plan.overlap_comm is gone" in p.stderr and "plan.overlap_efficiency" in p.stderr, p.stderr
+
+
+def test_the_plan_names_the_models_served_beside_the_policy(tmp_path):
+    """A teacher and a reward model: their servers and their folders' weight bytes (from the headers), said to be
+    outside the step's time; a folder not on this machine is said so; a recipe without them has no such lines."""
+    from prl.model.build import build_model
+    from prl.recipe.load import load_recipe
+
+    folder = write_model_dir(ModelCfg(num_layers=1), tmp_path / "teacher")
+    build_model(folder).save_pretrained(folder)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    recipe = load_recipe(ROOT / "recipes" / "reverse-tiny.toml", [f'teacher={{path = "{folder}", servers = 2}}',
+                                                                  'reward.model.path="/not/here"'])
+    lines = format_plan(recipe, make_plan(recipe)).splitlines()
+    i = lines.index("models served beside the policy (on the orchestrator's machine; not in the step time above):")
+    assert lines[i + 1] == f"  teacher: 2 server(s) of {folder} ({size / 2**20:.1f} MB of weights a server)"
+    assert lines[i + 2] == "  reward-model: 1 server(s) of /not/here (its weights unknown here: '/not/here' is not a folder)"
+    plain = load_recipe(ROOT / "recipes" / "reverse-tiny.toml")
+    assert "models served" not in format_plan(plain, make_plan(plain))

@@ -127,6 +127,28 @@ def mechanism_lines(plan: Plan) -> list[str]:
         [f"  {name}: {MECHANISMS[name][0]} - {MECHANISMS[name][1]}" for name in used]
 
 
+def served_model_lines(recipe: Recipe) -> list[str]:
+    """The models the run serves beside the policy (a teacher, a reward model, an LLM judge): their servers and
+    weights. They run on one machine today, so the step's time above does not count them."""
+    from prl.model.pretrained import PretrainedError, check_pretrained
+
+    judge = recipe.reward.judge
+    served = [(k, m) for k, m in (("teacher", recipe.teacher), ("reward-model", recipe.reward.model),
+                                  ("judge", judge if judge is not None and judge.path else None)) if m is not None]
+    if not served:
+        return []
+    lines = ["models served beside the policy (on the orchestrator's machine; not in the step time above):"]
+    for kind, m in served:
+        try:
+            b = check_pretrained(m.path).bytes
+            size = f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 2**20:.1f} MB"
+            size = f"{size} of weights a server"
+        except PretrainedError as e:
+            size = f"its weights unknown here: {e}"
+        lines.append(f"  {kind}: {m.servers} server(s) of {m.path} ({size})")
+    return lines
+
+
 def format_plan(recipe: Recipe, plan: Plan) -> str:
     n, par, t = plan.counts, recipe.trainer.parallel, recipe.trainer
     usable = recipe.plan.gpu_memory_gb * recipe.plan.memory_headroom * GB
@@ -144,7 +166,7 @@ def format_plan(recipe: Recipe, plan: Plan) -> str:
     lines.append("step time:")
     lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}{assumes(k)}" for k, v in plan.time.items()]
     lines += [f"  {x}" for x in plan.details]
-    lines += lora_lines(recipe, plan) + flight_lines(plan) + mechanism_lines(plan)
+    lines += lora_lines(recipe, plan) + flight_lines(plan) + served_model_lines(recipe) + mechanism_lines(plan)
     lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "
                  + ", ".join(f"{k} = {v}" for k, v in recipe.plan.model_dump().items()))
     lines += [f"NOTE: {x}" for x in plan.notes]
