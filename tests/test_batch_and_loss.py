@@ -261,16 +261,23 @@ def test_the_teachers_logprobs_travel_with_their_tokens_and_add_the_kl_to_the_te
         assert sorted(view.teacher_logprobs[view.loss_mask].tolist()) == pytest.approx(want)
     assert sorted(sum((h.teacher_logprobs[h.loss_mask].tolist() for h in halves), [])) == pytest.approx(want)
     samples[0].teacher_logprobs = None
-    assert pack(samples, 1, 64)[0][0].teacher_logprobs is None
-    logp = (torch.linspace(-2.5, -0.2, mb.input_ids.numel())).requires_grad_(True)
-    zero = type(mb)(**{**vars(mb), "advantages": torch.zeros_like(mb.advantages)})  # the KL alone
-    loss, stats = rl_loss(logp, zero, LossCfg(kl_estimator="k3"), teacher_kl_coef=0.5)
-    loss.backward()
+    with pytest.raises(ValueError, match="mixes samples with and without"):
+        pack(samples, 1, 64)
+    assert pack(samples[1:2], 1, 64)[0][0].teacher_logprobs is not None
     m = mb.loss_mask
-    r = mb.teacher_logprobs.double()[m] - logp.detach().double()[m]
-    assert float(loss.detach()) == pytest.approx(float(0.5 * (r.exp() - r - 1).sum()), rel=1e-5)
-    assert float(stats["kl_teacher"]) == pytest.approx(float((r.exp() - r - 1).sum()), rel=1e-5)
-    torch.testing.assert_close(logp.grad[m].double(), 0.5 * (1 - r.exp()), atol=1e-6, rtol=0)
-    assert (logp.grad[~m] == 0).all()
-    plain, plain_stats = rl_loss(logp.detach(), zero, LossCfg(kl_estimator="k3"))
+    zero = type(mb)(**{**vars(mb), "advantages": torch.zeros_like(mb.advantages)})  # the KL alone
+    for estimator, value, grad in (("k3", lambda r: r.exp() - r - 1, lambda r: 1 - r.exp()),  # forward KL's
+                                   ("k2", lambda r: r * r / 2, lambda r: -r)):  # reverse KL's
+        logp = (torch.linspace(-2.5, -0.2, mb.input_ids.numel())).requires_grad_(True)
+        loss, stats = rl_loss(logp, zero, LossCfg(kl_estimator="k1"), teacher_kl=(0.5, estimator))
+        loss.backward()
+        r = mb.teacher_logprobs.double()[m] - logp.detach().double()[m]
+        assert float(loss.detach()) == pytest.approx(float(0.5 * value(r).sum()), rel=1e-5)
+        assert float(stats["kl_teacher"]) == pytest.approx(float(value(r).sum()), rel=1e-5)
+        torch.testing.assert_close(logp.grad[m].double(), 0.5 * grad(r), atol=1e-6, rtol=0)
+        assert (logp.grad[~m] == 0).all()
+    plain, plain_stats = rl_loss(logp.detach(), zero, LossCfg())
     assert float(plain) == 0 and "kl_teacher" not in plain_stats
+    [[_], [empty]] = pack(samples[1:2], 2, 64)  # a rank with an empty slot reports the key too (the ranks all-reduce)
+    _, empty_stats = rl_loss(torch.zeros(empty.input_ids.numel()), empty, LossCfg(), teacher_kl=(0.5, "k2"))
+    assert float(empty_stats["kl_teacher"]) == 0

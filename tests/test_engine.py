@@ -418,6 +418,8 @@ def test_scored_tokens_are_the_models_own_logprobs_and_the_sampled_ones(arch, tm
     assert version == 4 and max(abs(a - b) for a, b in zip(moved, got)) > 1e-3
     items = [(ids, 3), ([9, 8, 7], 1), (ids[:6], 5)]  # one forward, padded: each as if alone
     batched, _ = core.score(items)
-    for (one, start), row in zip(items, batched):
+    split, _ = core.score(items, budget=20)  # two forwards: [ids], then [[9, 8, 7], ids[:6]]
+    for (one, start), row, part in zip(items, batched, split):
         [alone], _ = core.score([(one, start)])
         torch.testing.assert_close(torch.tensor(row), torch.tensor(alone), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(part), torch.tensor(alone), atol=1e-5, rtol=0)

@@ -59,6 +59,9 @@ def test_chat_completions_are_completions_of_the_rendered_messages(tmp_path):
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
         assert got["usage"] == want["usage"]
         assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
+        newer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "rev:ab="}],
+                                                          "max_tokens": 0, "max_completion_tokens": 3})
+        assert newer.status_code == 200 and newer.json()["usage"]["completion_tokens"] <= 3, newer.text
         refused = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                              "stream": True})
         assert refused.status_code == 400 and "stream" in refused.json()["error"]["message"]

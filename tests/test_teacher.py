@@ -125,7 +125,8 @@ def test_a_teacher_that_cannot_serve_the_student_is_refused_before_anything_star
              f'teacher={{path = "{other}", kl_coef = 0.0}}': "teacher.kl_coef and teacher.reward_weight are both 0",
              (f'teacher.path="{folder}"', "inference.fp8=true", "trainer.fp8=true"):
                  "a teacher served with inference.fp8 is not built",
-             (f'teacher={{path = "{folder}", mode = "loss"}}', "trainer.loss.kl_coef=0.1"): "the loss holds one KL"}
+             (f'teacher={{path = "{folder}", mode = "loss"}}', "trainer.loss.kl_coef=0.1"): "the loss holds one KL",
+             (f'teacher.path="{folder}"', "rl.filter_groups='uniform'"): "still carry the teacher's signal"}
     for override, words in cases.items():
         sets = override if isinstance(override, tuple) else (override,)
         p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", *(x for s in sets for x in ("--set", s))),

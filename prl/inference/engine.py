@@ -39,6 +39,7 @@ from prl.model.weights import nonfinite_names
 PREFILL_BATCH = 4  # prompts one prefill forward computes at most when some are computed ahead (`_ahead`)
 LOOKAHEAD = 64  # waiting requests `_ahead` looks at
 SHORT_HIT = 16  # a hit this short on an entry the prompt does not extend is recomputed in a shared forward
+SCORE_TOKENS = 16384  # padded tokens one /score forward holds at most (its logits are tokens x vocabulary)
 
 
 @dataclass
@@ -478,11 +479,20 @@ class EngineCore:
         return out.logits, cache_of(out)
 
     @torch.no_grad()
-    def score(self, items: list[tuple[list[int], int]]) -> tuple[list[list[float]], int]:
+    def score(self, items: list[tuple[list[int], int]], budget: int = SCORE_TOKENS) -> tuple[list[list[float]], int]:
         """For each (ids, start): the logprob of each of `ids[start:]` given the tokens before it, under the weights
-        served now (temperature 1, whole vocabulary); and that version. One forward of all the sequences, padded on
-        the right (masked: a sequence sees only its own tokens), no KV kept. Called on the engine thread between two
-        steps (`EngineLoop.run`)."""
+        served now (temperature 1, whole vocabulary); and that version. The items run in forwards of at most
+        `budget` padded tokens (one item at least), each padded on the right (masked: a sequence sees only its own
+        tokens), no KV kept. Called on the engine thread between two steps (`EngineLoop.run`)."""
+        out, batch = [], []
+        for item in items:
+            if batch and (len(batch) + 1) * max(len(ids) for ids, _ in [*batch, item]) > budget:
+                out += self._score_batch(batch)
+                batch = []
+            batch.append(item)
+        return out + self._score_batch(batch), self.version
+
+    def _score_batch(self, items: list[tuple[list[int], int]]) -> list[list[float]]:
         width = max(len(ids) for ids, _ in items)
         x = torch.zeros(len(items), width, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(items), width, dtype=torch.bool)
@@ -497,7 +507,7 @@ class EngineCore:
         for row, (ids, start) in enumerate(items):
             logp = torch.log_softmax(logits[row, start - 1:len(ids) - 1].float(), dim=-1)
             out.append(logp.gather(-1, x[row, start:len(ids), None])[:, 0].cpu().tolist())
-        return out, self.version
+        return out
 
     def _put_in_pool(self, seq: Sequence, cache, pooled: int, local: Hit | None) -> int:
         """Offer the prompt's full chunks to the KV pool, but those it came with (from the pool, or

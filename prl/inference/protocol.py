@@ -120,9 +120,17 @@ class ChatCompletionRequest(CompletionRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _newer_name(self):
+        if self.max_completion_tokens:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
     def unsupported(self) -> str | None:
         if self.echo:
             return "echo: not part of the chat API (use /v1/completions)"
+        if self.max_tokens == 0:
+            return "max_tokens: a chat completion writes at least one token"
         return super().unsupported()
 
 

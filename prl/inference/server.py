@@ -175,7 +175,9 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
             seqs = [Sequence(list(ids), p, finish_reason="length") for p in params]
         else:
             seqs = await _unless_disconnected(request, [s.loop.generate(_sequence(ids, p)) for p in params])
-        echoed = await prompt_logprobs(s.loop, ids) if req.echo else None
+        echoed = None
+        if req.echo:  # the prompt's logprobs cost a forward: only when asked for
+            echoed = await prompt_logprobs(s.loop, ids) if req.logprobs is not None else [None] * len(ids)
         return _openai_response(req, ids, seqs, s.tokenizer, s.model_name, echoed)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
@@ -187,7 +189,6 @@ def add_openai_routes(app: FastAPI, s: Served, guarded: list) -> None:
             ids = chat_ids(s.tokenizer, [m.model_dump() for m in req.messages])
         except PromptError as e:
             raise HTTPException(400, f"messages: {e}") from None
-        req.max_tokens = req.max_completion_tokens or req.max_tokens
         s.check_prompt(ids, req.max_tokens, "messages")
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(s.eos), sd) for sd in seeds]

@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+from prl.backends.base import MalformedResponse
 from prl.orchestrator.frozen import FrozenServers
 
 
@@ -39,7 +40,11 @@ class Teacher:
         items = [([*t.prompt_ids, *t.completion_ids], len(t.prompt_ids)) for t in trajs if t.completion_ids]
         if not items:
             return []
-        return (await self.servers.call(lambda b: b.score(items))).logprobs
+        scored = (await self.servers.call(lambda b: b.score(items))).logprobs
+        if [len(x) for x in scored] != [len(ids) - start for ids, start in items]:
+            raise MalformedResponse(f"the teacher answered {[len(x) for x in scored]} logprobs for completions of "
+                                    f"{[len(ids) - start for ids, start in items]} tokens")
+        return scored
 
     async def scored(self, trajs) -> tuple[list[list[float]], tuple[float, int]]:
         """Each trajectory's teacher logprobs (empty without a completion), and (sum, count) of log p_student -

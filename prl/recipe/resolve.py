@@ -221,7 +221,8 @@ def trainer_configs(recipe: Recipe, lay: Layout, common, publish_format: str) ->
         trainer=recipe.trainer, publish_format=publish_format, publish_fp8=recipe.inference.fp8,
         shared_checkpoints=recipe.shared_checkpoints(), world=world, nnodes=len(lay.trainers),
         rendezvous=rendezvous, threads=recipe.trainer.threads, eval_points=recipe.eval_points(),
-        await_orchestrator=bool(recipe.eval), teacher_kl_coef=teacher_kl_coef(recipe), **common(pl),
+        await_orchestrator=bool(recipe.eval), teacher_kl_coef=teacher_kl_coef(recipe),
+        teacher_kl_estimator=recipe.teacher.kl_estimator if recipe.teacher is not None else "k2", **common(pl),
     ) for i, pl in enumerate(lay.trainers)]
 
 

@@ -155,6 +155,7 @@ class TrainerConfig(RoleConfig):
     eval_points: list[int] = []  # steps whose weights an eval set scores: checkpointed, so `prl eval` can score them again
     await_orchestrator: bool = False  # eval sets run: keep the endpoint up until the orchestrator has logged them all
     teacher_kl_coef: float = 0.0  # teacher.mode = "loss": the weight of the KL to the teacher in the loss
+    teacher_kl_estimator: str = "k2"  # teacher.mode = "loss": its per-token estimate (teacher.kl_estimator)
 
 
 class KvMasterConfig(RoleConfig):

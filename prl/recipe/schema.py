@@ -1124,8 +1124,12 @@ class TeacherCfg(Section):
     """Weight of the task reward's group advantage beside it (0: distillation alone)."""
     mode: Literal["advantage", "loss"] = "advantage"
     """How the teacher's logprobs teach: "advantage", each model token's advantage gains kl_coef * (log p_teacher -
-    log p_student); "loss", the trainer adds kl_coef times the KL to the teacher (trainer.loss.kl_estimator of the
-    sampled tokens' log p_student - log p_teacher) to the loss, as it adds the KL to a reference."""
+    log p_student); "loss", the trainer adds kl_coef times a KL estimate to the teacher on each sampled token to the
+    loss (kl_estimator), as it adds the KL to a reference."""
+    kl_estimator: Literal["k2", "k3"] = "k2"
+    """With mode = "loss", the per-token estimate, r = log p_teacher - log p_student: "k2" (r^2 / 2), whose gradient
+    over the student's samples is the reverse KL's, KL(student || teacher), as advantage mode follows; "k3"
+    (exp(r) - r - 1), whose gradient is the forward KL's, KL(teacher || student)."""
 
     @model_validator(mode="after")
     def _some_signal(self):
@@ -1302,6 +1306,10 @@ class Recipe(Section):
             return self
         if self.cluster is not None:
             raise ValueError("teacher: a teacher on a [cluster] is not built yet: distil on one machine")
+        if self.teacher.reward_weight == 0 and self.rl.filter_groups == "uniform":
+            raise ValueError("teacher.reward_weight = 0 and rl.filter_groups = 'uniform': the filter drops groups "
+                             "whose task rewards are equal, which still carry the teacher's signal; set "
+                             "rl.filter_groups = 'none' or give the task reward a weight")
         if self.teacher.mode == "loss" and self.trainer.loss.kl_coef > 0:
             raise ValueError("teacher.mode = 'loss' and trainer.loss.kl_coef: the loss holds one KL term, to the "
                              "teacher or to a reference; set trainer.loss.kl_coef = 0 or teacher.mode = 'advantage'")

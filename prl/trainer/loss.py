@@ -248,11 +248,11 @@ def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, 
 
 
 def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch.Tensor | None = None,
-            ref_logp_L: torch.Tensor | None = None, teacher_kl_coef: float = 0.0
+            ref_logp_L: torch.Tensor | None = None, teacher_kl: tuple[float, str] = (0.0, "k2")
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's summed loss (weighted per sample under "sequence" normalisation) and its figures.
     The objective's term counts on the tokens it keeps; the entropy bonus and the KL terms (to a reference, to a
-    teacher whose logprobs the batch carries) on every loss token."""
+    teacher whose logprobs the batch carries, `teacher_kl` its (weight, estimator)) on every loss token."""
     b = LossBatch(logp_L, mb.infer_logprobs, mb.advantages, mb.loss_mask, segment_ids(mb.position_ids), entropy_L,
                   ref_logp_L)
     fn = objective(cfg.correction)
@@ -267,9 +267,10 @@ def rl_loss(logp_L: torch.Tensor, mb: MicroBatch, cfg: LossCfg, entropy_L: torch
         kl_L = kl_to_reference(logp_L, ref_logp_L, cfg.kl_estimator, b.mask)
         loss_L = loss_L + cfg.kl_coef * kl_L
         extra = {**extra, "kl_ref": kl_L.detach().double().sum()}
-    if teacher_kl_coef and mb.teacher_logprobs is not None:
-        kl_T = kl_to_reference(logp_L, mb.teacher_logprobs, cfg.kl_estimator, b.mask)
-        loss_L = loss_L + teacher_kl_coef * kl_T
+    if teacher_kl[0]:  # every micro-batch reports it (an empty slot 0): the ranks all-reduce the same keys
+        kl_T = (kl_to_reference(logp_L, mb.teacher_logprobs, teacher_kl[1], b.mask) if mb.teacher_logprobs is not None
+                else torch.zeros_like(logp_L))
+        loss_L = loss_L + teacher_kl[0] * kl_T
         extra = {**extra, "kl_teacher": kl_T.detach().double().sum()}
     if cfg.normalization() == "sequence":
         loss_L = loss_L / sequence_tokens(b, loss_L.dtype)[b.sequence_ids]

@@ -32,13 +32,14 @@ from prl.transport.batch import MicroBatch, rows_by_sample
 
 def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: TrainerCfg, temperature: float,
                      device: torch.device, seq=None, norm_constant: float | None = None,
-                     reference: Reference | None = None, teacher_kl_coef: float = 0.0) -> dict[str, float]:
+                     reference: Reference | None = None, teacher_kl: tuple[float, str] = (0.0, "k2")
+                     ) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches; returns stats summed over all ranks.
     With context parallelism (`seq`), this rank computes its part of each micro-batch (`seq.layout`).
     `norm_constant`: the divisor of trainer.loss.normalize = "constant"; `reference`: the frozen
     reference policy of trainer.loss.kl_coef (parallelized as `model`; under LoRA `model` itself, adapters
-    off: `prl.model.policy`), its forward without gradient; `teacher_kl_coef`: the weight of the KL to the teacher
-    whose logprobs the batch carries (teacher.mode = "loss")."""
+    off: `prl.model.policy`), its forward without gradient; `teacher_kl`: the (weight, estimator) of the KL to the
+    teacher whose logprobs the batch carries (teacher.mode = "loss")."""
     rows = [local_slice(mb, seq) if seq is not None else (mb, None, None) for mb in mbs]
     mode = tcfg.loss.normalization() if kind == "rl" else "token"
     divisor = step_divisor(rows, mode, norm_constant, device)
@@ -61,7 +62,7 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
                     ref = token_outputs(reference.model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
             per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
             if kind == "rl":
-                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref, teacher_kl_coef)
+                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref, teacher_kl)
             else:
                 loss_sum, stats = sft_loss(per_token[:, 0], mb)
             if replay:

@@ -361,7 +361,7 @@ class Trainer:
         CLOCK.reset()
         stats = forward_backward(self.model, self.replay, mbs, kind, self.tcfg, temperature, self.device, self.par.seq,
                                  norm_constant=self.norm_constant, reference=self.reference if kind == "rl" else None,
-                                 teacher_kl_coef=self.cfg.teacher_kl_coef)
+                                 teacher_kl=(self.cfg.teacher_kl_coef, self.cfg.teacher_kl_estimator))
         host_waits = dist.get_backend() == "gloo"
         stats["comm_s"], stats["exposed_comm_s"] = CLOCK.figures() if host_waits else (None, None)
         return stats

@@ -160,7 +160,9 @@ def make_micro_batch(units: list[list[Sample]]) -> MicroBatch:
     if not units:  # an empty slot: one token, no loss, keeps the ranks' collectives in step
         return MicroBatch(**{k: torch.zeros(1, dtype=dt) for k, dt in DTYPES.items()})
     samples = [s for unit in units for s in unit]
-    taught = all(s.teacher_logprobs is not None for s in samples)
+    taught = any(s.teacher_logprobs is not None for s in samples)
+    if taught and not all(s.teacher_logprobs is not None for s in samples):
+        raise ValueError("a row mixes samples with and without the teacher's logprobs (teacher.mode = 'loss')")
     cols: dict[str, list] = {k: [] for k in (*DTYPES, *(["teacher_logprobs"] if taught else []))}
     for unit in units:
         for k, v in trees.tree_arrays(unit, sample_arrays).items():

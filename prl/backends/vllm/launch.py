@@ -164,6 +164,8 @@ def serving_layout(cfg: ServerConfig) -> None:
     """The model folder's `quantization_config` as this server serves it: prl's block-FP8 layout
     (`prl.model.fp8_checkpoint.serving_config`) with inference.fp8, none without. vLLM builds its FP8
     layers from it, and prl's weight engine checks published versions against it."""
+    if cfg.model_folder:
+        return  # a frozen model the run serves (a teacher's): the user's own folder, served as it is, never written
     if not cfg.inference.fp8 and "quantization_config" not in json.loads((cfg.model_dir / "config.json").read_text()):
         return  # nothing to write, and no torch to import
     from prl.model.fp8_checkpoint import write_serving_config
