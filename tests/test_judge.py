@@ -18,7 +18,7 @@ from prl.orchestrator.judge import ChatServer, Judge
 from prl.orchestrator.rewards import ModelRewards, RewardUnavailable
 from prl.recipe.load import load_recipe
 from prl.usercode import UserCodeError
-from test_reward_model import wait_for
+from test_reward_model import run_killing
 from test_teacher import teacher_folder
 from reward_fixture import fit_reward_model
 
@@ -117,19 +117,7 @@ def test_a_run_with_a_judge_it_serves_counts_unparsable_answers_and_restarts_a_k
     folder = teacher_folder(tmp_path / "judge")
     sets = [f"run.output_dir={tmp_path}", "sft.steps=0", "rl.max_steps=5", "eval.heldout.examples=8",
             f'reward.judge={{path = "{folder}", parser = "judging:parse", max_tokens = 4, timeout_s = 30}}']
-    proc = subprocess.Popen(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    metrics = tmp_path / "reverse-tiny" / "metrics.jsonl"
-    try:
-        pid = wait_for(metrics, lambda e: e["kind"] == "orch_step" and e["step"] >= 1, "judge-0", proc)
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    out, events = run_killing(tmp_path, sets, "judge-0", env={"PYTHONPATH": str(tmp_path)})
     steps = [e for e in events if e["kind"] == "orch_step"]
     assert len(steps) == 5 and all(e["judge_tokens"] > 0 and e["task_reward"] >= 0 for e in steps)
     assert sum(e["judge_unparsed"] for e in steps) > 0 and sum(e["reward_dropped"] for e in steps) > 0
@@ -150,7 +138,7 @@ def test_a_run_whose_judge_never_answers_stops_in_one_line_after_dropping_groups
                        capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "32 groups in a row got no score (reward_dropped)" in out, out[-3000:]
-    assert "127.0.0.1:9" in out and "Traceback" not in out and "env.on_error" not in out, out[-3000:]
+    assert "127.0.0.1:9" in out and "Traceback" not in out and "env.on_error" not in out, out[-3000:]  # the URL
     events = [json.loads(line) for line in (tmp_path / "reverse-tiny" / "metrics.jsonl").read_text().splitlines()]
     dropped = [e for e in events if e["kind"] == "reward_dropped"]
     assert len(dropped) == 20 and dropped[-1]["total"] == 20 and "judge's servers failed" in dropped[0]["why"]

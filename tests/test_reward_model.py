@@ -122,24 +122,30 @@ def test_a_run_learns_from_a_reward_model_it_serves_and_restarts_it(tmp_path, re
     unscored (none dropped, none scored 0 in its place); the run ends well."""
     sets = [f"run.output_dir={tmp_path}", "sft.steps=0", "rl.max_steps=6", "eval.heldout.examples=8",
             f'reward.model.path="{reward_folder}"', "reward.task_weight=0", "run.hang_timeout_s=30"]
-    proc = subprocess.Popen(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = tmp_path / "reverse-tiny" / "metrics.jsonl"
-    try:
-        pid = wait_for(metrics, lambda e: e["kind"] == "orch_step" and e["step"] >= 1, "reward-model-0", proc)
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    out, events = run_killing(tmp_path, sets, "reward-model-0")
     steps = [e for e in events if e["kind"] == "orch_step"]
     assert len(steps) == 6 and all(e["reward_dropped"] == 0 and e["reward_model_tokens"] > 0 for e in steps)
     for e in steps:  # the reward trained on is the model's score alone
         assert e["reward"] == pytest.approx(e["reward_model_score"], abs=1e-6) and 0 <= e["task_reward"] <= 1
     assert [e for e in events if e["kind"] == "restart" and e.get("name") == "reward-model-0"], out[-3000:]
     assert not [e for e in events if e["kind"] == "error" and e.get("name") != "reward-model-0"]
+
+
+def run_killing(tmp_path: Path, sets: list[str], name: str, env: dict | None = None) -> tuple[str, list[dict]]:
+    """`prl run` of reverse-tiny with `sets`, the process `name` SIGKILLed once step 1 is logged; the run must end
+    well: (its output, its events)."""
+    proc = subprocess.Popen(prl_cmd("run", RECIPE, "--no-tui", *(x for s in sets for x in ("--set", s))),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    metrics = tmp_path / "reverse-tiny" / "metrics.jsonl"
+    try:
+        os.kill(wait_for(metrics, lambda e: e["kind"] == "orch_step" and e["step"] >= 1, name, proc), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    return out, [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def wait_for(metrics: Path, ready, name: str, run: subprocess.Popen) -> int:

@@ -196,22 +196,29 @@ def preflight(recipe: Recipe) -> None:
     check_wandb(recipe)
 
 
-def check_teacher(recipe: Recipe, ours) -> None:
-    """`[teacher]`: a model folder here whose tokenizer is the student's (`ours`, None on a cluster: its logprobs are
-    of the same tokens)."""
+def served_folder(key: str, path: str, check):
+    """A model folder the run serves beside the policy (`key` its recipe key): `check(path)`'s FolderInfo, with its
+    tokenizer; a RecipeError in one line otherwise."""
     from prl.model.build import load_tokenizer
-    from prl.model.pretrained import PretrainedError, check_language_model
+    from prl.model.pretrained import PretrainedError
+
+    try:
+        return check(path), load_tokenizer(path)
+    except PretrainedError as e:
+        raise RecipeError(f"{key}: {e}; nothing was started") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
+        raise RecipeError(f"{key}: {path}: its tokenizer cannot be read ({type(e).__name__}: {e}); nothing was "
+                          f"started") from None
+
+
+def check_teacher(recipe: Recipe, ours) -> None:
+    """`[teacher]`: a language model folder here whose tokenizer is the student's (`ours`, None on a cluster: its
+    logprobs are of the same tokens)."""
+    from prl.model.pretrained import check_language_model
 
     if recipe.teacher is None:
         return
-    try:
-        check_language_model(recipe.teacher.path)
-        theirs = load_tokenizer(recipe.teacher.path)
-    except PretrainedError as e:
-        raise RecipeError(f"teacher.path: {e}; nothing was started") from None
-    except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
-        raise RecipeError(f"teacher.path: {recipe.teacher.path}: its tokenizer cannot be read ({type(e).__name__}: "
-                          f"{e}); nothing was started") from None
+    _, theirs = served_folder("teacher.path", recipe.teacher.path, check_language_model)
     if ours is not None and ours.get_vocab() != theirs.get_vocab():
         raise RecipeError(f"teacher.path: {recipe.teacher.path} has another vocabulary ({len(theirs)} tokens, the "
                           f"student's {len(ours)}): a teacher scores the student's tokens, so it needs the student's "
@@ -223,46 +230,30 @@ def check_reward_model(recipe: Recipe) -> None:
     tokenizer loads."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as KNOWN
 
-    from prl.model.build import load_tokenizer
-    from prl.model.pretrained import PretrainedError, check_reward_model as check_folder
+    from prl.model.pretrained import check_reward_model as check_folder
 
     rm = recipe.reward.model
     if rm is None:
         return
-    try:
-        info = check_folder(rm.path)
-        load_tokenizer(rm.path)
-    except PretrainedError as e:
-        raise RecipeError(f"reward.model.path: {e}; nothing was started") from None
-    except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
-        raise RecipeError(f"reward.model.path: {rm.path}: its tokenizer cannot be read ({type(e).__name__}: {e}); "
-                          f"nothing was started") from None
+    info, _ = served_folder("reward.model.path", rm.path, check_folder)
     if info.model_type not in KNOWN:
         raise RecipeError(f"reward.model.path: {rm.path}: transformers has no sequence classifier for model_type "
                           f"{info.model_type!r}; nothing was started")
 
 
 def check_judge(recipe: Recipe) -> None:
-    """`[reward.judge]`: a model folder here for a judge the run serves, its API key's variable set for an outside
-    one, and its parser importable."""
+    """`[reward.judge]`: a language model folder here for a judge the run serves, its API key's variable set for an
+    outside one, and its parser importable."""
     import os
 
-    from prl.model.build import load_tokenizer
-    from prl.model.pretrained import PretrainedError, check_language_model
+    from prl.model.pretrained import check_language_model
     from prl.tasks import import_function
 
     judge = recipe.reward.judge
     if judge is None:
         return
     if judge.path is not None:
-        try:
-            check_language_model(judge.path)
-            load_tokenizer(judge.path)
-        except PretrainedError as e:
-            raise RecipeError(f"reward.judge.path: {e}; nothing was started") from None
-        except Exception as e:  # noqa: BLE001 - transformers' own errors on a folder it cannot read
-            raise RecipeError(f"reward.judge.path: {judge.path}: its tokenizer cannot be read ({type(e).__name__}: "
-                              f"{e}); nothing was started") from None
+        served_folder("reward.judge.path", judge.path, check_language_model)
     if judge.api_key_env is not None and not os.environ.get(judge.api_key_env):
         raise RecipeError(f"reward.judge.api_key_env = {judge.api_key_env!r}: that variable is not set here; export "
                           f"it with the judge's API key before prl run; nothing was started")

@@ -46,7 +46,8 @@ class FrozenServers:
                 async with asyncio.timeout(self.hang_s):
                     return await request(self.backends[index])
             except TimeoutError:
-                error = BackendError(f"{self.kind}-{index} did not answer for {self.hang_s:.0f} s")
+                where = getattr(self.backends[index], "base_url", "")
+                error = BackendError(f"{self.kind}-{index} ({where}) did not answer for {self.hang_s:.0f} s")
                 if sent > self.reported.get(index, float("-inf")):  # else: sent to the process already reported
                     self.reported[index] = time.monotonic()
                     self.on_hang(index, str(error))
