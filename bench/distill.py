@@ -1,7 +1,7 @@
 """Distillation against RL at equal steps: does a fresh student learn more from a teacher than from the reward?
 
-    .venv/bin/python bench/distill.py [--teacher-steps 120] [--steps 60] [--mode advantage|loss] [--recipe R]
-                                      [--out DIR]
+    .venv/bin/python bench/distill.py [--teacher-steps 120] [--steps 60] [--mode advantage|loss] [--kl-estimator k2|k3]
+                                      [--recipe R] [--out DIR]
 
 1. The teacher: `recipes/reverse-tiny.toml` as shipped (its warm start, then `--teacher-steps` RL steps), exported
    at its last step (`prl ckpt export`).
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--teacher-steps", type=int, default=120)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--mode", choices=("advantage", "loss"), default="advantage", help="teacher.mode of the student")
+    ap.add_argument("--kl-estimator", choices=("k2", "k3"), default="k2", help="teacher.kl_estimator (mode loss)")
     ap.add_argument("--recipe", type=Path, default=RECIPE, help="recipes/reverse-tiny-vllm.toml: every run on vLLM")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -71,7 +72,8 @@ def main() -> None:
     prl("ckpt", "export", str(teacher_run), "--step", "latest", "--out", str(folder))
     student = ["sft.steps=0", f"rl.max_steps={args.steps}"]
     rl = figures(run(out, "rl", *student, recipe=args.recipe))
-    taught = f'teacher={{path = "{folder}", kl_coef = 1.0, reward_weight = 0.0, mode = "{args.mode}"}}'
+    taught = (f'teacher={{path = "{folder}", kl_coef = 1.0, reward_weight = 0.0, mode = "{args.mode}", '
+              f'kl_estimator = "{args.kl_estimator}"}}')
     distill = figures(run(out, "distill", *student, taught, recipe=args.recipe))
     teacher_held = max(events(teacher_run, "eval"), key=lambda e: e["step"])["reward"]
     last = max(rl["heldout_by_step"])
@@ -80,7 +82,7 @@ def main() -> None:
         print(f"{name}: held-out reward by step {f['heldout_by_step']}, by seconds {f['heldout_by_s']}, training "
               f"reward (last 5 steps) {f['train_reward_last5']}, {f['rl_s']} s of RL")
     print(f"teacher: held-out reward {teacher_held:.4f} after {args.teacher_steps} RL steps")
-    result = {"mode": args.mode, "recipe": args.recipe.name,
+    result = {"mode": args.mode, "kl_estimator": args.kl_estimator, "recipe": args.recipe.name,
               "distill_over_rl": round(distill["heldout_by_step"][last] / max(rl["heldout_by_step"][last], 1e-9), 3),
               "distill_over_rl_at_equal_wall": round(within[-1] / max(rl["heldout_by_step"][last], 1e-9), 3),
               "teacher_heldout": round(teacher_held, 4), "steps": args.steps, "rl": rl, "distill": distill}
