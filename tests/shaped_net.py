@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from sshd_rig import IFNAME, Network
+from sshd_rig import IFNAME, Network, free_subnet
 
 BURST = "64kb"  # the bucket: a few TCP segments' worth, so the rate holds over milliseconds
 LINKS = itertools.count()  # this process's links, each with its own names, subnet and port
@@ -42,7 +42,7 @@ class ShapedLink:
         self.net, self.mbit, n = Network(), mbit, next(LINKS)
         self.net.tag = (self.net.tag + 50 + n) % 100000  # each link of this process its own names and subnet
         self.port = 29533 + n % 100  # and its own rendezvous port
-        self.net.subnet, self.net.bridge = f"10.{100 + self.net.tag % 100}.0", f"prlbr{self.net.tag}"
+        self.net.subnet, self.net.bridge = free_subnet(self.net.tag), f"prlbr{self.net.tag}"
         self.places: list[tuple[str, str]] = []
         try:
             self.net.up()

@@ -75,12 +75,24 @@ def start_sshd(root: Path, address: str, client_pub: Path, netns: str | None = N
     return FakeHost(address, port, proc, f"{pub[0]} {pub[1]}", netns)
 
 
+def free_subnet(tag: int) -> str:
+    """10.S.0 with S from `tag`, moved on past any subnet an interface here already holds (a bridge another run
+    left behind would otherwise take this network's packets)."""
+    held = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=10).stdout \
+        if shutil.which("ip") else ""
+    for k in range(100):
+        subnet = f"10.{100 + (tag + k) % 100}.0"
+        if f" {subnet}." not in held:
+            return subnet
+    return f"10.{100 + tag % 100}.0"
+
+
 class Network:
     """A private bridge with one namespace per host: 10.S.0.1 on the bridge, host i at 10.S.0.(i+2)."""
 
     def __init__(self):
         tag = os.getpid() % 100000
-        self.subnet = f"10.{100 + tag % 100}.0"
+        self.subnet = free_subnet(tag)
         self.bridge, self.tag, self.names = f"prlbr{tag}", tag, []
         self.made: list[list[str]] = []  # undo commands, run in reverse
 
