@@ -89,10 +89,10 @@ def record_logprobs(seen: list, rows: list) -> None:
 
     loss = step_module.rl_loss
 
-    def recording(logp, mb, cfg, *rest):
+    def recording(logp, mb, cfg, *rest, **kw):
         seen.append(torch.stack([logp[mb.loss_mask], mb.infer_logprobs[mb.loss_mask]]).detach().float().cpu())
         rows.append(logp.detach().float().cpu())
-        return loss(logp, mb, cfg, *rest)
+        return loss(logp, mb, cfg, *rest, **kw)
 
     step_module.rl_loss = recording
 

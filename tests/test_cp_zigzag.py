@@ -38,7 +38,7 @@ def test_every_token_on_one_rank_and_reassembly_is_the_identity(layout, size):
     n = 13
     mb = MicroBatch(**{k: torch.arange(n) * (i + 1) for i, k in enumerate(
         ["input_ids", "position_ids", "target_ids", "loss_mask", "advantages", "infer_logprobs", "versions"])},
-        routing=torch.arange(n * 6).view(n, 3, 2))
+        routing=torch.arange(n * 6).view(n, 3, 2), teacher_logprobs=torch.arange(n) * -0.5)
     row = pad_row(mb, cp_multiple(size, layout))
     held = torch.cat([shard_positions(row.input_ids.numel(), r, size, layout) for r in range(size)])
     assert sorted(held.tolist()) == list(range(row.input_ids.numel())), "each token on exactly one rank"

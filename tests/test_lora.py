@@ -337,9 +337,9 @@ def test_the_lora_reference_routes_by_itself_under_replay(tmp_path, monkeypatch,
     tcfg = TrainerCfg.model_validate({"loss": {"kl_coef": 0.1}})
     seen = []
 
-    def spy(logp, mb, loss_cfg, entropy=None, ref=None):
+    def spy(logp, mb, loss_cfg, entropy=None, ref=None, **kw):
         seen.append(ref.clone())
-        return real(logp, mb, loss_cfg, entropy, ref)
+        return real(logp, mb, loss_cfg, entropy, ref, **kw)
 
     real = step.rl_loss
     monkeypatch.setattr(step, "rl_loss", spy)

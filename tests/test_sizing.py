@@ -122,7 +122,7 @@ def test_run_refuses_what_is_not_built_and_dry_run_shows_the_plan(tmp_path):
     real = subprocess.run(prl_cmd("run", FLAGSHIP, "--no-tui", "--set", f"run.output_dir={tmp_path}"),
                           capture_output=True, text=True, timeout=120)
     out = real.stdout + real.stderr
-    assert real.returncode == 2 and "model.path = '/models/GLM-5': not a folder on this machine" in out, out
+    assert real.returncode == 2 and "model.path: '/models/GLM-5' is not a folder on this machine" in out, out
     assert "Traceback" not in out and not any(tmp_path.iterdir()), "refused before anything was written"
 
 

@@ -487,7 +487,7 @@ def prepare_new(recipe: Recipe, run_dir: Path, force: bool) -> None:
         write_model_dir(recipe.model, run_dir / "model")
     except PretrainedError as e:  # on a cluster the folder is read here too: the run's model folder links it
         shutil.rmtree(run_dir)
-        raise RecipeError(f"{e} on this machine (the run's model folder is made here, from model.path, even "
+        raise RecipeError(f"model.path: {e} on this machine (the run's model folder is made here from it, even "
                           f"when the hosts hold their own copy); nothing was started") from None
 
 

@@ -62,7 +62,7 @@ def forward_backward(model, replay, mbs: list[MicroBatch], kind: str, tcfg: Trai
                     ref = token_outputs(reference.model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens)[:, 0]
             per_token = token_outputs(model, mb, width, seq, temperature, tcfg.logprob_chunk_tokens, kind == "rl")
             if kind == "rl":
-                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref, teacher_kl)
+                loss_sum, stats = rl_loss(per_token[:, 0], mb, tcfg.loss, per_token[:, 1], ref, teacher_kl=teacher_kl)
             else:
                 loss_sum, stats = sft_loss(per_token[:, 0], mb)
             if replay:
