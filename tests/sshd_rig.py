@@ -69,6 +69,7 @@ def start_sshd(root: Path, address: str, client_pub: Path, netns: str | None = N
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
+                proc.kill()  # a started sshd that cannot be reached is not left running
                 raise RuntimeError(f"sshd on {address}:{port} did not start: {(root / 'sshd.log').read_text()}") from None
             time.sleep(0.05)
     pub = (root / "host_key.pub").read_text().split()
@@ -140,7 +141,13 @@ def start_hosts(root: Path, n: int, client_pub: Path) -> tuple[list[FakeHost], N
             net = None
     if net is None:
         places = [(None, f"127.0.0.{i + 2}") for i in range(n)]
-    hosts = [start_sshd(root / f"h{i}", address, client_pub, ns) for i, (ns, address) in enumerate(places)]
+    hosts: list[FakeHost] = []
+    try:
+        for i, (ns, address) in enumerate(places):
+            hosts.append(start_sshd(root / f"h{i}", address, client_pub, ns))
+    except BaseException:  # the hosts started and the network go with the failure: nothing is left behind
+        stop_hosts(hosts, net)
+        raise
     return hosts, net
 
 
