@@ -83,6 +83,38 @@ class Pace:
         return self.floor_s + self.slack * max_tokens * max(self.recent)
 
 
+async def post_safely(http: httpx.AsyncClient, path: str, body: dict | None, retry: tuple, attempts: int = 3,
+                      where: str = "", **kw) -> httpx.Response:
+    """POST, sent again after a transport error of a kind in `retry` (0.2 s, 0.4 s, ...); any other, or the last,
+    is a BackendError naming `where`."""
+    for attempt in range(attempts):
+        try:
+            return await http.post(path, json=body, **kw)
+        except httpx.TransportError as e:
+            if attempt == attempts - 1 or not isinstance(e, retry):
+                raise BackendError(f"{where or path}: {type(e).__name__}: {e}") from None
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+async def wait_healthy(http: httpx.AsyncClient, path: str, timeout: float, name: Callable[[], str],
+                       before: Callable[[], None] = lambda: None) -> None:
+    """Until `path` answers 200 (`before` runs ahead of each look); transport errors mean the server is still
+    starting; past `timeout` a BackendError naming the server (`name()`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before()
+        try:  # a health check answers at once; a listener that does not is not the server
+            r = await http.get(path, timeout=httpx.Timeout(5.0, connect=5.0))
+            if r.status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise BackendError(f"{name()} not healthy after {timeout:.0f}s")
+        await asyncio.sleep(0.2)
+
+
 class InferenceBackend(abc.ABC):
     """One inference server, reached over HTTP with the run's bearer secret."""
 
@@ -154,15 +186,8 @@ class InferenceBackend(abc.ABC):
         connect timeout), or, when `repeatable`, one whose connection broke (the server drops what it
         was doing for it). Never after a read timeout: the first may still be running. A dead server
         fails every attempt and the error surfaces, naming it."""
-        retry = NEVER_SENT + BROKEN if repeatable else NEVER_SENT
-        for attempt in range(attempts):
-            try:
-                return await self.http.post(path, json=body, **kw)
-            except httpx.TransportError as e:
-                if attempt == attempts - 1 or not isinstance(e, retry):
-                    raise BackendError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise AssertionError("unreachable")
+        return await post_safely(self.http, path, body, NEVER_SENT + BROKEN if repeatable else NEVER_SENT, attempts,
+                                 where=f"{self.base_url}{path}", **kw)
 
     async def get(self, path: str) -> httpx.Response:
         try:
@@ -179,18 +204,7 @@ class InferenceBackend(abc.ABC):
 
     async def poll_health(self, timeout: float, path: str = "/health") -> None:
         """Wait until `path` answers 200; transport errors mean the server is still starting."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.retarget()
-            try:  # a health check answers at once; a listener that does not is not the server
-                r = await self.http.get(path, timeout=httpx.Timeout(5.0, connect=5.0))
-                if r.status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise BackendError(f"inference server {self.base_url} not healthy after {timeout:.0f}s")
-            await asyncio.sleep(0.2)
+        await wait_healthy(self.http, path, timeout, lambda: f"inference server {self.base_url}", self.retarget)
 
     def check(self, r: httpx.Response, what: str) -> httpx.Response:
         if r.status_code >= 400:

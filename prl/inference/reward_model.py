@@ -23,7 +23,7 @@ import threading
 from fastapi import Depends, FastAPI, HTTPException
 
 from prl.inference.protocol import Health, RewardItem, RewardRequest, RewardResponse
-from prl.inference.server import new_app
+from prl.inference.server import main, new_app, run_app
 from prl.tasks.prompts import PromptError, raw_text, render, uses_template
 from prl.transport.auth import bearer
 
@@ -88,35 +88,19 @@ def create_app(scorer: Scorer, secret: str) -> FastAPI:
     return app
 
 
-def serve(cfg) -> None:
+def serve(cfg, log) -> None:
     import torch
-    import uvicorn
 
     from prl.model.build import DTYPES, load_tokenizer
     from prl.model.pretrained import load_pretrained
-    from prl.transport import ports
 
     rm = cfg.reward_model
     torch.set_num_threads(rm.threads)
     scorer = Scorer(load_pretrained(rm.path, DTYPES[rm.dtype], head="reward"), load_tokenizer(rm.path), rm.max_tokens)
-    sock = ports.bind(cfg.host, cfg.port, cfg.port_fallback)
-    port = sock.getsockname()[1]
-    ports.publish(cfg.run_dir, cfg.name, cfg.host, port)
-    print(f"{cfg.name}: serving {rm.path} on http://{cfg.host}:{port} (reward model, {rm.dtype})", flush=True)
-    uvicorn.Server(uvicorn.Config(create_app(scorer, cfg.secret()), log_level="warning", timeout_keep_alive=600,
-                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
-
-
-def main(config_path: str) -> None:
-    from prl.metrics import EventLog, reporting_errors
-    from prl.recipe.resolve import load_process_config
-
-    cfg = load_process_config(config_path)
-    with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
-        serve(cfg)
+    run_app(cfg, create_app(scorer, cfg.secret()), f"reward model {rm.path}, {rm.dtype}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m prl.inference.reward_model", description="prl reward-model server")
     parser.add_argument("--config", required=True, help="the resolved process config (JSON) written by `prl run`")
-    main(parser.parse_args().config)
+    main(parser.parse_args().config, serve)

@@ -458,14 +458,33 @@ def _openai_response(req: CompletionRequest, ids: list[int], seqs: list[Sequence
     }
 
 
-def main(config_path: str) -> None:
+def main(config_path: str, serving=None) -> None:
+    """The process of a server of the run: `serving(cfg, log)` (the embedded engine's `serve` by default), its
+    failure reported in the run's events."""
     from prl.metrics import EventLog, reporting_errors
     from prl.recipe.resolve import load_process_config
 
     cfg = load_process_config(config_path)
     log = EventLog(cfg.run_path / "metrics.jsonl", cfg.name)
     with reporting_errors(log, cfg.name):
-        serve(cfg, log)
+        (serving or serve)(cfg, log)
+
+
+def run_app(cfg, app: FastAPI, what: str) -> None:
+    """Serve `app` as the run's process `cfg` until SIGTERM: on its own socket (a taken port is not fatal where prl
+    picked it), published for the run's clients."""
+    import uvicorn
+
+    from prl.transport import ports
+
+    sock = ports.bind(cfg.host, cfg.port, cfg.port_fallback)
+    port = sock.getsockname()[1]
+    ports.publish(cfg.run_dir, cfg.name, cfg.host, port)
+    print(f"{cfg.name}: serving on http://{cfg.host}:{port} ({what})", flush=True)
+    # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
+    # SIGTERM: in-flight requests get 5 s, then are cancelled (and dropped by the engine)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600,
+                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
 
 
 def join_pool(cfg):
@@ -490,10 +509,8 @@ def serve(cfg, log) -> None:
     import signal
 
     import torch
-    import uvicorn
 
     from prl.model.build import build_model, load_tokenizer
-    from prl.transport import ports
     from prl.transport.weights import weight_source
 
     inf = cfg.inference
@@ -519,14 +536,7 @@ def serve(cfg, log) -> None:
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.run.name, weight_source(cfg),
                      weights_root=cfg.run_path / "weights")
-    sock = ports.bind(cfg.host, cfg.port, cfg.port_fallback)  # its own socket: a taken port is not fatal
-    port = sock.getsockname()[1]
-    ports.publish(cfg.run_dir, cfg.name, cfg.host, port)
-    print(f"{cfg.name}: serving on http://{cfg.host}:{port} (embedded engine, {inf.dtype})", flush=True)
-    # long keep-alive: the orchestrator reuses connections; closing idle ones races with reuse
-    # SIGTERM: in-flight generations get 5 s, then are cancelled (and dropped by the engine)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600,
-                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
+    run_app(cfg, app, f"embedded engine, {inf.dtype}")
     loop.stop()
     if loop.core.pool is not None:
         loop.core.pool.close()  # leave the pool: the master frees this server's memory at once

@@ -45,6 +45,8 @@ class FolderInfo:
     draft_layers: int = 0  # MTP layers the config declares and the folder holds (`prl.model.mtp`)
     missing_draft: tuple[int, ...] = ()  # MTP layers the config declares whose tensors are missing
     names: tuple[str, ...] = ()  # every tensor's name, from the headers
+    architectures: tuple[str, ...] = ()  # config.json's class names (a causal LM, a classifier, ...)
+    labels: int = 2  # a classifier's outputs (config.json's id2label, or num_labels)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -116,7 +118,15 @@ def check_pretrained(folder: str | Path) -> FolderInfo:
     missing = tuple(missing_draft_layers(names, config))
     return FolderInfo(config["model_type"], files, len(names), sum(f.stat().st_size for f in files),
                       config.get("max_position_embeddings"), attention_head_dim(config), routed_experts(config),
-                      len(draft_layers(config)) - len(missing), missing, tuple(names))
+                      len(draft_layers(config)) - len(missing), missing, tuple(names),
+                      tuple(a for a in config.get("architectures") or [] if isinstance(a, str)),
+                      label_count(config))
+
+
+def label_count(config: dict) -> int:
+    """A classifier's outputs: its id2label's length, else num_labels (transformers' default 2)."""
+    labels = config.get("id2label")
+    return len(labels) if isinstance(labels, (dict, list)) and labels else config.get("num_labels", 2)
 
 
 def attention_head_dim(config: dict) -> int | None:
@@ -166,10 +176,9 @@ def check_language_model(folder: str | Path) -> FolderInfo:
     """A model the run serves to generate or score tokens (a teacher, a judge): a model folder whose architecture is
     a causal language model."""
     info = check_pretrained(folder)
-    arches = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
-    if not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in arches):
-        raise PretrainedError(f"{folder}: architecture {arches or 'unnamed'} is not a causal language model "
-                              f"(...ForCausalLM)")
+    if not any(a.endswith("ForCausalLM") for a in info.architectures):
+        raise PretrainedError(f"{folder}: architecture {list(info.architectures) or 'unnamed'} is not a causal "
+                              f"language model (...ForCausalLM)")
     return info
 
 
@@ -177,12 +186,9 @@ def check_reward_model(folder: str | Path) -> FolderInfo:
     """A reward model's folder: a model folder (`check_pretrained`) whose architecture is a sequence classifier
     with one label (the score). Reads config.json and headers only."""
     info = check_pretrained(folder)
-    config = json.loads((Path(folder) / "config.json").read_text())
-    arches = config.get("architectures") or []
-    if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in arches):
-        raise PretrainedError(f"{folder}: architecture {arches or 'unnamed'} has no classification head; a reward "
-                              f"model is a ...ForSequenceClassification folder with one label")
-    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
-    if labels != 1:
-        raise PretrainedError(f"{folder}: a classifier of {labels} labels; a reward model has one (its score)")
+    if not any(a.endswith("ForSequenceClassification") for a in info.architectures):
+        raise PretrainedError(f"{folder}: architecture {list(info.architectures) or 'unnamed'} has no classification "
+                              f"head; a reward model is a ...ForSequenceClassification folder with one label")
+    if info.labels != 1:
+        raise PretrainedError(f"{folder}: a classifier of {info.labels} labels; a reward model has one (its score)")
     return info

@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import time
 
 import httpx
 
-from prl.backends.base import NEVER_SENT, BackendError, MalformedResponse
+from prl.backends.base import NEVER_SENT, BackendError, MalformedResponse, post_safely, wait_healthy
 from prl.orchestrator.frozen import FrozenServers
 from prl.tasks import function_name
 from prl.tasks.prompts import raw_text
@@ -38,28 +37,13 @@ class ChatServer:
 
     async def wait_ready(self, timeout: float) -> None:
         """A judge the run serves: until its /health answers; an outside judge is taken as it is."""
-        deadline = time.monotonic() + timeout
-        while self.health_url is not None:
-            try:
-                if (await self.http.get(self.health_url, timeout=5.0)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise BackendError(f"judge server {self.base_url} not healthy after {timeout:.0f}s")
-            await asyncio.sleep(0.2)
+        if self.health_url is not None:
+            await wait_healthy(self.http, self.health_url, timeout, lambda: f"judge server {self.base_url}")
 
     async def chat(self, body: dict) -> tuple[str, int]:
         """The judge's answer and the tokens it cost (prompt and completion, as the server's usage says)."""
         url = f"{self.base_url}/chat/completions"
-        for attempt in range(3):
-            try:
-                r = await self.http.post(url, json=body)
-                break
-            except httpx.TransportError as e:  # sent again only if it never left: an outside judge may bill it
-                if attempt == 2 or not isinstance(e, NEVER_SENT):
-                    raise BackendError(f"{url}: {type(e).__name__}: {e}") from None
-                await asyncio.sleep(0.2 * (attempt + 1))
+        r = await post_safely(self.http, url, body, NEVER_SENT)  # sent again only if it never left: it may be billed
         if r.status_code >= 400:
             raise BackendError(f"{url} answered {r.status_code}: {r.text[:300]}", r.status_code)
         try:
