@@ -10,32 +10,34 @@ FSDP's own traffic stays small next to the experts'):
 - EP 2: 2 hosts, one rank each;
 - CP 2 x EP 2: 4 hosts, one rank each.
 
-Each step trains 32 samples of 128 tokens (one micro-batch per data-parallel rank). The default link,
-300 Mbit/s with jumbo frames (`--mtu`), puts the serial EP 2 step's exchanges at about 0.9 of its
-compute, near the flagship plan's ratio of expert all-to-all and CP gathers (3.33 min) to compute
-(4.07 min), 0.82; `--mbit` moves it.
+Each step trains 32 samples of 128 tokens (one micro-batch per data-parallel rank). `--ratio R` sets each
+layout's link so that its serial step's exchanges take R x its compute: a short serial run at `--mbit`
+measures the ratio there, and the link is set to `--mbit` x that / R (exchange time goes as 1/bandwidth).
+The flagship plan's ratio (`prl plan recipes/glm5-131k-28xh200.toml`: expert all-to-all and CP gathers over
+the trainer's compute) is 0.82.
 
-Per layout one torchrun per host runs `tests/dist_overlap.py`: the same model and batch stepped with
-overlap on and off, alternating, `--steps` each (the first of each left out: warm-up). Figures per
-layout, medians over the steps:
+Per layout one torchrun per host runs `tests/dist_overlap.py`: the same model and batch stepped serial and in
+each overlap mode (`--modes`: "chunks", the chunk pipeline inside each MoE layer, `trainer.parallel.overlap =
+true`; "two_batch", each micro-batch as two halves, `prl.trainer.two_batch`; "two_batch_4", in four parts,
+`overlap_parts = 4`), alternating, `--steps` each (the first of each left out: warm-up). Figures per layout, medians over the steps; compute and exchanges are the
+serial step's forward and backward (`fb_s`; the optimizer step and the barriers are left out):
 
-- `step_s` overlapped and serial, and `overlap_over_serial`: the step time with overlap over without;
-- `exchange_s`: the serial step's time in exchanges (`trainer_step.comm_s`: the experts' all-to-all
-  and CP's gathers; all of it exposed when serial), `compute_s` the rest of the serial step, and
-  `exchange_over_compute`; `forward_exchange_over_compute` the same for the forward alone;
-- `exposed_s_overlap`, `exposed_s_forward`: the overlapped step's waits, all and in its forward;
-- `overlap_efficiency`: the exchange time hidden, (serial - overlapped step) / min(compute, exchange);
-- `clock_efficiency`: the same from the overlapped step's own clock, (comm_s - exposed_comm_s) /
-  min(step - exposed, comm_s);
-- `efficiency_ceiling`: the most that could be hidden, each pass (forward, backward) hiding the less of
-  its exchanges and its compute, over min(compute, exchange); computed from the serial step's figures.
+- `exchange_s`: the serial step's time in exchanges (the experts' all-to-all and CP's gathers; all of it
+  exposed when serial), `compute_s` the rest of its forward and backward, `exchange_over_compute` and
+  `forward_exchange_over_compute` (the forward alone);
+- per mode: `step_s`, `overlap_over_serial` (its step over the serial one), `exposed_s` and `exposed_s_forward`
+  (its waits), `overlap_efficiency` (the exchange time hidden, (serial - overlapped forward and backward) /
+  min(compute, exchange)) and `clock_efficiency` (the same from its own clock, (comm_s - exposed_comm_s) /
+  min(fb - exposed, comm_s));
+- `efficiency_ceiling`: the most that could be hidden, each pass (forward, backward) hiding the less of its
+  exchanges and its compute, over min(compute, exchange); computed from the serial step's figures.
 
-FSDP2's gathers and reductions cross the same links in both modes; on CPUs they block (FSDP2 overlaps
-them through CUDA streams), and count as compute here. Needs root, `ip` and `tc`. The last line is one
-JSON object: the figures per layout, and `overlap_efficiency` / `overlap_over_serial` headline (the lower
-efficiency of the two layouts, and its step ratio).
+FSDP2's gathers and reductions cross the same links in every mode; on CPUs they block (FSDP2 overlaps them
+through CUDA streams), and count as compute here. Needs root, `ip` and `tc`. The last line is one JSON object:
+the figures per layout, and per mode `overlap_efficiency_<mode>` and `<mode>_over_serial`, the lower of the
+two layouts (`overlap_efficiency` is the best mode's).
 
-    .venv/bin/python bench/comm_overlap.py [--mbit 300] [--mtu 9000] [--steps 5] [--chunks 4]
+    .venv/bin/python bench/comm_overlap.py [--ratio 0.82] [--mbit 300] [--mtu 9000] [--steps 5] [--chunks 4]
 """
 
 from __future__ import annotations
@@ -62,60 +64,95 @@ MODEL = ModelCfg(hidden_size=256, num_layers=2, first_dense_layers=0, num_heads=
 LAYOUTS = {"ep2": (2, {"ep": 2}), "cp2_ep2": (4, {"cp": 2, "ep": 2})}
 
 
-def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> dict:
-    spec = {"cases": {"overlap": {"parallel": {**parallel, "overlap_chunks": args.chunks}, "micro_batch_tokens": 8192},
-                      "serial": {"parallel": {**parallel, "overlap": False}, "micro_batch_tokens": 8192}},
-            "steps": args.steps + 1, "samples": args.samples, "length": args.length}
-    with (ShapedLink(hosts, args.mbit, args.mtu) as link,
+MODES = {"serial": {"overlap": False}, "chunks": {"overlap": "chunks"},
+         "two_batch": {"overlap": "two_batch", "overlap_parts": 2}, "two_batch_4": {"overlap": "two_batch", "overlap_parts": 4}}
+
+
+def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, mbit: float, modes: list[str], steps: int,
+               args) -> dict:
+    """The layout stepped in each of `modes` over links of `mbit`: what tests/dist_overlap.py saved."""
+    cases = {m: {"parallel": {**parallel, **MODES[m], "overlap_chunks": args.chunks}, "micro_batch_tokens": 8192}
+             for m in modes}
+    spec = {"cases": cases, "steps": steps + 1, "samples": args.samples, "length": args.length}
+    with (ShapedLink(hosts, mbit, args.mtu) as link,
           torchrun(link, ROOT / "tests" / "dist_overlap.py", [str(model_dir), str(out), json.dumps(spec)]) as procs):
         logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"comm_overlap: a rank failed:\n{logs[0][-3000:]}")
-    return figures(torch.load(out, weights_only=False))
+    return torch.load(out, weights_only=False)
+
+
+def medians(r: dict) -> dict:
+    keys = ("step_s", "fb_s", "comm_s", "exposed_comm_s", "forward_s", "forward_comm_s", "forward_exposed_s")
+    return {case: {k: statistics.median(v[k][1:]) for k in keys} for case, v in r.items()}
+
+
+def serial_figures(s: dict) -> dict:
+    exchange, compute = s["comm_s"], s["fb_s"] - s["comm_s"]
+    fwd_x, fwd_c = s["forward_comm_s"], s["forward_s"] - s["forward_comm_s"]
+    bwd_x, bwd_c = exchange - fwd_x, compute - fwd_c
+    return {"step_s_serial": round(s["step_s"], 3), "exchange_s": round(exchange, 3), "compute_s": round(compute, 3),
+            "exchange_over_compute": round(exchange / compute, 3),
+            "forward_exchange_over_compute": round(fwd_x / fwd_c, 3),
+            # each pass hides at most the less of its exchanges and its compute
+            "efficiency_ceiling": round((min(fwd_x, fwd_c) + min(bwd_x, bwd_c)) / min(compute, exchange), 3)}
 
 
 def figures(r: dict) -> dict:
-    keys = ("step_s", "comm_s", "exposed_comm_s", "forward_s", "forward_comm_s", "forward_exposed_s")
-    med = {case: {k: statistics.median(v[k][1:]) for k in keys} for case, v in r.items()}
-    o, s = med["overlap"], med["serial"]
-    exchange, compute = s["comm_s"], s["step_s"] - s["comm_s"]
-    fwd_x, fwd_c = s["forward_comm_s"], s["forward_s"] - s["forward_comm_s"]
-    bwd_x, bwd_c = exchange - fwd_x, compute - fwd_c
-    hidden_clock = o["comm_s"] - o["exposed_comm_s"]
-    return {"step_s_overlap": round(o["step_s"], 3), "step_s_serial": round(s["step_s"], 3),
-            "exchange_s": round(exchange, 3), "compute_s": round(compute, 3),
-            "exchange_over_compute": round(exchange / compute, 3),
-            "forward_exchange_over_compute": round(fwd_x / fwd_c, 3),
-            "exposed_s_overlap": round(o["exposed_comm_s"], 3),
-            "exposed_s_forward": round(o["forward_exposed_s"], 3),
-            "overlap_over_serial": round(o["step_s"] / s["step_s"], 3),
-            "overlap_efficiency": round((s["step_s"] - o["step_s"]) / min(compute, exchange), 3),
-            "clock_efficiency": round(hidden_clock / min(o["step_s"] - o["exposed_comm_s"], o["comm_s"]), 3),
-            # computed from the serial step: each pass hides at most the less of its exchanges and compute
-            "efficiency_ceiling": round((min(fwd_x, fwd_c) + min(bwd_x, bwd_c)) / min(compute, exchange), 3)}
+    med = medians(r)
+    s = med["serial"]
+    out = serial_figures(s)
+    hideable = min(s["fb_s"] - s["comm_s"], s["comm_s"])
+    for mode, o in med.items():
+        if mode == "serial":
+            continue
+        hidden_clock = o["comm_s"] - o["exposed_comm_s"]
+        out[mode] = {"step_s": round(o["step_s"], 3), "overlap_over_serial": round(o["step_s"] / s["step_s"], 3),
+                     "exposed_s": round(o["exposed_comm_s"], 3), "exposed_s_forward": round(o["forward_exposed_s"], 3),
+                     "overlap_efficiency": round((s["fb_s"] - o["fb_s"]) / hideable, 3),
+                     "clock_efficiency": round(hidden_clock / min(o["fb_s"] - o["exposed_comm_s"], o["comm_s"]), 3)}
+    return out
+
+
+def link_for(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> float:
+    """The link (megabit/s) at which the layout's serial exchanges take `args.ratio` x its compute."""
+    if not args.ratio:
+        return args.mbit
+    at = serial_figures(medians(run_layout(model_dir, out, hosts, parallel, args.mbit, ["serial"], 2, args))["serial"])
+    return round(args.mbit * at["exchange_over_compute"] / args.ratio, 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mbit", type=float, default=300, help="each host's link, megabit/s each way")
+    ap.add_argument("--ratio", type=float, default=0.82, help="serial exchanges over compute to shape the links to "
+                    "(0: the links at --mbit as they are)")
+    ap.add_argument("--mbit", type=float, default=300, help="each host's link, megabit/s each way (before --ratio)")
     ap.add_argument("--mtu", type=int, default=9000, help="the links' frame size, bytes")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per mode (after one warm-up)")
     ap.add_argument("--chunks", type=int, default=4, help="trainer.parallel.overlap_chunks")
+    ap.add_argument("--modes", default="chunks,two_batch,two_batch_4")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--length", type=int, default=128, help="tokens per sample")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     args = ap.parse_args()
     if why := available():
         sys.exit(f"comm_overlap: a shaped network {why}")
-    out = {"mbit": args.mbit, "mtu": args.mtu, "chunks": args.chunks, "tokens_per_step": args.samples * args.length}
+    modes, layouts = args.modes.split(","), args.layouts.split(",")
+    out = {"ratio": args.ratio, "mtu": args.mtu, "chunks": args.chunks, "tokens_per_step": args.samples * args.length}
     with tempfile.TemporaryDirectory() as tmp:
         write_model_dir(MODEL, Path(tmp) / "model")
-        for name in args.layouts.split(","):
+        for name in layouts:
             hosts, parallel = LAYOUTS[name]
-            out[name] = run_layout(Path(tmp) / "model", Path(tmp) / f"{name}.pt", hosts, parallel, args)
+            mbit = link_for(Path(tmp) / "model", Path(tmp) / f"{name}.pt", hosts, parallel, args)
+            run = run_layout(Path(tmp) / "model", Path(tmp) / f"{name}.pt", hosts, parallel, mbit,
+                             ["serial", *modes], args.steps, args)
+            out[name] = {"mbit": mbit, **figures(run)}
             print(name, json.dumps(out[name]), flush=True)
-    worst = min((out[n] for n in args.layouts.split(",")), key=lambda f: f["overlap_efficiency"])
-    out["overlap_efficiency"], out["overlap_over_serial"] = worst["overlap_efficiency"], worst["overlap_over_serial"]
+    for mode in modes:
+        worst = min((out[n][mode] for n in layouts), key=lambda f: f["overlap_efficiency"])
+        out[f"overlap_efficiency_{mode}"] = worst["overlap_efficiency"]
+        out[f"{mode}_over_serial"] = worst["overlap_over_serial"]
+    out["overlap_efficiency"] = max(out[f"overlap_efficiency_{m}"] for m in modes)
     print(json.dumps(out))
 
 

@@ -2,7 +2,8 @@
 model with the exchanges overlapped and serial, alternating, each case its own model from the same
 weights on the same batch. Per case, rank 0 saves what tests/dist_step.py saves of its first step
 (loss, gradients, norm, weights after AdamW: `assert_same_step`) and, for every step, its wall time
-and this rank's exchange seconds in flight and exposed (`prl.trainer.overlap.CLOCK`).
+(whole, and its forward and backward alone: `fb_s`) and this rank's exchange seconds in flight and
+exposed (`prl.trainer.overlap.CLOCK`).
 
     torchrun ... tests/dist_overlap.py MODEL_DIR OUT.pt '{"cases": {"overlap": {"parallel": {"ep": 2}}, ...},
         "steps": 3, "samples": 8, "length": 40}'
@@ -54,7 +55,7 @@ class Case:
         self.par = Parallel(build_model(model_dir, seed=0), self.dims, self.tcfg)
         self.trainer = SimpleNamespace(par=self.par, model=self.par.model, tcfg=self.tcfg)
         self.opt, self.sched = Trainer.make_optimizer(self.trainer, self.tcfg.lr, 1)
-        self.seen = {"step_s": [], "comm_s": [], "exposed_comm_s": [], "forward_s": [], "forward_comm_s": [],
+        self.seen = {"step_s": [], "fb_s": [], "comm_s": [], "exposed_comm_s": [], "forward_s": [], "forward_comm_s": [],
                      "forward_exposed_s": []}
         self.first: dict | None = None
 
@@ -65,13 +66,14 @@ class Case:
         CLOCK.reset()
         t = time.perf_counter()
         stats = forward_backward(self.par.model, None, mbs, "rl", self.tcfg, 1.0, torch.device("cpu"), self.par.seq)
+        fb = time.perf_counter() - t
         comm, exposed = CLOCK.figures()
         fwd = CLOCK.forward_figures()
         # the first step keeps its finished gradients (collectives: that step is the warm-up, not measured)
         self.trainer.par = GradsWhenFinished(self.par) if self.first is None else self.par
         norm = Trainer.optimizer_step(self.trainer, self.opt, self.sched)
         dist.barrier()
-        for key, v in (("step_s", time.perf_counter() - t), ("comm_s", comm), ("exposed_comm_s", exposed),
+        for key, v in (("step_s", time.perf_counter() - t), ("fb_s", fb), ("comm_s", comm), ("exposed_comm_s", exposed),
                        *zip(("forward_s", "forward_comm_s", "forward_exposed_s"), fwd)):
             self.seen[key].append(v)
         if self.first is None:

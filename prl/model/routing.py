@@ -12,7 +12,8 @@ All three routers return `(router_logits, topk_weights, topk_ids)`. Replay swaps
 instance's class for a subclass whose forward still runs the router's own choice (for the
 agreement metric and the logits) but returns the replayed ids with weights recomputed at them, so
 the load-balancing bias and the group restriction never change a replayed id. State-dict keys
-do not change. An unknown family fails loudly.
+do not change. An unknown family fails loudly. A router called on part of the micro-batch's tokens
+(two-batch overlap, `prl.trainer.two_batch`) replays the ids of that part: `tokens(first, end)` says which.
 """
 
 from __future__ import annotations
@@ -96,8 +97,21 @@ class Capture:
             h.remove()
 
 
+_PART: list[tuple[int, int]] = []  # the token range the routers are called on (`tokens`); empty: all of them
+
+
+@contextlib.contextmanager
+def tokens(first: int, end: int):
+    """Within the block a router is called on tokens first..end-1 of the micro-batch: it replays their ids."""
+    _PART.append((first, end))
+    try:
+        yield
+    finally:
+        _PART.pop()
+
+
 class _ReplayRouter:
-    """Mixin placed before the HF router class: replays `_prl_ids` when set."""
+    """Mixin placed before the HF router class: replays `_prl_ids` when set (the part `tokens` names)."""
 
     _prl_ids: torch.Tensor | None = None
     _prl_replay: bool = True
@@ -108,6 +122,10 @@ class _ReplayRouter:
         ids = self._prl_ids
         if ids is None:
             return logits, weights, own
+        if _PART:
+            ids = ids[slice(*_PART[-1])]
+        if ids.shape[0] != own.shape[0]:
+            raise RuntimeError(f"R3: {ids.shape[0]} replayed routes for {own.shape[0]} tokens")
         ids = ids.to(own.device).long()
         agree = (own.unsqueeze(-1) == ids.unsqueeze(-2)).any(-2).sum()  # ids the router would also pick
         self._prl_stats.append((agree.detach(), ids.numel()))

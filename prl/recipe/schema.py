@@ -649,18 +649,32 @@ class ParallelCfg(Section):
     ep_ranks_per_node: int = Field(0, ge=0)
     """Ep ranks per node for the dedup (consecutive ranks share a node); 0: trainer.nproc, the ranks of one trainer
     host. Set it to simulate nodes on one machine (4 ranks as 2 nodes of 2: ep_ranks_per_node = 2)."""
-    overlap: bool = True
-    """Hide exchanges behind compute (prl/trainer/overlap.py): each MoE layer's tokens go through the experts in
-    `overlap_chunks` chunks, one chunk's all-to-all in flight while another's experts run (forward and backward), and
-    context parallelism's gather flies while the attention computes its queries. false: each exchange waited for as
-    soon as it is issued. Same values either way (to fp32 rounding). With ep_node_dedup, two chunks at a time
-    through both hops."""
+    overlap: bool | Literal["chunks", "two_batch"] = "chunks"
+    """Hide exchanges behind compute (prl/trainer/overlap.py). true or "chunks": each MoE layer's tokens go through
+    the experts in `overlap_chunks` chunks, one chunk's all-to-all in flight while another's experts run (forward and
+    backward), and context parallelism's gather flies while the attention computes its queries (with ep_node_dedup,
+    two chunks at a time through both hops). "two_batch" (needs ep > 1 and the lean forward): each MoE layer runs
+    its micro-batch as two halves (`overlap_parts`), one half's attention, router and shared experts computing while
+    the other's rows travel (prl/trainer/two_batch.py). false: each exchange waited for as soon as it is issued. Same values every
+    way (to fp32 rounding)."""
     overlap_chunks: int = Field(4, ge=2, le=64)
-    """With overlap: token chunks per MoE layer; more hide more of the first dispatch and the last combine, each costs
-    one more exchange per layer and direction."""
+    """With overlap = true or "chunks": token chunks per MoE layer; more hide more of the first dispatch and the last
+    combine, each costs one more exchange per layer and direction."""
+    overlap_parts: int = Field(2, ge=2, le=16)
+    """With overlap = "two_batch": the parts each micro-batch runs as (2: two-batch overlap); more hide more of each
+    layer's first dispatch and last combine (bench/comm_overlap.py), each costs one more exchange per layer and
+    direction."""
+
+    @field_validator("overlap")
+    @classmethod
+    def _overlap(cls, v):
+        return "chunks" if v is True else v
 
     @model_validator(mode="after")
     def _positive(self):
+        if self.overlap == "two_batch" and self.ep == 1:
+            raise ValueError("trainer.parallel.overlap = 'two_batch' hides the experts' all-to-all, and ep = 1 has none: "
+                             "set trainer.parallel.ep > 1, or overlap = true")
         if self.dp_shard == 0:
             raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
         for key, on in (("ep_dispatch = 'fp8'", self.ep_dispatch == "fp8"), ("ep_node_dedup", self.ep_node_dedup)):
@@ -815,7 +829,10 @@ class TrainerCfg(Section):
 
     @model_validator(mode="after")
     def _whole_rows(self):
-        """What needs each rank to hold whole samples: not context parallelism."""
+        """What needs each rank to hold whole samples: not context parallelism. Two-batch overlap: the lean forward."""
+        if self.parallel.overlap == "two_batch" and not self.lean_forward:
+            raise ValueError("trainer.parallel.overlap = 'two_batch' runs through the lean forward: leave "
+                             "trainer.lean_forward on, or set overlap = true")
         if self.share_prompts and self.parallel.cp > 1:
             raise ValueError("trainer.share_prompts = true needs trainer.parallel.cp = 1: context parallelism "
                              "splits rows its own way and does not take the shared prompts' attention mask")

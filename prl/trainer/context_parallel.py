@@ -194,33 +194,58 @@ class ContextParallelAttention:
         seq = self._prl_seq
         if seq.segments is None or past_key_values is not None or hidden_states.shape[0] != 1:
             raise RuntimeError("context-parallel attention runs inside prl's training step only (one packed row)")
+        keys = self.keys_issue(hidden_states, position_embeddings)  # their gather flies while the queries are computed
+        return self.attend_part(hidden_states, position_embeddings, keys, 0, prev_topk_indices)
+
+    def keys_issue(self, hidden_states, position_embeddings) -> list:
+        """Every local token's keys (normed KV latent, rope key, indexer key), their gather started: the
+        handle `attend_part` lands (once, for every part)."""
         B, S = hidden_states.shape[:2]
         cos, sin = position_embeddings
-        # the keys first: their gather flies while the queries are computed
         kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rot = rotate_interleaved(k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin, 1).view(B, S, -1)
         parts = [self.kv_a_layernorm(kv_pass), k_rot]
         if self.indexer is not None:
             parts.append(indexer_keys(self.indexer, hidden_states, cos, sin).to(k_rot.dtype))
-        flight = gather_issue(torch.cat(parts, dim=-1), seq)
+        return [gather_issue(torch.cat(parts, dim=-1), self._prl_seq)]
+
+    def attend_part(self, hidden_states, position_embeddings, keys: list, first: int, prev_topk_indices=None):
+        """The attention of local queries first..first+S-1 (`hidden_states` [1, S, H], rope theirs) over the
+        keys `keys_issue` started (landed by the first part that needs them): (output, None, top-k)."""
+        seq = self._prl_seq
+        B, S = hidden_states.shape[:2]
+        cos, sin = position_embeddings
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_states = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rot = rotate_interleaved(q_rot, cos, sin, 1)
         if self.indexer is not None:
             iq, iw = indexer_queries(self.indexer, hidden_states, q_resid, cos, sin)
-        every = gather_land(flight, seq)  # [1, keys, kv_lora + rope (+ indexer key)]
-        allowed = seq.allowed()
+        if isinstance(keys[0], tuple):
+            keys[0] = gather_land(keys[0], seq)  # [1, keys, kv_lora + rope (+ indexer key)]
+        every = keys[0]
+        allowed = seq.allowed()[first: first + S]
+        blocks = seq.blocks if (first, S) == (0, seq.positions.shape[0]) else part_blocks(seq, first, first + S)
         if self.indexer is not None:
-            topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, seq.blocks)
+            topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, blocks)
         elif prev_topk_indices is not None:
             topk = prev_topk_indices
         else:
             raise ValueError("shared DSA layers need the top-k indices of a previous full indexer layer")
         rank = self.kv_lora_rank
         out = attend_sparse(self, q_pass, q_rot, every[0, :, :rank],
-                            every[0, :, rank: rank + self.qk_rope_head_dim], topk, allowed, seq.blocks)
+                            every[0, :, rank: rank + self.qk_rope_head_dim], topk, allowed, blocks)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None, topk
+
+
+def part_blocks(seq: Sequence, first: int, end: int) -> list[tuple[int, int, int]]:
+    """`seq.blocks` cut to local queries first..end-1, counted from `first` (a part of a two-batch layer)."""
+    out = []
+    for a, b, _keys in seq.blocks:
+        a, b = max(a, first), min(b, end)
+        if a < b:
+            out.append((a - first, b - first, int(seq.positions[b - 1]) + 1))
+    return out
 
 
 def local_slice(mb: MicroBatch, seq: Sequence) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:

@@ -51,6 +51,11 @@ class Comm:
     fp8: bool = False  # rows toward the experts in block FP8
     dedup: bool = False  # node-level deduplication
     chunks: int = 1  # token chunks pipelined through the experts (1: serial; `prl.trainer.expert_parallel`)
+    meta: object = None  # the group counts, ids and routing weights travel on (None: `group`); two-batch overlap
+    # gives them their own, so they never queue behind the other half's rows in flight (`prl.trainer.two_batch`)
+
+    def group_for(self, what: str):
+        return self.meta if what == "meta" and self.meta is not None else self.group
 
     @property
     def per_node(self) -> int:
@@ -81,7 +86,7 @@ def route_of(dest: torch.Tensor, comm: Comm) -> Route:
     """The route of rows sorted by destination ep rank `dest`: counts exchanged (one int64 per peer)."""
     send = torch.bincount(dest, minlength=comm.size)
     recv = torch.empty_like(send)
-    timed(lambda: dist.all_to_all_single(recv, send, group=comm.group))
+    timed(lambda: dist.all_to_all_single(recv, send, group=comm.group_for("meta")))
     count(comm, [1] * comm.size, send.element_size(), "meta", "forward")
     return Route(comm, send.tolist(), recv.tolist())
 
@@ -108,7 +113,8 @@ def wire(rows: torch.Tensor, route: Route, fp8: bool, what: str, phase: str) -> 
     """One all-to-all of rows along `route` (not differentiable), counted, in flight."""
     payload = pack(rows) if fp8 else rows.contiguous()
     out = payload.new_empty(sum(route.recv), *payload.shape[1:])
-    work = dist.all_to_all_single(out, payload, route.recv, route.send, group=route.comm.group, async_op=True)
+    work = dist.all_to_all_single(out, payload, route.recv, route.send, group=route.comm.group_for(what),
+                                  async_op=True)
     count(route.comm, route.send, payload.element_size() * math.prod(payload.shape[1:]), what, phase)
     d, dtype = rows.shape[1], rows.dtype
     return Flight(work, (lambda: unpack(out, d, dtype)) if fp8 else (lambda: out), keep=payload)
@@ -218,8 +224,9 @@ def dedup_routes(comm: Comm, ids_tK, w_tK, local_E: int) -> tuple:
     return tok, r1, got, r2, ids2, w2
 
 
-def dedup_chunk(experts, comm: Comm, x_tD, routes: tuple, local_E: int, eager: bool):
-    """One chunk of `node_dedup_forward` along its `dedup_routes`, yielding while its rows travel."""
+def dedup_chunk(experts, comm: Comm, x_tD, routes: tuple, local_E: int, eager: bool, last=None):
+    """One chunk of `node_dedup_forward` along its `dedup_routes`, yielding while its rows travel; `last()`
+    runs once the last rows are on the wire (back to the tokens)."""
     tok, r1, got, r2, ids2, w2 = routes
     sent = issue(x_tD[tok], RowExchange(r1, eager=eager))
     yield
@@ -231,5 +238,7 @@ def dedup_chunk(experts, comm: Comm, x_tD, routes: tuple, local_E: int, eager: b
     yield
     y1 = torch.zeros_like(x1).index_add(0, got, land(*sent))
     sent = issue(y1, RowExchange(r1.reverse(), to_experts=False, eager=eager))
+    if last is not None:
+        last()
     yield
     return torch.zeros_like(x_tD).index_add(0, tok, land(*sent).to(x_tD.dtype))

@@ -42,24 +42,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from prl.model import families
-from prl.trainer.ep_dispatch import Comm, Route, RowExchange, count, node_dedup_forward, token_chunks
+from prl.trainer.ep_dispatch import (Comm, Route, RowExchange, count, dedup_chunk, dedup_routes, node_dedup_forward,
+                                     token_chunks)
 from prl.trainer.overlap import issue, land, timed
 
 
 def shard_experts(model, ep_mesh: DeviceMesh, per_node: int = 0, fp8: bool = False,
-                  dedup: bool = False, chunks: int = 1) -> list[torch.nn.Parameter]:
+                  dedup: bool = False, chunks: int = 1, two_batch: bool = False) -> list[torch.nn.Parameter]:
     """Shard every experts module (the family spec's `expert_classes`, their `stacked_experts`
     tensors on `expert_dim`) over the mesh's `ep` dimension; returns the sharded parameters (FSDP
     must leave them alone). Every rank must hold the same full weights before the call. `per_node`
-    (trainer ranks per node; 0: one node), `fp8`, `dedup`: the dispatch (`prl.trainer.ep_dispatch`)."""
+    (trainer ranks per node; 0: one node), `fp8`, `dedup`: the dispatch (`prl.trainer.ep_dispatch`); `two_batch`:
+    the layers run halves of each micro-batch (`prl.trainer.two_batch`), their metadata on a group of its own."""
     ep = ep_mesh["ep"]
     fam = families.spec(model.config.model_type, f"trainer.parallel.ep = {ep.size()}")
     mods = families.modules_of(model, fam.expert_classes)
     if not mods:
         raise ValueError(f"trainer.parallel.ep = {ep.size()}: {type(model).__name__} has no stacked routed "
                          f"experts ({', '.join(fam.expert_classes)}) prl can split")
-    comm = make_comm(ep, per_node, fp8, dedup, chunks)
-    if chunks > 1:
+    comm = make_comm(ep, per_node, fp8, dedup, 1 if two_batch else chunks, two_batch)
+    if chunks > 1 and not two_batch:
         ahead_shared(model, mods)
     return [p for m in mods for p in split_experts(m, ep, comm, fam.stacked_experts, fam.expert_dim)]
 
@@ -100,11 +102,26 @@ def same_tokens(held: torch.Tensor, version: int, x: torch.Tensor) -> bool:
     return (held.data_ptr(), held.numel(), version) == (x.data_ptr(), x.numel(), x._version)
 
 
-def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool, chunks: int = 1) -> Comm:
-    """The dispatch over a 1-D `ep` mesh, its ranks on nodes of `per_node` consecutive global ranks."""
+def make_comm(ep: DeviceMesh, per_node: int, fp8: bool, dedup: bool, chunks: int = 1, meta: bool = False) -> Comm:
+    """The dispatch over a 1-D `ep` mesh, its ranks on nodes of `per_node` consecutive global ranks; `meta`: its
+    counts, ids and routing weights on a second group of the same ranks."""
     ranks = dist.get_process_group_ranks(ep.get_group())
     nodes = tuple(r // per_node if per_node else 0 for r in ranks)
-    return Comm(ep.get_group(), ep.size(), ep.get_local_rank(), nodes, fp8, dedup, chunks)
+    return Comm(ep.get_group(), ep.size(), ep.get_local_rank(), nodes, fp8, dedup, chunks,
+                twin_group(ep.get_group()) if meta else None)
+
+
+def twin_group(group) -> object:
+    """A new process group of `group`'s ranks (its own queue of collectives: on NCCL its own stream). Every
+    rank creates every such group, in the same order, as `new_group` requires; this rank's is returned."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dist.get_process_group_ranks(group))
+    mine = None
+    for ranks in sorted(set(map(tuple, every))):
+        made = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            mine = made
+    return mine
 
 
 def split_experts(m, ep: DeviceMesh, comm: Comm, names=("gate_up_proj", "down_proj"),
@@ -160,6 +177,28 @@ class ExpertParallel:
                 y = combine(c - 1, back[c - 1])
         return combine(len(parts) - 1, back[-1])
 
+    def two_batch(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, last=None):
+        """A generator: this layer on one half of a micro-batch's tokens (`prl.trainer.two_batch`), yielding
+        whenever its rows are on the wire (toward the experts, back), landing them when resumed; it returns
+        the tokens' weighted expert outputs. Its counts travel first, on the metadata group; `last()` runs
+        once the last rows are on their way back."""
+        comm, E = self._prl_comm, self._prl_num_experts
+        if comm.dedup:
+            routes = dedup_routes(comm, ids_TK, weights_TK, E // comm.size)
+            return (yield from dedup_chunk(self, comm, hidden_TD, routes, E // comm.size, False, last))
+        part = Part.of(hidden_TD, ids_TK, weights_TK, 0)
+        [(route, local_ids)] = expert_routes([part.flat], comm, E)
+        sent = issue(part.rows, RowExchange(route, eager=False))
+        yield
+        out = self.local_experts(land(*sent), local_ids, E // comm.size)
+        back = issue(out, RowExchange(route.reverse(), to_experts=False, eager=False))
+        if last is not None:
+            last()
+        yield
+        got = land(*back)
+        y = torch.zeros_like(hidden_TD)
+        return y.index_add(0, part.tokens, (got * part.weights[:, None].to(got.dtype)).to(y.dtype))
+
     def weighted_local(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Rows that each carry the local expert ids of their slots here (-1: another rank's) and the
         slots' routing weights: each row's experts run, their outputs weighted and summed per row."""
@@ -212,7 +251,7 @@ def expert_routes(flats: list[torch.Tensor], comm: Comm, n_experts: int) -> list
     local_E, n = n_experts // comm.size, len(flats)
     send = torch.stack([torch.bincount(f, minlength=n_experts).view(comm.size, local_E) for f in flats], dim=1)
     recv = torch.empty_like(send)  # [peer, chunk, local expert]
-    timed(lambda: dist.all_to_all_single(recv, send.contiguous(), group=comm.group))
+    timed(lambda: dist.all_to_all_single(recv, send.contiguous(), group=comm.group_for("meta")))
     count(comm, [local_E * n] * comm.size, send.element_size(), "meta", "forward")
     ids = torch.arange(local_E, device=send.device).repeat(comm.size)
     return [(Route(comm, send[:, c].sum(1).tolist(), recv[:, c].sum(1).tolist()),

@@ -29,12 +29,14 @@ from __future__ import annotations
 import torch
 
 from prl.model import lean_forward as lf
+from prl.trainer import two_batch
 from prl.transport.trees import tree_mask
 
 
-def install(model, cp: bool = False) -> bool:
+def install(model, cp: bool = False, parts: int = 0) -> bool:
     """Swap `model` (before FSDP wraps it) for the lean forward; False where it does not fit (unchanged).
-    `cp`: context parallelism's attention builds its masks, so none is built here."""
+    `cp`: context parallelism's attention builds its masks, so none is built here; `parts`: MoE layers
+    run their micro-batch in that many parts (`prl.trainer.two_batch`; 0: whole)."""
     if not lf.fits(model) or model.config.model_type not in LAYERS:
         return False
     if not isinstance(model, LeanCausalLM):
@@ -43,6 +45,7 @@ def install(model, cp: bool = False) -> bool:
     for layer in model.model.layers:
         if not isinstance(layer, LeanLayer):
             layer.__class__ = type(f"Lean{type(layer).__name__}", (LAYERS[model.config.model_type], type(layer)), {})
+        layer._prl_two_batch = parts
     return True
 
 
@@ -85,6 +88,8 @@ class LeanLayer:
     `lean_layers`, which runs the model's layers through their calls: FSDP's hooks, checkpointing) it is the
     family's lean layer; called as the model's forward calls it (keywords), the layer's own forward."""
 
+    _prl_two_batch: int = 0  # parts of a micro-batch each MoE layer runs (`prl.trainer.two_batch`); 0: whole
+
     def forward(self, h, *args, **kwargs):
         if kwargs:
             return super().forward(h, *args, **kwargs)
@@ -93,6 +98,9 @@ class LeanLayer:
 
 class LeanQwen3MoeLayer(LeanLayer):
     def lean(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if self._prl_two_batch and (out := two_batch.qwen3_moe_layer(self, h, (cos, sin), bias,
+                                                                      self._prl_two_batch)) is not None:
+            return out
         return lf.qwen3_moe_layer(self, h, (cos, sin), bias)
 
     @staticmethod
@@ -108,6 +116,9 @@ class LeanQwen3MoeLayer(LeanLayer):
 class LeanGlmMoeDsaLayer(LeanLayer):
     def lean(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 positions: torch.Tensor, topk: torch.Tensor | None):
+        if self._prl_two_batch and (out := two_batch.glm_moe_dsa_layer(self, h, (cos, sin), mask, positions, topk,
+                                                                        self._prl_two_batch)) is not None:
+            return out
         return lf.glm_moe_dsa_layer(self, h, (cos, sin), mask, positions, topk)
 
     @staticmethod

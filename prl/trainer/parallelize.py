@@ -50,7 +50,12 @@ class Parallel:
                                                 tcfg.parallel.cp_layout, tcfg.parallel.overlap)
         head.install(model)
         # the forward through the model's own modules (`prl.trainer.lean`); where it does not fit, the model's
-        self.lean = tcfg.lean_forward and lean.install(model, cp=self.seq is not None)
+        two_batch = tcfg.parallel.overlap_parts if tcfg.parallel.overlap == "two_batch" and dims.ep_enabled else 0
+        self.lean = tcfg.lean_forward and lean.install(model, cp=self.seq is not None, parts=two_batch)
+        if two_batch and not self.lean:
+            raise ValueError(f"trainer.parallel.overlap = 'two_batch' runs through prl's lean forward, which does not "
+                             f"fit this {model.config.model_type} model (a family without one, sliding windows, or "
+                             f"an attention other than sdpa or eager): use overlap = true")
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         self.model = apply_fsdp(model, dims.mesh("fsdp"), DTYPES[tcfg.dtype], set(self.expert_params))
@@ -70,7 +75,7 @@ def shard_ep(model, dims: ParallelDims, tcfg: TrainerCfg) -> list[torch.nn.Param
     par = tcfg.parallel
     per_node = par.ranks_per_node(dims.world, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)))
     return shard_experts(model, dims.mesh("ep"), per_node, par.ep_dispatch == "fp8", par.ep_node_dedup,
-                         par.overlap_chunks if par.overlap else 1)
+                         par.overlap_chunks if par.overlap else 1, par.overlap == "two_batch")
 
 
 def apply_activation_checkpointing(model) -> None:

@@ -12,7 +12,10 @@ version whole (the folder: manifest last, renamed in).
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from prl.model.policy import WHOLE, Version
-from prl.parallel_dims import shard_layout
+from prl.parallel_dims import ShardLayout, shard_layout
 from prl.transport.sinks import WeightSink
 
 LAYER = re.compile(r"\blayers\.(\d+)\.")
@@ -37,39 +40,63 @@ def buckets(names: list[str]) -> list[list[str]]:
     return [layers[i] for i in sorted(layers)] + ([rest] if rest else [])
 
 
-def gathered(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+@dataclass
+class Part:
+    """This rank's part of one published tensor: its local shard (or the whole tensor), how the tensor is sharded
+    (None: whole on every rank) and its whole shape. `frozen` parts are copies the next optimizer step cannot
+    change (a background publish sends them while the trainer goes on)."""
+
+    local: torch.Tensor
+    layout: ShardLayout | None
+    shape: torch.Size
+
+    @staticmethod
+    def of(tensor: torch.Tensor, frozen: bool = False) -> "Part":
+        layout = shard_layout(tensor)
+        local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        if frozen:  # into host memory: the device keeps no second copy of the weights
+            local = local.to("cpu", copy=True)
+        return Part(local, layout, tensor.shape)
+
+
+def parts_of(model, form: Version, frozen: bool = False) -> dict[str, Part]:
+    """This rank's part of every tensor `form` publishes, copied where `frozen`."""
+    return {k: Part.of(v, frozen) for k, v in get_model_state_dict(model).items() if form.holds(k)}
+
+
+def gathered(part: Part, dst: int, group=None) -> torch.Tensor | None:
     """The whole tensor on rank `dst` (in CPU memory), None elsewhere. A sharded one is sent to `dst`
     shard by shard by the other ranks of `dst`'s shard group (replicas elsewhere send nothing): no
     rank but `dst` ever holds the whole tensor, and `dst` holds one shard at a time on its device."""
-    if isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements):
-        return gather_rows(tensor, dst)
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.detach().to("cpu", copy=True) if dist.get_rank() == dst else None
+    if part.layout is not None:
+        return gather_rows(part, dst, group)
+    return part.local.to("cpu", copy=True) if dist.get_rank() == dst else None
 
 
-def gather_rows(tensor: DTensor, dst: int) -> torch.Tensor | None:
-    """`gathered` for a sharded tensor, along whichever dim its `shard_layout` names: the shards of
-    `dst`'s group, in shard order, each sent padded to `per` (torch.chunk's size) and trimmed there."""
-    layout = shard_layout(tensor)
+def gather_rows(part: Part, dst: int, group=None) -> torch.Tensor | None:
+    """`gathered` for a sharded tensor, along whichever dim its layout names: the shards of `dst`'s group,
+    in shard order, each sent padded to `per` (torch.chunk's size) and trimmed there. `group`: the process
+    group the shards travel on (global ranks; None: the default group)."""
+    layout = part.layout
     if dst not in layout.ranks:
         return None  # a replica of shards `dst`'s group already has
-    local, d = tensor.to_local().detach(), layout.tensor_dim
-    padded_shape = (*tensor.shape[:d], layout.per, *tensor.shape[d + 1:])
+    local, d = part.local, layout.tensor_dim
+    padded_shape = (*part.shape[:d], layout.per, *part.shape[d + 1:])
     if dist.get_rank() != dst:
         padded = local.new_zeros(padded_shape)
         padded.narrow(d, 0, local.shape[d]).copy_(local)
-        dist.send(padded, dst=dst)
+        dist.send(padded, dst=dst, group=group)
         return None
-    full = torch.empty(tensor.shape, dtype=local.dtype)
+    full = torch.empty(part.shape, dtype=local.dtype)
     buf = local.new_empty(padded_shape)
     for k, src in enumerate(layout.ranks):
         start, stop = layout.bounds(k)
         if src == dst:
-            part = local
+            chunk = local
         else:
-            dist.recv(buf, src=src)
-            part = buf.narrow(d, 0, stop - start)
-        full.narrow(d, start, stop - start).copy_(part.cpu())
+            dist.recv(buf, src=src, group=group)
+            chunk = buf.narrow(d, 0, stop - start)
+        full.narrow(d, start, stop - start).copy_(chunk.cpu())
     return full
 
 
@@ -93,11 +120,13 @@ def converted(model, part: dict[str, torch.Tensor], hf_format: bool, fp8_names: 
 
 
 def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None = None,
-            hf_format: bool = False, whole: bool = True, form: Version = WHOLE) -> Path | None:
+            hf_format: bool = False, whole: bool = True, form: Version = WHOLE, parts: dict[str, Part] | None = None,
+            group=None) -> Path | None:
     """Publish weights vN into `sink` (every rank calls; rank 0 returns where the version is).
     `hf_format`: Hugging Face checkpoint names (what vLLM's `load_weights` reads), else the model's
     in-memory names (what the embedded engine copies in). `fp8_names`: published block-FP8; one in no
-    bucket fails the version before it is sealed.
+    bucket fails the version before it is sealed. `parts`: what to send (`parts_of`; None: the model's
+    weights as they are now); `group`: the process group the shards travel on (None: the default).
 
     A sink fed by several ranks (`sink.senders`: the collective stream) takes bucket b from rank
     b % senders, its owner, which streams it. Rank 0 also gathers every other bucket for the sealed
@@ -107,7 +136,7 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
     `form`: what the version holds (`prl.model.policy.Version`): every weight (of a model with LoRA adapters,
     every weight but them), or the LoRA adapters alone, which the servers merge into the base version's weights;
     the manifest says so."""
-    state = {k: v for k, v in get_model_state_dict(model).items() if form.holds(k)}  # this rank's shards
+    state = parts_of(model, form) if parts is None else parts  # this rank's shards
     rank, senders = dist.get_rank(), getattr(sink, "senders", 1)
     whole = whole or senders == 1
     if rank < senders:
@@ -115,9 +144,9 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
     unmatched = set(fp8_names or [])
     for b, names in enumerate(buckets(list(state))):
         owner = b % senders
-        part = {name: gathered(state[name], owner) for name in names}
+        part = {name: gathered(state[name], owner, group) for name in names}
         if owner != 0 and whole:  # the folder's copy, on rank 0
-            folder = {name: gathered(state[name], 0) for name in names}
+            folder = {name: gathered(state[name], 0, group) for name in names}
         convert = (lambda p: form.wire(model, p, hf_format)) if form.adapters else \
             (lambda p: converted(model, p, hf_format, fp8_names))
         if rank == owner:
@@ -134,6 +163,30 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
                            f"published state ({len(unmatched)} in all): prl's name mapping for this model is wrong")
     meta = {"version": version, "format": "hf" if hf_format else "memory"}
     path = sink.seal(form.manifest(meta))
-    if not whole and sink.share(sink.missed if rank == 0 else None):
-        return publish(model, sink.folder, version, fp8_names, hf_format, form=form)  # rank 0 gathers it all
+    if not whole and sink.share(sink.missed if rank == 0 else None):  # rank 0 gathers it all
+        return publish(model, sink.folder, version, fp8_names, hf_format, form=form, parts=state, group=group)
     return path
+
+
+class Background:
+    """Versions published on a thread of their own, one at a time, in order, while the trainer goes on
+    (`trainer.publish_overlap`): `submit(job)` first waits for the version before it (a failure there is raised
+    here, in the trainer's thread), then starts `job`; `wait()` waits for the last. The job publishes frozen
+    parts (`parts_of(..., frozen=True)`) over a process group of its own, so its collectives never meet the
+    training step's. A trainer killed mid-publish leaves the version unsealed: the last sealed one serves."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prl-publish")
+        self.pending: concurrent.futures.Future | None = None
+
+    def submit(self, job) -> float:
+        """Start `job` once the previous one finished; returns the seconds spent waiting for that."""
+        t = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t
+        self.pending = self.pool.submit(job)
+        return waited
+
+    def wait(self):
+        pending, self.pending = self.pending, None
+        return pending.result() if pending is not None else None
