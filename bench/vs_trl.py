@@ -20,7 +20,10 @@ Both sides start from the same weights: reverse-tiny's GLM-5 model after prl's S
 
 Per side: samples trained per second over the window, the mean reward of the last 10 steps' batches
 before the deadline (`reward_at_wall`; the curve is noisy, so compare it over repeated runs), of the
-window's last third (`reward_late`, steadier) and of the first step (`reward_start`), start-up seconds (not in the window). TRL runs with `--trl-threads`
+window's last third (`reward_late`, steadier), of the first step (`reward_start`) and of the 10 steps up to the
+number both sides reached (`reward_at_equal_samples`: per sample, each step being 16 x 8 samples on both sides),
+start-up seconds (not in the window). `--seed S` makes the warm start from `run.seed = S` (the RL prompts stay
+seed 0's, TRL's order): repeat over seeds to compare over warm starts. TRL runs with `--trl-threads`
 torch threads (default 2: the cores prl's server and trainer use, one thread each; TRL is faster with
 2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
 it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
@@ -29,7 +32,9 @@ For prl, also its trainer's ceiling: after the runs, `bench/trainer_step.py` tim
 forward, backward and optimizer alone (one rank, the run's trainer settings, nothing else on the cores)
 on a batch the run trained mid-window; `prl_over_trainer_ceiling` is the run's samples/s over that
 (1: the run trains as fast as its trainer alone could). `prl_trainer_step_gap_s` is the mean time
-between two trainer steps of the run, `prl_trainer_mean_wait_s`, `_fwd_bwd_s` and `_publish_s` its parts.
+between two trainer steps of the run, `prl_trainer_mean_wait_s`, `_fwd_bwd_s` and `_publish_s` its parts
+(`_publish_wait_s`: of the publish, the wait for the version before it to finish in the background), and
+`prl_wait_share_of_step_gap`, `prl_publish_share_of_step_gap` their shares.
 The last line is one JSON object; ratios are named `<a>_over_<b>`.
 
 TRL is not a dependency of prl and is not installed into `.venv` (it would add accelerate,
@@ -80,9 +85,10 @@ def read_events(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def warm_start(out: Path) -> Path:
-    """The recipe's SFT warm start through prl, as a Hugging Face folder both sides load."""
-    cmd = prl_cmd(out, "warm", "rl.max_steps=1", "trainer.checkpoint_every=0")
+def warm_start(out: Path, seed: int = 0) -> Path:
+    """The recipe's SFT warm start through prl (from the model and demonstrations of `run.seed` = `seed`), as a
+    Hugging Face folder both sides load."""
+    cmd = prl_cmd(out, "warm", "rl.max_steps=1", "trainer.checkpoint_every=0", f"run.seed={seed}")
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"warm start failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
@@ -161,8 +167,10 @@ def prl_figures(evs: list[dict], t0: float, wall: float, startup: float) -> dict
         "trainer_publish_s": statistics.median(e["publish_s"] for e in steps),
         # the step's parts as means over the window: they add up to the mean time between two steps
         "trainer_step_gap_s": (steps[-1]["t"] - steps[0]["t"]) / max(len(steps) - 1, 1),
-        **{f"trainer_mean_{k}": statistics.mean(e[k] for e in steps[1:] or steps) for k in ("wait_s", "fwd_bwd_s", "publish_s")},
+        **{f"trainer_mean_{k}": statistics.mean(e.get(k, 0.0) for e in steps[1:] or steps)
+           for k in ("wait_s", "fwd_bwd_s", "publish_s", "publish_wait_s")},
         "curve": [(round(e["t"] - t0, 2), e["reward"]) for e in orch],
+        "step_rewards": [e["reward"] for e in orch],
     }
 
 
@@ -242,6 +250,7 @@ def trl_figures(log: dict, wall: float, startup: float) -> dict:
         "startup_s": startup,
         "step_s": statistics.median(gaps),
         "curve": [(round(t - t0, 2), r) for t, r in log["rewards"] if t <= t0 + wall],
+        "step_rewards": rewards,
     }
 
 
@@ -259,6 +268,9 @@ def main() -> None:
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--compiled", action="store_true", help="also prl with inference.compile = true")
     ap.add_argument("--sync", action="store_true", help="also prl synchronous (rl.max_async_level = 0)")
+    ap.add_argument("--prl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe setting for prl's runs (repeatable), e.g. rl.max_inflight_rollouts=256")
+    ap.add_argument("--seed", type=int, default=0, help="the warm start's run.seed (the RL prompts stay run.seed 0's)")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
@@ -267,18 +279,24 @@ def main() -> None:
         raise SystemExit(f"{args.trl_python} missing: make the TRL venv first (see this file's docstring)")
     began = time.time()
     out = Path(tempfile.mkdtemp(prefix="prl-vs-trl-"))
-    warm = args.warm or warm_start(out)
-    sides = {"prl": run_prl(out, warm, args.wall)}
+    warm = args.warm or warm_start(out, args.seed)
+    own = tuple(args.prl_set)
+    sides = {"prl": run_prl(out, warm, args.wall, sets=own)}
     if args.compiled:  # the embedded engine's forwards compiled (the warm-up before version 0 is not in the window)
-        sides["prl_compiled"] = run_prl(out, warm, args.wall, "prl_compiled", ("inference.compile=true",))
+        sides["prl_compiled"] = run_prl(out, warm, args.wall, "prl_compiled", ("inference.compile=true", *own))
     if args.sync:
-        sides["prl_sync"] = run_prl(out, warm, args.wall, "prl_sync", ("rl.max_async_level=0",))
+        sides["prl_sync"] = run_prl(out, warm, args.wall, "prl_sync", ("rl.max_async_level=0", *own))
     for name in list(sides):  # the trainer alone on one of the run's batches, after the runs: nothing else on the cores
         sides[name].update(trainer_ceiling(out, warm, name))
     sides["trl"] = trl = run_trl(out, warm, args)
     for r in sides.values():
         r["reward_late"] = late_reward(r["curve"], args.wall)
     (out / "curves.json").write_text(json.dumps({n: r.pop("curve") for n, r in sides.items()}))
+    # per sample: every step trains 16 x 8 samples on both sides, so equal steps are equal samples
+    equal = min(len(r["step_rewards"]) for r in sides.values())
+    for r in sides.values():
+        r["reward_at_equal_samples"] = statistics.mean(r.pop("step_rewards")[max(0, equal - LAST):equal])
+        r["equal_samples"] = equal * PROMPTS_PER_STEP * GROUP
     for name, r in sides.items():
         print(f"{name}: {r['steps']} steps in {args.wall:.0f} s, {r['samples_per_s']:.1f} samples/s, reward "
               f"{r['reward_start']:.3f} -> {r['reward_at_wall']:.3f} (start-up {r['startup_s']:.0f} s)")
@@ -291,6 +309,10 @@ def main() -> None:
                 f"{name}_over_trainer_ceiling": round(r["samples_per_s"] / r["trainer_ceiling_samples_per_s"], 3),
                 f"reward_at_wall_{name}_over_trl": round(r["reward_at_wall"] / trl["reward_at_wall"], 3),
                 f"reward_late_{name}_over_trl": round(r["reward_late"] / trl["reward_late"], 3),
+                f"reward_at_equal_samples_{name}_over_trl": round(r["reward_at_equal_samples"]
+                                                                  / trl["reward_at_equal_samples"], 3),
+                f"{name}_wait_share_of_step_gap": round(r["trainer_mean_wait_s"] / r["trainer_step_gap_s"], 3),
+                f"{name}_publish_share_of_step_gap": round(r["trainer_mean_publish_s"] / r["trainer_step_gap_s"], 3),
                 f"reward_gain_{name}_over_trl": round((r["reward_at_wall"] - r["reward_start"])
                                                       / max(trl["reward_at_wall"] - trl["reward_start"], 1e-9), 3)})
     report["bench_s"] = round(time.time() - began, 1)

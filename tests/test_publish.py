@@ -93,3 +93,117 @@ def test_fp8_in_checkpoint_names_equals_the_whole_state_converted(sharded_model,
     with pytest.raises(RuntimeError, match="in no bucket"):
         publish(model, FolderSink(tmp_path / "bad", keep=2), 3, fp8_names=[*names, "model.layers.0.nope"],
                 hf_format=True)
+
+
+def test_a_background_publish_sends_the_frozen_version_in_order(tmp_path):
+    """Two ranks at ep 2, three steps: publishing each version on the background thread from its frozen copy while
+    the next step changes the weights gives the same sealed versions, in the same order, with the same bytes as
+    publishing inline before the step (tests/dist_publish.py holds the thread until the step is done)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prl.model.tiny import write_model_dir
+    from prl.model.weights import MANIFEST, published_versions, version_dir
+    from prl.recipe.schema import ModelCfg
+
+    model_dir = write_model_dir(ModelCfg(num_experts=8, experts_per_token=2, num_layers=2, first_dense_layers=0),
+                                tmp_path / "model")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(Path(__file__).parent / "dist_publish.py"), str(model_dir), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    serial, background = tmp_path / "serial", tmp_path / "background"
+    assert published_versions(serial) == published_versions(background) == [1, 2, 3]
+    manifests = [version_dir(background, v) / MANIFEST for v in (1, 2, 3)]
+    assert [json.loads(m.read_text())["version"] for m in manifests] == [1, 2, 3]
+    sealed_at = [m.stat().st_mtime_ns for m in manifests]
+    assert sealed_at == sorted(sealed_at), "sealed in version order"
+    previous = None
+    for v in (1, 2, 3):
+        want, _ = read_weights(version_dir(serial, v))
+        got, _ = read_weights(version_dir(background, v))
+        assert sorted(got) == sorted(want) and any("experts" in k for k in got)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"version {v}"
+        if previous is not None:  # each step moved the weights: the versions differ
+            assert not all(torch.equal(want[k], previous[k]) for k in want)
+        previous = want
+
+
+KILLED = """
+import sys, threading, time
+import torch.distributed as dist
+from prl.model.build import build_model
+from prl.model.policy import WHOLE
+from prl.trainer.publish import Background, parts_of, publish
+from prl.transport.sinks import FolderSink
+
+class Stalling(FolderSink):
+    def put(self, bucket):
+        super().put(bucket)
+        if self.final.name.endswith("2"):
+            print("mid-publish", flush=True)
+            time.sleep(600)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = build_model(sys.argv[1], seed=0)
+sink, bg = Stalling(sys.argv[2], keep=3), Background()
+publish(model, sink, 1)
+parts = parts_of(model, WHOLE, frozen=True)
+bg.submit(lambda: publish(model, sink, 2, parts=parts))
+bg.wait()
+"""
+
+
+def test_a_trainer_killed_mid_publish_leaves_the_last_sealed_version_serving(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from prl.model.tiny import write_model_dir
+    from prl.model.weights import published_versions, read_weights, version_dir
+    from prl.recipe.schema import ModelCfg
+
+    model_dir = write_model_dir(ModelCfg(num_experts=4, experts_per_token=2, num_layers=2), tmp_path / "model")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(model_dir), str(tmp_path / "weights")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-publish"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert published_versions(tmp_path / "weights") == [1]  # version 2 was never sealed
+    got, manifest = read_weights(version_dir(tmp_path / "weights", 1))
+    assert manifest["version"] == 1 and got
+
+
+def test_the_trainer_reads_the_next_batch_ahead():
+    """`ReadAhead`: the step read ahead is taken from the thread (read once), another step is read on the spot,
+    and a read that failed on the thread is tried again in the trainer's (where its error is raised)."""
+    import threading
+
+    from prl.trainer.trainer import ReadAhead
+
+    reads: list[int] = []
+    landed = threading.Event()
+
+    def read(step: int) -> str:
+        if step == 7:
+            landed.wait(60)  # the batch lands while the step before trains
+        reads.append(step)
+        return f"batch {step}"
+
+    ahead = ReadAhead()
+    ahead.start(7, read)
+    assert ahead.thread.is_alive() and reads == []
+    landed.set()
+    assert ahead.take(7, read) == "batch 7" and reads == [7]
+    assert ahead.take(8, read) == "batch 8" and reads == [7, 8]  # nothing read ahead for it
+
+    def broken(step: int) -> str:
+        raise OSError(f"batch {step} unreadable")
+
+    ahead.start(9, broken)
+    with pytest.raises(OSError, match="batch 9 unreadable"):
+        ahead.take(9, broken)

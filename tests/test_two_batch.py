@@ -125,4 +125,6 @@ def test_two_batch_is_refused_where_nothing_can_split():
         ParallelCfg(overlap="two_batch")
     with pytest.raises(ValidationError, match="runs through the lean forward"):
         TrainerCfg(lean_forward=False, parallel={"ep": 2, "overlap": "two_batch"})
+    with pytest.raises(ValidationError, match="'fast': one of true"):
+        ParallelCfg(ep=2, overlap="fast")
     assert ParallelCfg(overlap=True).overlap == "chunks" and ParallelCfg().overlap == "chunks"

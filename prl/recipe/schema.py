@@ -655,8 +655,8 @@ class ParallelCfg(Section):
     backward), and context parallelism's gather flies while the attention computes its queries (with ep_node_dedup,
     two chunks at a time through both hops). "two_batch" (needs ep > 1 and the lean forward): each MoE layer runs
     its micro-batch as two halves (`overlap_parts`), one half's attention, router and shared experts computing while
-    the other's rows travel (prl/trainer/two_batch.py). false: each exchange waited for as soon as it is issued. Same values every
-    way (to fp32 rounding)."""
+    the other's rows travel (prl/trainer/two_batch.py). false: each exchange waited for as soon as it is issued.
+    Same values every way (to fp32 rounding)."""
     overlap_chunks: int = Field(4, ge=2, le=64)
     """With overlap = true or "chunks": token chunks per MoE layer; more hide more of the first dispatch and the last
     combine, each costs one more exchange per layer and direction."""
@@ -665,16 +665,18 @@ class ParallelCfg(Section):
     layer's first dispatch and last combine (bench/comm_overlap.py), each costs one more exchange per layer and
     direction."""
 
-    @field_validator("overlap")
+    @field_validator("overlap", mode="before")
     @classmethod
     def _overlap(cls, v):
+        if isinstance(v, str) and v not in ("chunks", "two_batch"):
+            raise ValueError(f"trainer.parallel.overlap = {v!r}: one of true (\"chunks\"), \"two_batch\" or false")
         return "chunks" if v is True else v
 
     @model_validator(mode="after")
     def _positive(self):
         if self.overlap == "two_batch" and self.ep == 1:
-            raise ValueError("trainer.parallel.overlap = 'two_batch' hides the experts' all-to-all, and ep = 1 has none: "
-                             "set trainer.parallel.ep > 1, or overlap = true")
+            raise ValueError("trainer.parallel.overlap = 'two_batch' hides the experts' all-to-all, and ep = 1 has "
+                             "none: set trainer.parallel.ep > 1, or overlap = true")
         if self.dp_shard == 0:
             raise ValueError("trainer.parallel.dp_shard must be >= 1, or -1 for world / cp")
         for key, on in (("ep_dispatch = 'fp8'", self.ep_dispatch == "fp8"), ("ep_node_dedup", self.ep_node_dedup)):
@@ -796,6 +798,11 @@ class TrainerCfg(Section):
     expert's tensors only to the receivers serving it."""
     weight_transfer_timeout_s: float = Field(120.0, gt=0)
     """Seconds: a stalled weight broadcast fails after this."""
+    publish_overlap: bool = True
+    """A new version is published while the next step computes: each rank copies its shards of the weights into
+    host memory (a frozen copy the next optimizer step cannot change) and a thread of its own gathers, converts and
+    sends them (folder, collective or stream) over a process group of its own; versions go one at a time, in order,
+    and a trainer killed mid-publish leaves the last sealed version serving. false: the step waits for the publish."""
     checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
     """How checkpoints are written: "sharded" (every rank its own shards, torch.distributed.checkpoint, no gather),
     "full" (rank 0 gathers the whole state) or "auto" (sharded when the trainer runs on one host)."""
@@ -1059,7 +1066,16 @@ class PlacementCfg(Section):
         return max(1, h.gpus // self.gpus_per_server)
 
 
-OVERLAP_EFFICIENCY = 0.56  # bench/comm_overlap.py: 0.558, the lower of its two layouts (docs/benchmarks.md)
+# bench/comm_overlap.py at the flagship's exchanges / compute (0.82): per trainer.parallel.overlap mode, the lower
+# of its two layouts (docs/benchmarks.md)
+OVERLAP_EFFICIENCY = {"chunks": 0.66, "two_batch": 0.66, "two_batch_4": 0.73}
+
+
+def measured_overlap(overlap: str, parts: int) -> float:
+    """The bench's efficiency for an overlap mode: the chunk pipeline, or two-batch overlap in 2-3 parts or 4+."""
+    if overlap != "two_batch":
+        return OVERLAP_EFFICIENCY["chunks"]
+    return OVERLAP_EFFICIENCY["two_batch_4" if parts >= 4 else "two_batch"]
 
 
 class PlanCfg(Section):
@@ -1110,10 +1126,11 @@ class PlanCfg(Section):
     node_dedup: bool = False
     """Count node-level deduplication of the trainer's dispatch (trainer.parallel.ep_node_dedup; built, its speed needs
     GPUs)."""
-    overlap_efficiency: float = Field(OVERLAP_EFFICIENCY, ge=0, le=1)
+    overlap_efficiency: float | None = Field(None, ge=0, le=1)
     """With trainer.parallel.overlap: the share of min(compute, exchanges) hidden, the exchanges being the expert
-    all-to-all and CP's gathers (FSDP's gathers and the weight send are counted whole). The default is the lower of
-    bench/comm_overlap.py's two layouts, measured over shaped links on CPUs (docs/benchmarks.md)."""
+    all-to-all and CP's gathers (FSDP's gathers and the weight send are counted whole). Unset: bench/comm_overlap.py's
+    figure for the recipe's overlap mode at the flagship's ratio, the lower of its two layouts, measured over shaped
+    links on CPUs (docs/benchmarks.md): 0.66 for the chunk pipeline and two-batch overlap in halves, 0.73 in 4 parts."""
 
     @model_validator(mode="before")
     @classmethod

@@ -71,8 +71,8 @@ def trainer_seconds(recipe: Recipe, c: dict, n: Counts, w: Workload, world: int,
     """The trainer's step as `prl plan` counts it: compute, communication and the weight send, overlapped
     as trainer.parallel.overlap and plan.overlap_efficiency say."""
     compute = tr.compute_seconds(recipe, c, n, w, world)
-    comm = {**tr.comm_seconds(recipe, c, n, w, world), "weight send": weight_send_seconds(recipe, c, n, layout, world)}
-    return tr.overlapped(sum(compute.values()), comm, tr.overlap_efficiency(recipe))
+    send = weight_send_seconds(recipe, c, n, layout, world)
+    return tr.step_seconds(recipe, compute, tr.comm_seconds(recipe, c, n, w, world), send)
 
 
 def fastest_rollout(recipe: Recipe, c: dict, n: Counts, w: Workload, hosts: int, world: int) -> Rollout | None:

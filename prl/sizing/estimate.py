@@ -101,13 +101,18 @@ def trainer_terms(plan: Plan, recipe: Recipe, c: dict, w: Workload) -> None:
                       + lora.term_uses(recipe, k) for k in plan.trainer})
     compute = tr.compute_seconds(recipe, c, n, w, world)
     comm = tr.comm_seconds(recipe, c, n, w, world)
-    comm["weight send to the servers"] = weight_send_seconds(recipe, c, n, plan.rollout.layout, world)
-    for k, v in {**compute, **comm}.items():
+    send = weight_send_seconds(recipe, c, n, plan.rollout.layout, world)
+    terms = {**compute, **comm, "weight send to the servers": send}
+    for k, v in terms.items():
         plan.time[f"trainer {k}"] = v
         plan.uses[f"trainer {k}"] = trainer_uses(recipe, k) + lora.term_uses(recipe, k)
-    plan.time["trainer step"] = tr.overlapped(sum(compute.values()), comm, tr.overlap_efficiency(recipe))
-    plan.uses["trainer step"] = sum((plan.uses[f"trainer {k}"] for k in {**compute, **comm}), ()) + \
+    plan.time["trainer step"] = tr.step_seconds(recipe, compute, comm, send)
+    plan.uses["trainer step"] = sum((plan.uses[f"trainer {k}"] for k in terms), ()) + \
         (("overlap",) if par.overlap and (par.ep > 1 or par.cp > 1) else ())
+    if recipe.trainer.publish_overlap and not recipe.trainer.lora.enabled:
+        plan.details.append(f"publishing in the background (trainer.publish_overlap): each rank copies its shards "
+                            f"into host memory, {n.total * 4 / world / 1e9:.1f} GB a rank; the weight send runs "
+                            f"beside the next step")
     layout = getattr(par, "cp_layout", "contiguous")
     idx = next((v for k, v in compute.items() if k.startswith("indexer")), 0.0) / tr.cp_imbalance(par.cp, layout)
     if par.cp > 1 and idx:

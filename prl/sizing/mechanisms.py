@@ -50,9 +50,11 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "node_dedup": (GPU, "node-level deduplication of the trainer's expert dispatch (trainer.parallel.ep_node_dedup: "
                         "once to each node, then to its ranks); tested on gloo, its speed needs GPUs"),
     "overlap": (GPU, "the trainer's exchanges behind its compute (trainer.parallel.overlap, prl.trainer.overlap): each "
-                     "MoE layer's all-to-all pipelined over token chunks with the shared experts ahead, CP's gather "
-                     "in flight while the queries are computed, forward and backward; run and measured over shaped "
-                     "links on CPUs (bench/comm_overlap.py: plan.overlap_efficiency); NCCL's streams need GPUs"),
+                     "MoE layer's all-to-all pipelined over token chunks with the shared experts ahead, or (two_batch) "
+                     "its micro-batch in parts whose attention, router and shared experts run while the other parts' "
+                     "rows travel; CP's gather in flight while the queries are computed, forward and backward; run "
+                     "and measured over shaped links on CPUs (bench/comm_overlap.py: plan.overlap_efficiency); "
+                     "NCCL's streams need GPUs"),
     "lora_trainer": (GPU, "LoRA in the trainer (trainer.lora, prl.model.lora): target linears gain fp32 A/B, the base "
                           "is frozen at trainer.dtype, Adam runs over the adapters alone, the KL reference is the base "
                           "with its adapters off, and after v0 a version holds the adapters alone (fp32), which each "

@@ -23,7 +23,7 @@ parameter and token with checkpointing), the adapters trained in full.
 from __future__ import annotations
 
 from prl.model.families import routed_experts
-from prl.recipe.schema import Recipe
+from prl.recipe.schema import Recipe, measured_overlap
 from prl.sizing import kv, lora
 from prl.sizing.params import Counts
 from prl.sizing.workload import Workload
@@ -228,6 +228,19 @@ def overlapped(compute: float, comm: dict[str, float], efficiency: float) -> flo
     return compute + sum(comm.values()) - efficiency * min(compute, hideable)
 
 
+def step_seconds(recipe: Recipe, compute: dict[str, float], comm: dict[str, float], send: float) -> float:
+    """The trainer's step: compute and exchanges, overlapped as trainer.parallel.overlap says, and the weight send
+    `send`: beside the next step where trainer.publish_overlap (the step then lasts at least as long), else after."""
+    if recipe.trainer.publish_overlap:
+        return max(overlapped(sum(compute.values()), comm, overlap_efficiency(recipe)), send)
+    return overlapped(sum(compute.values()), {**comm, "weight send": send}, overlap_efficiency(recipe))
+
+
 def overlap_efficiency(recipe: Recipe) -> float:
-    """The measured efficiency the plan counts, 0 where the trainer's overlap is off."""
-    return recipe.plan.overlap_efficiency if recipe.trainer.parallel.overlap else 0.0
+    """The efficiency the plan counts: plan.overlap_efficiency, else the bench's for the recipe's overlap mode; 0
+    where the trainer's overlap is off."""
+    par = recipe.trainer.parallel
+    if not par.overlap:
+        return 0.0
+    given = recipe.plan.overlap_efficiency
+    return given if given is not None else measured_overlap(par.overlap, par.overlap_parts)

@@ -12,8 +12,8 @@ version whole (the folder: manifest last, renamed in).
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,7 @@ class Part:
     local: torch.Tensor
     layout: ShardLayout | None
     shape: torch.Size
+    frozen: bool = False
 
     @staticmethod
     def of(tensor: torch.Tensor, frozen: bool = False) -> "Part":
@@ -56,7 +57,7 @@ class Part:
         local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
         if frozen:  # into host memory: the device keeps no second copy of the weights
             local = local.to("cpu", copy=True)
-        return Part(local, layout, tensor.shape)
+        return Part(local, layout, tensor.shape, frozen)
 
 
 def parts_of(model, form: Version, frozen: bool = False) -> dict[str, Part]:
@@ -70,7 +71,9 @@ def gathered(part: Part, dst: int, group=None) -> torch.Tensor | None:
     rank but `dst` ever holds the whole tensor, and `dst` holds one shard at a time on its device."""
     if part.layout is not None:
         return gather_rows(part, dst, group)
-    return part.local.to("cpu", copy=True) if dist.get_rank() == dst else None
+    if dist.get_rank() != dst:
+        return None
+    return part.local if part.frozen else part.local.to("cpu", copy=True)
 
 
 def gather_rows(part: Part, dst: int, group=None) -> torch.Tensor | None:
@@ -173,20 +176,33 @@ class Background:
     (`trainer.publish_overlap`): `submit(job)` first waits for the version before it (a failure there is raised
     here, in the trainer's thread), then starts `job`; `wait()` waits for the last. The job publishes frozen
     parts (`parts_of(..., frozen=True)`) over a process group of its own, so its collectives never meet the
-    training step's. A trainer killed mid-publish leaves the version unsealed: the last sealed one serves."""
+    training step's. The thread is a daemon: a trainer that fails does not wait on it to exit, and a version it
+    left unsealed never serves (the last sealed one does)."""
 
     def __init__(self):
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prl-publish")
-        self.pending: concurrent.futures.Future | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
     def submit(self, job) -> float:
         """Start `job` once the previous one finished; returns the seconds spent waiting for that."""
         t = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - t
-        self.pending = self.pool.submit(job)
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by the next wait
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="prl-publish", daemon=True)
+        self.thread.start()
         return waited
 
-    def wait(self):
-        pending, self.pending = self.pending, None
-        return pending.result() if pending is not None else None
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import threading
 import time
 
 import torch
@@ -31,7 +32,7 @@ from prl.tasks import WARM_START_SEED_OFFSET
 from prl.model.policy import BASE_CHECKPOINT, FULL, Reference, policy_for
 from prl.model.weights import published_versions
 from prl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_format
-from prl.trainer.publish import publish
+from prl.trainer.publish import Background, parts_of, publish
 from prl.trainer.ledger import read_ledger, record
 from prl.trainer.loss import USER_FIGURE
 from prl.trainer.model_setup import setup_model
@@ -98,6 +99,7 @@ class Trainer:
         self.log = EventLog(self.run_dir / "metrics.jsonl", "trainer")
         self.endpoint = None  # rank 0 only: rollouts in, weights out (prl.transport.endpoint)
         self.published_here = False  # a version published by this process (the first is written whole)
+        self.read_ahead = ReadAhead()  # rank 0: the next step's batch, read while this one trains
         # what trains, and what a checkpoint and a weights version hold (LoRA: `prl.model.policy`)
         self.policy = policy_for(self.tcfg.lora)
         # trainer.loss.normalize = "constant": rl.batch_size x the longest completion the recipe allows
@@ -114,6 +116,10 @@ class Trainer:
         dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
+        # trainer.publish_overlap: versions published on a thread, their shards on a group of their own (gloo:
+        # the frozen copies sit in host memory)
+        self.background = Background() if self.tcfg.publish_overlap else None
+        self.publish_group = dist.new_group(backend="gloo") if self.background and self.world > 1 else None
         self.sink = self.make_sink()
         if self.rank == 0:
             self.endpoint = TrainerEndpoint(self.run_dir, self.cfg.secret(), self.cfg.host, self.cfg.port,
@@ -177,7 +183,8 @@ class Trainer:
                 return list(cfg.servers)
             return [ports.url_of(cfg.run_dir, f"inference-{i}", u) for i, u in enumerate(cfg.servers)]
 
-        share, agree = prl.transport.collective.over_the_trainer(self.device) if senders > 1 else (None, None)
+        share, agree = (prl.transport.collective.over_the_trainer(self.device, self.publish_group) if senders > 1
+                        else (None, None))
         return weight_sink("collective", root=root, keep=keep, servers=servers, secret=cfg.secret(), host=cfg.host,
                            timeout_s=self.tcfg.weight_transfer_timeout_s, device=self.device.type, rank=self.rank,
                            senders=senders, share=share, agree=agree)
@@ -220,6 +227,8 @@ class Trainer:
                 self.checkpoint(step + 1)
             elif step + 1 in self.cfg.eval_points:  # an eval set scores these weights: `prl eval` can again
                 self.checkpoint(step + 1, weights_only=True)
+        if self.background:
+            self.background.wait()  # the last version sealed (and sent) before the trainer ends
         dist.barrier()
         dist.destroy_process_group()
         if self.endpoint:
@@ -303,16 +312,17 @@ class Trainer:
                           f"turn longer than sampling.max_tokens = {cap}; sampling cuts such turns: raise it")
 
     def rl_step(self, step: int) -> None:
-        """Train `step`; after a restart, a step the ledger holds is replayed (same batch): its
-        weights version was published before the fault, so it is neither republished nor recorded."""
+        """Train `step`; after a restart, a step the ledger holds is replayed (same batch): its weights version
+        was published before the fault (republished only where it was never sealed), and it is not recorded."""
         t0 = time.perf_counter()
         mbs, (data_position, data_ahead), prompts, replayed = self.receive(step)
         t1 = time.perf_counter()
         stats = self.forward_backward(mbs, kind="rl")
         stats["grad_norm"] = self.optimizer_step(self.optimizer, self.scheduler)
         t2 = time.perf_counter()
-        if not replayed and not self.is_published(step + 1):
-            self.publish(step + 1)
+        # a replayed step's version was sealed before the fault, unless the fault came while it was published in
+        # the background (the ledger records a step once its version is handed over): then it is published now
+        publish_wait = 0.0 if self.is_published(step + 1) else self.publish(step + 1)
         t3 = time.perf_counter()
         self.data_position, self.data_ahead = data_position, data_ahead
         if self.rank == 0 and not replayed:
@@ -327,7 +337,7 @@ class Trainer:
             masked_frac=stats["masked_tokens"] / n, truncated_frac=stats["truncated_tokens"] / n,
             routing_agreement=stats["routing_agreed"] / stats["routing_ids"] if stats.get("routing_ids") else None,
             grad_norm=stats["grad_norm"], lr=self.scheduler.get_last_lr()[0], loss_tokens=stats["loss_tokens"],
-            tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2,
+            tokens=stats["tokens"], wait_s=t1 - t0, fwd_bwd_s=t2 - t1, publish_s=t3 - t2, publish_wait_s=publish_wait,
             comm_s=stats["comm_s"], exposed_comm_s=stats["exposed_comm_s"],
             tokens_per_s=stats["tokens"] / max(t2 - t1, 1e-9), version=step + 1, replayed=replayed,
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -335,12 +345,14 @@ class Trainer:
         )
 
     def receive(self, step: int) -> tuple[list[MicroBatch], tuple[int, list[int]], list[int], bool]:
-        """Rank 0 takes the step's batch from its inbox and scatters each rank the micro-batches of
-        its data-parallel rank (CP peers get the same ones and each computes its slice; ranks on
-        other hosts need no shared storage), with whether the step is a replay."""
+        """Rank 0 takes the step's batch from its inbox (read ahead, while the step before trained: `ReadAhead`)
+        and scatters each rank the micro-batches of its data-parallel rank (CP peers get the same ones and each
+        computes its slice; ranks on other hosts need no shared storage), with whether the step is a replay."""
         parts = None
         if self.endpoint:
-            batch = self.endpoint.inbox.receive(step)
+            batch = self.read_ahead.take(step, self.endpoint.inbox.receive)
+            if step + 1 < self.rl.max_steps:  # the next batch read while this step trains
+                self.read_ahead.start(step + 1, self.endpoint.inbox.receive)
             replayed = step in self.ledger
             if len(batch.micro_batches) != self.dims.dp_size:
                 raise RuntimeError(f"batch {step} is packed for {len(batch.micro_batches)} ranks, the trainer has "
@@ -384,16 +396,29 @@ class Trainer:
         dist.broadcast_object_list(found, src=0)
         return bool(found[0])
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int) -> float:
         """Weights `version`, as the policy says it is held (under LoRA version 0 is the base, whole, and every
-        later one the adapters alone: the base is published again first where its folder is gone)."""
+        later one the adapters alone: the base is published again first where its folder is gone). With
+        trainer.publish_overlap it goes on in the background from a frozen copy (`publish.Background`); returns
+        the seconds the step waited for the version before it."""
         form, hf_format = self.policy.version(version), self.cfg.publish_format == "hf"
         if form.adapters and not self.base_published(form.base):
+            if self.background:
+                self.background.wait()
             publish(self.model, weight_sink("folder", root=self.run_dir / "weights", keep=self.tcfg.keep_weights),
                     form.base, hf_format=hf_format)
-        publish(self.model, self.sink, version, self.fp8_names, hf_format=hf_format,
-                whole=self.whole_version(version), form=form)
+        whole = self.whole_version(version)
         self.published_here = True
+        if self.background is None:
+            self.send(version, form, hf_format, whole)
+            return 0.0
+        parts = parts_of(self.model, form, frozen=True)
+        return self.background.submit(lambda: self.send(version, form, hf_format, whole, parts))
+
+    def send(self, version: int, form, hf_format: bool, whole: bool, parts=None) -> None:
+        """Publish `version` (from `parts`, frozen, over the publish group; else the weights as they are) and say so."""
+        publish(self.model, self.sink, version, self.fp8_names, hf_format=hf_format, whole=whole, form=form,
+                parts=parts, group=self.publish_group if parts is not None else None)
         if self.endpoint:
             self.endpoint.sealed()  # wakes the orchestrator's long poll for new weights
         sent = getattr(self.sink, "last", None)  # the collective's delivery of this version
@@ -438,6 +463,37 @@ class Trainer:
     def log_main(self, kind: str, **fields) -> None:
         if self.rank == 0:
             self.log.emit(kind, **{k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()})
+
+
+class ReadAhead:
+    """The next step's batch read from the inbox on a thread of its own (waiting for it to land, then loading it)
+    while the trainer computes this step: the step after takes it at once when the orchestrator shipped it in
+    time. A daemon thread: a trainer that ends or fails does not wait for a batch that never comes."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self.thread: threading.Thread | None = None
+        self.got: list = []
+
+    def start(self, step: int, read) -> None:
+        self.step, self.got = step, []
+
+        def run(got=self.got) -> None:
+            try:
+                got.append(read(step))
+            except BaseException as e:  # noqa: BLE001 - read again (and raised) by `take` in the trainer's thread
+                got.append(e)
+
+        self.thread = threading.Thread(target=run, name="prl-read-ahead", daemon=True)
+        self.thread.start()
+
+    def take(self, step: int, read):
+        """The batch of `step`: the one read ahead if it is that step's (waiting for it), else read now."""
+        if self.step != step or self.thread is None:
+            return read(step)
+        self.thread.join()
+        got, self.thread, self.step = self.got[0], None, None
+        return read(step) if isinstance(got, BaseException) else got
 
 
 def main(config_path: str) -> None:

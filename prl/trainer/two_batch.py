@@ -1,26 +1,28 @@
-"""Two-batch overlap (`trainer.parallel.overlap = "two_batch"`): each MoE layer runs its micro-batch as two
-halves, so that one half's attention, router and shared experts compute while the other half's rows are on
-the wire to or from the experts.
+"""Two-batch overlap (`trainer.parallel.overlap = "two_batch"`): each MoE layer runs its micro-batch as parts
+(`overlap_parts`, two by default: halves), so that one part's attention, router and shared experts compute
+while another part's rows are on the wire to or from the experts.
 
-Within a layer the halves take turns (`ep_dispatch.interleave`, two generators): half A's attention and
-router run and its rows leave for the experts; its shared experts run while they travel; half B's attention
-and router run and its rows leave; A's rows land, its experts run and their outputs leave; B's land, its
-experts run and theirs leave; B's shared experts run while they travel; both come back and are summed in.
-Each exchange flies behind the other half's compute (A's dispatch behind A's shared experts and B's
-attention, B's behind A's experts, A's combine behind B's experts, B's behind B's shared experts). Backward
-runs the autograd nodes in reverse creation order (`prl.trainer.overlap`), which mirrors the schedule: each
-reverse exchange flies behind the same compute's gradient.
+Within a layer the parts take turns (`ep_dispatch.interleave`, one generator each). With halves A and B:
+A's attention and router run and its rows leave for the experts; its shared experts run while they travel;
+B's attention and router run and its rows leave; A's rows land, its experts run and their outputs leave;
+B's land, its experts run and theirs leave; B's shared experts run while they travel; both come back and
+are summed in. Each exchange flies behind other compute (A's dispatch behind A's shared experts and B's
+attention, B's behind A's experts, A's combine behind B's experts, B's behind B's shared experts); with more
+parts every part but the last runs its shared experts early. Backward runs the autograd nodes in reverse
+creation order (`prl.trainer.overlap`), which mirrors the schedule: each reverse exchange flies behind the
+same compute's gradient.
 
-The halves: without context parallelism the layer's `[rows, width]` batch (`prl.transport.batch.rows_by_sample`)
-split into its first and last rows (a batch of one row runs whole: the model's layer, with the chunked
-pipeline of `prl.trainer.expert_parallel` where overlap is on); under context parallelism the rank's
-local tokens split in two (under the zigzag layout, its two chunks), their keys computed and gathered once
-for the layer and each half's queries attending over them (`ContextParallelAttention.keys_issue`,
-`attend_part`). Each half's counts travel on a process group of their own (`Comm.meta`), so they never queue
-behind the other half's rows in flight; with R3 each half's router replays that half's ids
-(`prl.model.routing.tokens`). Everything else per token (norms, router, experts, FP8 dispatch, node dedup)
-is the serial layer's, so a step equals the serial step (to fp32 rounding: tests/test_two_batch.py, with R3,
-activation checkpointing and cp 2 x ep 2). The lean forward runs it (`prl.trainer.lean`); GLM-5 and Qwen3-MoE.
+The parts: without context parallelism the layer's `[rows, width]` batch (`prl.transport.batch.rows_by_sample`)
+split into consecutive rows; under context parallelism the rank's local tokens split in consecutive runs
+(halves under the zigzag layout: its two chunks), their keys computed and gathered once for the layer and
+each part's queries attending over them (`ContextParallelAttention.keys_issue`, `attend_part`). A batch
+with fewer rows than parts runs its attention whole and its experts in parts (`experts_in_halves`): every
+rank of the ep group issues the same exchanges, whatever its own rows. Each part's counts travel on a process
+group of their own (`Comm.meta`), so they never queue behind another part's rows in flight; with R3 each
+part's router replays that part's ids (`prl.model.routing.tokens`). Everything else per token (norms,
+router, experts, FP8 dispatch, node dedup) is the serial layer's, so a step equals the serial step (to fp32
+rounding: tests/test_two_batch.py, with R3, activation checkpointing and cp 2 x ep 2). The lean forward runs
+it (`prl.trainer.lean`); GLM-5 and Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ SPLIT: Counter = Counter()  # layer forwards in two halves ("split") or with the
 
 @dataclass(frozen=True)
 class Half:
-    """One half of a layer's tokens: rows a..b-1 of a `[rows, width, H]` batch (`dim` 0), or tokens a..b-1
-    of the one packed row a context-parallel rank holds (`dim` 1)."""
+    """One part of a layer's tokens (a half, with two): rows a..b-1 of a `[rows, width, H]` batch (`dim` 0), or
+    tokens a..b-1 of the one packed row a context-parallel rank holds (`dim` 1)."""
 
     dim: int
     a: int

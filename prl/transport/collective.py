@@ -388,17 +388,19 @@ def routes(names, shares: list[list[int] | None]) -> dict[str, list[int]]:
     return out
 
 
-def over_the_trainer(device: str = "cpu"):
-    """(share, agree) for `CollectiveSink` over the trainer's own process group: rank 0's object on
-    every rank; whether a flag holds on every rank."""
+def over_the_trainer(device: str = "cpu", group=None):
+    """(share, agree) for `CollectiveSink` over the trainer's process group (`group`, gloo: a background
+    publish's; None: the default): rank 0's object on every rank; whether a flag holds on every rank."""
+    device = "cpu" if group is not None else device
+
     def share(obj):
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
     def agree(ok: bool) -> bool:
         flag = torch.tensor([int(ok)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
     return share, agree
