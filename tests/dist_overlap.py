@@ -55,8 +55,8 @@ class Case:
         self.par = Parallel(build_model(model_dir, seed=0), self.dims, self.tcfg)
         self.trainer = SimpleNamespace(par=self.par, model=self.par.model, tcfg=self.tcfg)
         self.opt, self.sched = Trainer.make_optimizer(self.trainer, self.tcfg.lr, 1)
-        self.seen = {"step_s": [], "fb_s": [], "comm_s": [], "exposed_comm_s": [], "forward_s": [], "forward_comm_s": [],
-                     "forward_exposed_s": []}
+        self.seen = {"step_s": [], "fb_s": [], "comm_s": [], "exposed_comm_s": [], "forward_s": [],
+                     "forward_comm_s": [], "forward_exposed_s": []}
         self.first: dict | None = None
 
     def step(self, data: list[Sample]) -> None:

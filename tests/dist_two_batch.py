@@ -38,7 +38,9 @@ def one_step(model_dir: str, case: dict) -> dict:
     dist.all_gather_object(split, dict(two_batch.SPLIT))
     grads, grad_norm = optimizer_step(par, tcfg)
     params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
-    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "split": split,
+    metas = {m._prl_comm.group_for("meta") is not m._prl_comm.group
+             for m in par.model.modules() if hasattr(m, "_prl_comm")}
+    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "split": split, "meta": metas,
             "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
 
 

@@ -60,6 +60,8 @@ def test_two_batch_equals_serial_at_ep2_with_r3_and_checkpointing(model_dir, tmp
         assert_same_step(run["serial r3"], run[name], f"{name} against serial")
         split_everywhere(run, name)
     assert run["serial r3"]["stats"]["routing_ids"] > 0 and run["serial"]["split"][0] == {}
+    # counts and ids on a group of their own under two-batch overlap (not behind another part's rows)
+    assert run["two_batch"]["meta"] == {True} and run["serial"]["meta"] == {False}
     # checkpointing recomputes each layer in backward: its halves run twice
     assert run["two_batch r3 checkpointed"]["split"][0]["split"] == 2 * run["two_batch r3"]["split"][0]["split"]
 

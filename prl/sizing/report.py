@@ -6,6 +6,7 @@ from prl.recipe.schema import Recipe
 from prl.sizing.compare import Split
 from prl.sizing.estimate import GB, Plan, minutes
 from prl.sizing.mechanisms import BUILT, MECHANISMS, mark
+from prl.sizing import trainer as tr
 from prl.sizing.rollout import Rollout
 
 
@@ -167,8 +168,9 @@ def format_plan(recipe: Recipe, plan: Plan) -> str:
     lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}{assumes(k)}" for k, v in plan.time.items()]
     lines += [f"  {x}" for x in plan.details]
     lines += lora_lines(recipe, plan) + flight_lines(plan) + served_model_lines(recipe) + mechanism_lines(plan)
+    used = {"overlap_efficiency": tr.overlap_efficiency(recipe)}  # unset: the bench's figure for the recipe's mode
     lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "
-                 + ", ".join(f"{k} = {v}" for k, v in recipe.plan.model_dump().items()))
+                 + ", ".join(f"{k} = {used.get(k, v) if v is None else v}" for k, v in recipe.plan.model_dump().items()))
     lines += [f"NOTE: {x}" for x in plan.notes]
     lines += [f"DOES NOT FIT: {p}" for p in plan.problems] or ["fits: every GPU within its usable memory"]
     return "\n".join(lines)

@@ -58,10 +58,11 @@ class Sequence:
     order: torch.Tensor | None = None  # [T] gathered index of each row token (None: gathered in row order)
     keys: int = 0  # keys any local query may see: up to the last local token
     blocks: list[tuple[int, int, int]] | None = None  # (start, end, keys it may see) per block of local queries
+    rows: list[int] | None = None  # `positions` as a list (no device read per block)
 
-    def allowed(self) -> torch.Tensor:
-        """[S, keys] bool: local query i (row index positions[i]) may see key j."""
-        seg, q = self.segments, self.positions
+    def allowed(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """[S, keys] bool: local query i (row index positions[i]) may see key j; of queries first..end-1 alone."""
+        seg, q = self.segments, self.positions[first:end]
         k = torch.arange(self.keys, device=seg.device)
         return (seg[q][:, None] == seg[None, : self.keys]) & (k[None, :] <= q[:, None])
 
@@ -89,13 +90,13 @@ def sequence(seq: Sequence, segments: torch.Tensor, positions: torch.Tensor, blo
     n = segments.shape[0]
     gathered = torch.cat([shard_positions(n, r, seq.size, seq.layout) for r in range(seq.size)])
     seq.order = None if torch.equal(gathered, torch.arange(n)) else torch.argsort(gathered).to(segments.device)
-    seq.segments, seq.positions = segments, positions
-    seq.keys = int(positions.max()) + 1
-    seq.blocks = query_blocks(positions.tolist(), block, cp_multiple(seq.size, seq.layout) // seq.size)
+    seq.segments, seq.positions, seq.rows = segments, positions, positions.tolist()
+    seq.keys = max(seq.rows) + 1
+    seq.blocks = query_blocks(seq.rows, block, cp_multiple(seq.size, seq.layout) // seq.size)
     try:
         yield
     finally:
-        seq.segments = seq.positions = seq.order = seq.blocks = None
+        seq.segments = seq.positions = seq.order = seq.blocks = seq.rows = None
 
 
 def query_blocks(positions: list[int], block: int, chunks: int = 1) -> list[tuple[int, int, int]]:
@@ -224,7 +225,7 @@ class ContextParallelAttention:
         if isinstance(keys[0], tuple):
             keys[0] = gather_land(keys[0], seq)  # [1, keys, kv_lora + rope (+ indexer key)]
         every = keys[0]
-        allowed = seq.allowed()[first: first + S]
+        allowed = seq.allowed(first, first + S)
         blocks = seq.blocks if (first, S) == (0, seq.positions.shape[0]) else part_blocks(seq, first, first + S)
         if self.indexer is not None:
             topk = select(self.indexer, iq, every[..., self.kv_lora_rank + self.qk_rope_head_dim:], iw, allowed, blocks)
@@ -244,7 +245,7 @@ def part_blocks(seq: Sequence, first: int, end: int) -> list[tuple[int, int, int
     for a, b, _keys in seq.blocks:
         a, b = max(a, first), min(b, end)
         if a < b:
-            out.append((a - first, b - first, int(seq.positions[b - 1]) + 1))
+            out.append((a - first, b - first, seq.rows[b - 1] + 1))
     return out
 
 

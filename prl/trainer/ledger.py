@@ -1,10 +1,11 @@
 """The ledger of trained steps: `trained.jsonl` in the run directory of trainer rank 0.
 
 One line per RL step the model's lineage has trained, `{"step", "prompts"}` (the data indices of
-the step's groups), appended after the step's weights are published. A trainer restarted after a
+the step's groups), appended once the step's weights version is handed to publishing (sealed then, or
+in the background while the next step trains: `trainer.publish_overlap`). A trainer restarted after a
 fault resumes from its newest checkpoint and *replays* the steps after it from the batches kept in
 its inbox (same batches, same order): a step already in the ledger is replayed, not trained anew,
-so it is neither logged again nor republished. Every prompt index therefore appears in the ledger
+so it is not logged again, and its version is published again only where it was never sealed. Every prompt index therefore appears in the ledger
 at most once, which the fault-injection tests check.
 """
 

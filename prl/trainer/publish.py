@@ -179,7 +179,9 @@ class Background:
     training step's. The thread is a daemon: a trainer that fails does not wait on it to exit, and a version it
     left unsealed never serves (the last sealed one does)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
+        """`device`: the trainer's CUDA device, made the thread's current one (a thread starts on device 0)."""
+        self.device = device
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -191,6 +193,8 @@ class Background:
 
         def run() -> None:
             try:
+                if self.device is not None and self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
                 job()
             except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by the next wait
                 self.error = e

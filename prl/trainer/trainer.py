@@ -2,7 +2,8 @@
 
 Rules:
 - every RL step trains exactly the batch the orchestrator shipped for it, and publishes weights
-  version step+1 (sealed, atomic) right after the optimizer step;
+  version step+1 (sealed, atomic) after the optimizer step: with `trainer.publish_overlap` from a frozen
+  copy while the next step trains, one version at a time, in order;
 - the loss is normalised by the loss tokens of the whole step across all ranks;
 - a checkpoint (model, optimizer, step, data position) is whole or absent;
 - batches stay in the inbox until a checkpoint covers them, so a trainer restarted after a fault
@@ -118,7 +119,7 @@ class Trainer:
         self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
         # trainer.publish_overlap: versions published on a thread, their shards on a group of their own (gloo:
         # the frozen copies sit in host memory)
-        self.background = Background() if self.tcfg.publish_overlap else None
+        self.background = Background(self.device) if self.tcfg.publish_overlap else None
         self.publish_group = dist.new_group(backend="gloo") if self.background and self.world > 1 else None
         self.sink = self.make_sink()
         if self.rank == 0:
@@ -412,8 +413,12 @@ class Trainer:
         if self.background is None:
             self.send(version, form, hf_format, whole)
             return 0.0
+        t = time.perf_counter()
+        self.background.wait()  # before the copy: one frozen copy in host memory at a time
+        waited = time.perf_counter() - t
         parts = parts_of(self.model, form, frozen=True)
-        return self.background.submit(lambda: self.send(version, form, hf_format, whole, parts))
+        self.background.submit(lambda: self.send(version, form, hf_format, whole, parts))
+        return waited
 
     def send(self, version: int, form, hf_format: bool, whole: bool, parts=None) -> None:
         """Publish `version` (from `parts`, frozen, over the publish group; else the weights as they are) and say so."""
