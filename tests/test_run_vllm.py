@@ -86,6 +86,10 @@ def test_killed_vllm_server_is_restarted_and_rejoins_then_ctrl_c_stops_it(tmp_pa
     proc = start_background(tmp_path, "--set", 'trainer.weight_transfer="collective"')
     run_dir = tmp_path / "reverse-tiny-vllm"
     wait_for_rl_step(run_dir, proc)
+    # a version trained by RL served (the trainer publishes it in the background, after its step's event)
+    while not [e for e in events(run_dir, "weights") if e["version"] >= 1]:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.5)
     tree = server_tree(run_dir)
     os.kill(tree[0].pid, signal.SIGKILL)
     while not any(e["name"] == "inference-0" and e["state"] == "up" for e in events(run_dir, "server_state")):

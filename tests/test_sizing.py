@@ -372,7 +372,10 @@ def test_the_flagship_plan_counts_built_mechanisms_and_needs_a_074_overlap_for_5
     assert not plan.problems, plan.problems
     assert plan.time[STEP] == max(plan.time["trainer step"], plan.time["rollout step"]) > 5 * 60
     assert make_plan(flagship("plan.overlap_efficiency=0.74")).time[STEP] <= 5 * 60
-    serial = make_plan(flagship("trainer.parallel.overlap=false"))
+    inline = make_plan(flagship("trainer.publish_overlap=false"))  # the weight send in the step, not beside it
+    send = plan.time["trainer weight send to the servers"]
+    assert send > 0 and inline.time["trainer step"] == pytest.approx(plan.time["trainer step"] + send)
+    serial = make_plan(flagship("trainer.parallel.overlap=false", "trainer.publish_overlap=false"))
     terms = [v for k, v in serial.time.items() if k.startswith("trainer ") and k != "trainer step"]
     assert serial.time["trainer step"] == pytest.approx(sum(terms)) and "overlap" not in serial.uses["trainer step"]
     assert not {n for uses in plan.uses.values() for n in uses if MECHANISMS[n][0] == PLANNED}, "nothing planned"
