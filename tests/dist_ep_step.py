@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from dist_step import full, optimizer_step, samples
+from dist_step import full, run_cases, samples, stepped
 
 from prl.model.build import build_model
 from prl.model.families import routed_experts
@@ -40,23 +40,11 @@ def one_step(model_dir: str, parallel: dict) -> dict:
     traffic = dict(ep_dispatch.TRAFFIC)
     shared = [m for m in par.model.modules() if isinstance(m, AheadShared)]
     ahead = {"modules": len(shared), "left": sum(m._prl_ahead is not None for m in shared)}
-    grads, grad_norm = optimizer_step(par, tcfg)
-    params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
+    result = stepped(par, tcfg, stats, before)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, traffic)
-    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "traffic": every, "ahead": ahead,
-            "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
-
-
-def main(model_dir: str, out: str, cases: dict) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    results = {name: one_step(model_dir, parallel) for name, parallel in cases.items()}
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {**result, "traffic": every, "ahead": ahead}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    run_cases(one_step, sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -127,6 +127,26 @@ def optimizer_step(par: Parallel, tcfg: TrainerCfg) -> tuple[dict, float]:
     return trainer.par.grads, norm
 
 
+def stepped(par: Parallel, tcfg: TrainerCfg, stats: dict, before: dict) -> dict:
+    """What `assert_same_step` compares, once the trainer's optimizer step ran: the step's stats, its finished
+    gradients, the global norm, the weights after it and which moved (from `before`)."""
+    grads, grad_norm = optimizer_step(par, tcfg)
+    params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
+    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params,
+            "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
+
+
+def run_cases(one_step, model_dir: str, out: str, cases: dict) -> None:
+    """`one_step(model_dir, case)` for every case in one gloo process group; rank 0 saves the results."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {name: one_step(model_dir, case) for name, case in cases.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def with_adapters(model) -> None:
     from prl.model.lora import adapter_params, apply_lora
 

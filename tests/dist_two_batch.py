@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from dist_step import full, optimizer_step, samples
+from dist_step import full, run_cases, samples, stepped
 
 from prl.model.build import build_model
 from prl.model.families import routed_experts
@@ -36,23 +36,10 @@ def one_step(model_dir: str, case: dict) -> dict:
     stats = forward_backward(par.model, replay, mbs, "rl", tcfg, 1.0, torch.device("cpu"), par.seq)
     split: list = [None] * dist.get_world_size()
     dist.all_gather_object(split, dict(two_batch.SPLIT))
-    grads, grad_norm = optimizer_step(par, tcfg)
-    params = {n: full(p).detach().clone() for n, p in par.model.named_parameters()}
     metas = {m._prl_comm.group_for("meta") is not m._prl_comm.group
              for m in par.model.modules() if hasattr(m, "_prl_comm")}
-    return {"stats": stats, "grads": grads, "grad_norm": grad_norm, "params": params, "split": split, "meta": metas,
-            "moved": sorted(n for n in params if not torch.equal(params[n], before[n]))}
-
-
-def main(model_dir: str, out: str, cases: dict) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    results = {name: one_step(model_dir, case) for name, case in cases.items()}
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {**stepped(par, tcfg, stats, before), "split": split, "meta": metas}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    run_cases(one_step, sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
