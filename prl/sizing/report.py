@@ -168,9 +168,11 @@ def format_plan(recipe: Recipe, plan: Plan) -> str:
     lines += [f"  {minutes(v):>11}  {k}  {mark(*plan.uses.get(k, ()))}{assumes(k)}" for k, v in plan.time.items()]
     lines += [f"  {x}" for x in plan.details]
     lines += lora_lines(recipe, plan) + flight_lines(plan) + served_model_lines(recipe) + mechanism_lines(plan)
-    used = {"overlap_efficiency": tr.overlap_efficiency(recipe)}  # unset: the bench's figure for the recipe's mode
+    assumed = recipe.plan.model_dump()
+    if assumed["overlap_efficiency"] is None:  # unset: the bench's figure for the recipe's overlap mode
+        assumed["overlap_efficiency"] = tr.overlap_efficiency(recipe)
     lines.append("assumptions ([plan], settable with --set plan.KEY=VALUE): "
-                 + ", ".join(f"{k} = {used.get(k, v) if v is None else v}" for k, v in recipe.plan.model_dump().items()))
+                 + ", ".join(f"{k} = {v}" for k, v in assumed.items()))
     lines += [f"NOTE: {x}" for x in plan.notes]
     lines += [f"DOES NOT FIT: {p}" for p in plan.problems] or ["fits: every GPU within its usable memory"]
     return "\n".join(lines)

@@ -116,12 +116,7 @@ def twin_group(group) -> object:
     rank creates every such group, in the same order, as `new_group` requires; this rank's is returned."""
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, dist.get_process_group_ranks(group))
-    mine = None
-    for ranks in sorted(set(map(tuple, every))):
-        made = dist.new_group(list(ranks))
-        if dist.get_rank() in ranks:
-            mine = made
-    return mine
+    return dist.new_subgroups_by_enumeration([list(r) for r in sorted(set(map(tuple, every)))])[0]
 
 
 def split_experts(m, ep: DeviceMesh, comm: Comm, names=("gate_up_proj", "down_proj"),

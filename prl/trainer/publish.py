@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,8 +172,8 @@ def publish(model, sink: WeightSink, version: int, fp8_names: list[str] | None =
 
 class Background:
     """Versions published on a thread of their own, one at a time, in order, while the trainer goes on
-    (`trainer.publish_overlap`): `submit(job)` first waits for the version before it (a failure there is raised
-    here, in the trainer's thread), then starts `job`; `wait()` waits for the last. The job publishes frozen
+    (`trainer.publish_overlap`): `wait()` waits for the version in flight (a failure there is raised here, in the
+    trainer's thread); `submit(job)` waits too, then starts `job`. The job publishes frozen
     parts (`parts_of(..., frozen=True)`) over a process group of its own, so its collectives never meet the
     training step's. The thread is a daemon: a trainer that fails does not wait on it to exit, and a version it
     left unsealed never serves (the last sealed one does)."""
@@ -185,11 +184,9 @@ class Background:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def submit(self, job) -> float:
-        """Start `job` once the previous one finished; returns the seconds spent waiting for that."""
-        t = time.perf_counter()
+    def submit(self, job) -> None:
+        """Start `job` once the previous one finished."""
         self.wait()
-        waited = time.perf_counter() - t
 
         def run() -> None:
             try:
@@ -201,7 +198,6 @@ class Background:
 
         self.thread = threading.Thread(target=run, name="prl-publish", daemon=True)
         self.thread.start()
-        return waited
 
     def wait(self) -> None:
         if self.thread is not None:

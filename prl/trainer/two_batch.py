@@ -67,17 +67,19 @@ def halves(h: torch.Tensor, cp: bool, n: int = 2) -> list[Half] | None:
     """The `n` parts (two: halves) of `h` ([rows, width, H]; one row under context parallelism) the attention runs
     on; None where it has fewer rows (tokens) than parts: the attention then runs whole and only the experts in
     parts."""
-    if cp:
-        size = h.shape[1]
-        return None if size < n else [Half(1, size * i // n, size * (i + 1) // n, 1) for i in range(n)]
-    rows = h.shape[0]
-    return None if rows < n else [Half(0, rows * i // n, rows * (i + 1) // n, h.shape[1]) for i in range(n)]
+    size = h.shape[1] if cp else h.shape[0]
+    return None if size < n else even_parts(size, n, 1 if cp else 0, 1 if cp else h.shape[1])
 
 
 def token_halves(size: int, n: int = 2) -> list[Half]:
     """The `n` parts of `size` tokens in a row ([size, H]); some empty for fewer tokens (their exchanges still run:
     every rank of the ep group issues the same ones, whatever its tokens)."""
-    return [Half(0, size * i // n, size * (i + 1) // n, 1) for i in range(n)]
+    return even_parts(size, n, 0, 1)
+
+
+def even_parts(size: int, n: int, dim: int, width: int) -> list[Half]:
+    """`size` rows (tokens) along `dim` in `n` consecutive parts, as even as they divide."""
+    return [Half(dim, size * i // n, size * (i + 1) // n, width) for i in range(n)]
 
 
 def splittable(layer) -> bool:
