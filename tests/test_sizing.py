@@ -372,6 +372,11 @@ def test_the_flagship_plan_counts_built_mechanisms_and_needs_a_074_overlap_for_5
     assert not plan.problems, plan.problems
     assert plan.time[STEP] == max(plan.time["trainer step"], plan.time["rollout step"]) > 5 * 60
     assert make_plan(flagship("plan.overlap_efficiency=0.74")).time[STEP] <= 5 * 60
+    # unset, the efficiency is the bench's for the recipe's mode: two-batch in 4 parts, in halves, the chunk pipeline
+    from prl.recipe.schema import OVERLAP_EFFICIENCY
+    assert [trainer.overlap_efficiency(flagship(*s)) for s in ((), ("trainer.parallel.overlap_parts=3",),
+                                                                ("trainer.parallel.overlap=true",))] == \
+        [OVERLAP_EFFICIENCY["two_batch_4"], OVERLAP_EFFICIENCY["two_batch"], OVERLAP_EFFICIENCY["chunks"]]
     inline = make_plan(flagship("trainer.publish_overlap=false"))  # the weight send in the step, not beside it
     send = plan.time["trainer weight send to the servers"]
     assert send > 0 and inline.time["trainer step"] == pytest.approx(plan.time["trainer step"] + send)
