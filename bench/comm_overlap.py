@@ -20,7 +20,7 @@ the trainer's compute) is 0.82.
 Per layout one torchrun per host runs `tests/dist_overlap.py`: the same model and batch stepped serial and in
 each overlap mode (`--modes`: "chunks", the chunk pipeline inside each MoE layer, `trainer.parallel.overlap =
 true`; "two_batch", each micro-batch as two halves, `prl.trainer.two_batch`; "two_batch_4", in four parts,
-`overlap_parts = 4`), alternating, `--steps` each (the first of each left out: warm-up). Figures per layout,
+`overlap_parts = 4`; "two_batch_8", in eight), alternating, `--steps` each (the first of each left out: warm-up). Figures per layout,
 medians over the steps; compute and exchanges are the serial step's forward and backward (`fb_s`; the optimizer
 step and the barriers are left out):
 
@@ -68,7 +68,8 @@ LAYOUTS = {"ep2": (2, {"ep": 2}), "cp2_ep2": (4, {"cp": 2, "ep": 2})}
 
 MODES = {"serial": {"overlap": False}, "chunks": {"overlap": "chunks"},
          "two_batch": {"overlap": "two_batch", "overlap_parts": 2},
-         "two_batch_4": {"overlap": "two_batch", "overlap_parts": 4}}
+         "two_batch_4": {"overlap": "two_batch", "overlap_parts": 4},
+         "two_batch_8": {"overlap": "two_batch", "overlap_parts": 8}}
 
 
 def run_layout(model_dir: Path, out: Path, hosts: int, parallel: dict, mbit: float, modes: list[str], steps: int,
