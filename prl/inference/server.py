@@ -511,6 +511,7 @@ def serve(cfg, log) -> None:
     import torch
 
     from prl.model.build import build_model, load_tokenizer
+    from prl.system import freeze_heap
     from prl.transport.weights import weight_source
 
     inf = cfg.inference
@@ -536,6 +537,7 @@ def serve(cfg, log) -> None:
     loop.start()
     app = create_app(loop, load_tokenizer(cfg.model_dir), cfg.secret(), cfg.run.name, weight_source(cfg),
                      weights_root=cfg.run_path / "weights")
+    freeze_heap()
     run_app(cfg, app, f"embedded engine, {inf.dtype}")
     loop.stop()
     if loop.core.pool is not None:

@@ -41,6 +41,7 @@ from prl.orchestrator.servers import Home, ServerPool
 from prl.backends import registry
 from prl.backends.base import InferenceBackend
 from prl.recipe.roles import OrchestratorConfig
+from prl.system import freeze_heap
 from prl.transport import ports
 from prl.transport.batch import Sample, TrainBatch, pack
 from prl.transport.trainer_client import TrainerClient
@@ -606,6 +607,7 @@ def main(config_path: str) -> None:
     try:
         with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", cfg.name), cfg.name):
             orch = Orchestrator(cfg)
+            freeze_heap()
             asyncio.run(orch.run())
     except UserCodeError as e:  # the user's to fix: said in one line, and the driver does not restart
         print(f"prl: {e}", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from prl.usercode import blame
 from prl.model.fp8 import backend as fp8_backend
 from prl.model.fp8_checkpoint import tensor_names
 from prl.recipe.roles import TrainerConfig
+from prl.system import freeze_heap
 from prl.envs import env_workload
 from prl.envs.sft_data import warm_start_source
 from prl.tasks import WARM_START_SEED_OFFSET
@@ -222,6 +223,7 @@ class Trainer:
             self.endpoint.set_base(start, self.data_position, self.data_ahead)
         if not self.is_published(start):
             self.publish(start)
+        freeze_heap()  # what setup and SFT made stays: no full collection pass over it mid-step
         for step in range(start, self.rl.max_steps):
             self.rl_step(step)
             if self.checkpoints_at(step + 1):
