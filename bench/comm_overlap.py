@@ -20,9 +20,9 @@ the trainer's compute) is 0.82.
 Per layout one torchrun per host runs `tests/dist_overlap.py`: the same model and batch stepped serial and in
 each overlap mode (`--modes`: "chunks", the chunk pipeline inside each MoE layer, `trainer.parallel.overlap =
 true`; "two_batch", each micro-batch as two halves, `prl.trainer.two_batch`; "two_batch_4", in four parts,
-`overlap_parts = 4`; "two_batch_8", in eight), alternating, `--steps` each (the first of each left out: warm-up). Figures per layout,
-medians over the steps; compute and exchanges are the serial step's forward and backward (`fb_s`; the optimizer
-step and the barriers are left out):
+`overlap_parts = 4`; "two_batch_8", in eight), alternating, `--steps` each (the first of each left out:
+warm-up). Figures per layout, medians over the steps; compute and exchanges are the serial step's forward
+and backward (`fb_s`; the optimizer step and the barriers are left out):
 
 - `exchange_s`: the serial step's time in exchanges (the experts' all-to-all and CP's gathers; all of it
   exposed when serial), `compute_s` the rest of its forward and backward, `exchange_over_compute` and

@@ -74,7 +74,8 @@ def main() -> None:
     after = full_pass_ms(args.repeats)
     gc.unfreeze()
     print(f"full pass over {objects} objects: {before:.1f} ms; after the freeze: {after:.4f} ms")
-    print(json.dumps({"objects": objects, "full_pass_ms_before": round(before, 2), "full_pass_ms_after": round(after, 4),
+    print(json.dumps({"objects": objects, "full_pass_ms_before": round(before, 2),
+                      "full_pass_ms_after": round(after, 4),
                       "before_over_after": round(before / max(after, 1e-3))}))  # after floored at 1 us
 
 

@@ -187,6 +187,17 @@ def test_rows_added_together_equal_rows_added_one_by_one(model):
     for a, b in zip(one.cache.layers, together.cache.layers):
         for attr, _ in layer_tensors(a):
             assert torch.equal(getattr(a, attr), getattr(b, attr))
+    # and each row is its own cache right-aligned behind zeros, its mask the last n columns (DSA's indexer
+    # keys included: their sequence dim is 1, not -2)
+    width = max(n for _, n in caches)
+    for r, (c, n) in enumerate(caches):
+        assert together.mask[r].tolist() == [False] * (width - n) + [True] * n
+        for i, layer in enumerate(together.cache.layers):
+            for attr, dim in layer_tensors(layer):
+                row, src = getattr(layer, attr)[r: r + 1], getattr(c.layers[i], attr)
+                d = dim % row.dim()
+                assert torch.equal(row.narrow(d, width - n, n), src)
+                assert not row.narrow(d, 0, width - n).any()
 
 
 class MemoryStore:
