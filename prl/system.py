@@ -33,9 +33,9 @@ def die_with_parent() -> None:
 
 def freeze_heap() -> None:
     """Take every object alive now (modules, the model, the data) out of the garbage collector's passes
-    (`gc.freeze`). A process that imports torch and transformers holds a quarter of a million objects or
-    more, and a full pass over them holds the GIL for 50 ms on an idle core, three times that on a busy
-    one: each time one came, the embedded engine's decode loop stood still that long behind its own HTTP
-    thread. Called once a process has started; what it allocates later is collected as before."""
+    (`gc.freeze`). The embedded server holds about 400k objects once it has served a few batches, and a full
+    pass over them holds the GIL for about 150 ms (`bench/gc_pause.py`): each time one came, the engine's
+    decode loop stood still that long behind another thread of its process. Called once a process has
+    started; what it allocates later is collected as before."""
     gc.collect()
     gc.freeze()

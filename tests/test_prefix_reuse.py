@@ -188,7 +188,7 @@ def test_rows_added_together_equal_rows_added_one_by_one(model):
         for attr, _ in layer_tensors(a):
             assert torch.equal(getattr(a, attr), getattr(b, attr))
     # and each row is its own cache right-aligned behind zeros, its mask the last n columns (DSA's indexer
-    # keys included: their sequence dim is 1, not -2)
+    # keys included)
     width = max(n for _, n in caches)
     for r, (c, n) in enumerate(caches):
         assert together.mask[r].tolist() == [False] * (width - n) + [True] * n

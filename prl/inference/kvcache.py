@@ -38,19 +38,6 @@ def _pad_left(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def _right_aligned(parts: list[torch.Tensor], dim: int, width: int) -> torch.Tensor:
-    """`parts` stacked along dim 0, each left-padded with zeros to `width` along `dim`."""
-    d = dim % parts[0].dim()
-    shape = list(parts[0].shape)
-    shape[0], shape[d] = sum(t.shape[0] for t in parts), width
-    out = parts[0].new_zeros(shape)
-    row = 0
-    for t in parts:
-        out[row: row + t.shape[0]].narrow(d, width - t.shape[d], t.shape[d]).copy_(t)
-        row += t.shape[0]
-    return out
-
-
 class BatchCache:
     """One HF cache whose batch rows are the running requests, plus a [B, T] validity mask."""
 
@@ -67,21 +54,29 @@ class BatchCache:
         return 0 if self.mask is None else self.mask.shape[1]
 
     def add_rows(self, rows: list[tuple[object, int]]) -> None:
-        """Append rows in order, each a batch-1 cache of its request's `length` tokens: every tensor is
-        written once into a new batch of the widest width, each part right-aligned (one copy of the batch,
-        not one per row)."""
+        """Append rows in order, each a batch-1 cache of its request's `length` tokens: every tensor
+        is widened and concatenated once for all of them (one copy of the batch, not one per row)."""
         if not rows:
             return
         width = max([self.width, *(n for _, n in rows)])
-        parts = ([] if self.cache is None else [self.cache]) + [c for c, _ in rows]
-        target = parts[0]
+        parts = [] if self.cache is None else [(self.cache, self.width)]
+        parts += rows
+        for cache, n in parts:
+            self._widen(cache, n, width)
+        target = parts[0][0]
         for i, layer in enumerate(target.layers):
-            for attr, dim in layer_tensors(layer):
-                setattr(layer, attr, _right_aligned([getattr(c.layers[i], attr) for c in parts], dim, width))
-        lengths = torch.tensor([n for _, n in rows])
-        mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+            for attr, _ in layer_tensors(layer):
+                setattr(layer, attr, torch.cat([getattr(c.layers[i], attr) for c, _ in parts], dim=0))
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (_, n) in enumerate(rows):
+            mask[r, width - n:] = True
         old = [] if self.mask is None else [_pad_left(self.mask, 1, width - self.width)]
         self.cache, self.mask = target, torch.cat([*old, mask], dim=0)
+
+    def _widen(self, cache, old: int, new: int) -> None:
+        for layer in cache.layers:
+            for attr, dim in layer_tensors(layer):
+                setattr(layer, attr, _pad_left(getattr(layer, attr), dim, new - old))
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), then drop columns that are padding in every row."""
