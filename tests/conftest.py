@@ -49,6 +49,16 @@ def prl_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "prl", *map(str, args)]
 
 
+def run_each(commands: list[list[str]], timeout: float = 120, at_once: int = 2) -> list:
+    """Each command run as `subprocess.run(..., capture_output=True, text=True)` would, `at_once` at a time (a
+    `prl` process spends seconds importing torch and transformers before it checks anything); in order."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, timeout=timeout), commands))
+
+
 @pytest.fixture(scope="session")
 def rig(tmp_path_factory):
     """Two real sshd hosts (own network namespace each, else own loopback address), a client key,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, prl_cmd, start_server
+from conftest import ROOT, prl_cmd, run_each, start_server
 from prl.envs import Trajectory
 from prl.orchestrator.frozen import FrozenServers
 from prl.orchestrator.judge import ChatServer, Judge
@@ -162,9 +162,9 @@ def test_a_judge_prl_cannot_ask_is_refused_before_anything_starts(tmp_path):
              f'reward.judge.path="{tmp_path}"': "config.json",
              f'reward.judge.path="{classifier}"': "is not a causal language model",
              f'reward.judge.path="{folder}"': None}
-    for override, words in cases.items():
-        p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", override, "--set",
-                                   f"run.output_dir={tmp_path}"), capture_output=True, text=True, timeout=120)
+    done = run_each([prl_cmd("run", RECIPE, "--dry-run", "--set", override, "--set", f"run.output_dir={tmp_path}")
+                     for override in cases])
+    for (override, words), p in zip(cases.items(), done):
         out = p.stdout + p.stderr
         if words is None:
             assert p.returncode == 0 and "judge-0" in out, out[-2000:]

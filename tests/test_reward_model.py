@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import ROOT, prl_cmd, start_server
+from conftest import ROOT, prl_cmd, run_each, start_server
 from prl.envs import Trajectory
 from prl.orchestrator.rewards import ModelRewards, RewardUnavailable, combine
 from prl.recipe.load import load_recipe
@@ -181,8 +181,7 @@ def test_a_reward_model_prl_cannot_serve_is_refused_before_anything_starts(tmp_p
              "reward.task_weight=0.5": "reward.task_weight without [reward.model] or [reward.judge]",
              f'reward={{task_weight = 0, model = {{path = "{reward_folder}", weight = 0}}}}':
                  "every model's weight are 0"}
-    for override, words in cases.items():
-        p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", "--set", override), capture_output=True, text=True,
-                           timeout=120)
+    done = run_each([prl_cmd("run", RECIPE, "--dry-run", "--set", override) for override in cases])
+    for (override, words), p in zip(cases.items(), done):
         out = p.stdout + p.stderr
         assert p.returncode == 2 and words in out and "Traceback" not in out, (override, out[-2000:])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, prl_cmd, start_server
+from conftest import ROOT, prl_cmd, run_each, start_server
 from prl.envs import Trajectory
 from prl.orchestrator.teacher import Teacher, distill_advantages
 from prl.recipe.load import load_recipe
@@ -127,10 +127,9 @@ def test_a_teacher_that_cannot_serve_the_student_is_refused_before_anything_star
                  "a teacher served with inference.fp8 is not built",
              (f'teacher={{path = "{folder}", mode = "loss"}}', "trainer.loss.kl_coef=0.1"): "the loss holds one KL",
              (f'teacher.path="{folder}"', "rl.filter_groups='uniform'"): "still carry the teacher's signal"}
-    for override, words in cases.items():
-        sets = override if isinstance(override, tuple) else (override,)
-        p = subprocess.run(prl_cmd("run", RECIPE, "--dry-run", *(x for s in sets for x in ("--set", s))),
-                           capture_output=True, text=True, timeout=120)
+    sets = [override if isinstance(override, tuple) else (override,) for override in cases]
+    done = run_each([prl_cmd("run", RECIPE, "--dry-run", *(x for s in one for x in ("--set", s))) for one in sets])
+    for (override, words), p in zip(cases.items(), done):
         out = p.stdout + p.stderr
         assert p.returncode == 2 and words in out and "Traceback" not in out, (override, out[-2000:])
     assert TeacherCfg(path="x").kl_coef == 1.0

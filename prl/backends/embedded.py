@@ -12,9 +12,14 @@ import pydantic
 from prl.backends.base import BROKEN, NEVER_SENT, BackendError, InferenceBackend, MalformedResponse, WeightsRejected
 from prl.inference.protocol import (GenerateRequest, GenerateResponse, Metrics, PrefillResponse, RewardResponse,
                                     ScoreResponse, UpdateWeightsResponse)
+from prl.transport.line_stream import LineClient
 
 
 class EmbeddedBackend(InferenceBackend):
+    def __init__(self, base_url: str, secret: str, max_connections: int = 128):
+        super().__init__(base_url, secret, max_connections)
+        self.lines = LineClient(base_url, {"Authorization": f"Bearer {secret}"})
+
     async def wait_ready(self, timeout: float = 120.0) -> None:
         await self.poll_health(timeout)
 
@@ -42,27 +47,33 @@ class EmbeddedBackend(InferenceBackend):
         raise AssertionError("unreachable")
 
     async def _member_stream(self, body: dict, on_member: Callable[[int], None]) -> GenerateResponse:
-        """Read to the stream's end, past the response line: a stream left unread closes its connection
-        (httpx keeps only a finished one), and every group would then open a new one."""
+        """Over the lean line client (`prl.transport.line_stream`): read to the answer's end, past the response
+        line, so its connection is kept for the next group."""
+        self.lines.base_url = self.base_url  # a restarted server may have moved (`retarget`)
         response = None
-        async with self.http.stream("POST", self.generate_path, json=body, timeout=httpx.Timeout(None, connect=10.0)) as r:
+        async with self.lines.post(self.generate_path, body) as r:
             if r.status_code >= 400:
-                await r.aread()
-                self.check(r, self.generate_path)
-            async for line in r.aiter_lines():
-                try:
-                    msg = json.loads(line) if line else None
-                    if msg is not None and response is not None:
-                        raise ValueError("a line after the response")
-                    if isinstance(msg, dict) and set(msg) == {"member"}:
-                        on_member(int(msg["member"]))
-                    elif msg is not None:
-                        response = GenerateResponse.model_validate(msg)
-                except (ValueError, TypeError, pydantic.ValidationError) as e:
-                    raise MalformedResponse(f"{self.base_url}{self.generate_path}: bad member stream line "
-                                            f"{line[:200]!r}: {e}") from None
+                self.check(httpx.Response(r.status_code, content=await r.read()), self.generate_path)
+            async for line in r.lines():
+                response = self.member_line(line, response, on_member)
         if response is None:
             raise BackendError(f"{self.base_url}{self.generate_path}: the member stream ended without the response")
+        return response
+
+    def member_line(self, line: str, response: GenerateResponse | None,
+                    on_member: Callable[[int], None]) -> GenerateResponse | None:
+        """One line of a member stream: a member finished (`on_member`), or the response (returned)."""
+        try:
+            msg = json.loads(line) if line else None
+            if msg is not None and response is not None:
+                raise ValueError("a line after the response")
+            if isinstance(msg, dict) and set(msg) == {"member"}:
+                on_member(int(msg["member"]))
+            elif msg is not None:
+                return GenerateResponse.model_validate(msg)
+        except (ValueError, TypeError, pydantic.ValidationError) as e:
+            raise MalformedResponse(f"{self.base_url}{self.generate_path}: bad member stream line "
+                                    f"{line[:200]!r}: {e}") from None
         return response
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResponse:
@@ -100,6 +111,10 @@ class EmbeddedBackend(InferenceBackend):
         out = UpdateWeightsResponse.model_validate_json(r.content)
         self.version = out.version
         return out
+
+    async def close(self) -> None:
+        await self.lines.aclose()
+        await super().close()
 
     async def metrics(self) -> Metrics:
         return Metrics.model_validate_json(self.check(await self.get("/metrics"), "/metrics").content)

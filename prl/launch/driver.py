@@ -228,13 +228,13 @@ def check_teacher(recipe: Recipe, ours) -> None:
 def check_reward_model(recipe: Recipe) -> None:
     """`[reward.model]`: a sequence-classification folder here, of one label, that transformers can build and whose
     tokenizer loads."""
+    rm = recipe.reward.model
+    if rm is None:
+        return
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as KNOWN
 
     from prl.model.pretrained import check_reward_model as check_folder
 
-    rm = recipe.reward.model
-    if rm is None:
-        return
     info, _ = served_folder("reward.model.path", rm.path, check_folder)
     if info.model_type not in KNOWN:
         raise RecipeError(f"reward.model.path: {rm.path}: transformers has no sequence classifier for model_type "
