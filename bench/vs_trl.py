@@ -22,7 +22,10 @@ Per side: samples trained per second over the window, the mean reward of the las
 before the deadline (`reward_at_wall`; the curve is noisy, so compare it over repeated runs), of the
 window's last third (`reward_late`, steadier), of the first step (`reward_start`) and of the 10 steps up to the
 number both sides reached (`reward_at_equal_samples`: per sample, each step being 16 x 8 samples on both sides),
-start-up seconds (not in the window). `--seed S` makes the warm start from `run.seed = S` (the RL prompts stay
+start-up seconds (not in the window), and the seconds each side took to reach a reward both hold late in the
+window (`seconds_to_target`: the first time 5 batches in a row averaged `TARGET` = 0.95 of the lower side's
+`reward_late`; on this task both sides level off at about the same reward well inside 90 s, so the reward at the
+wall compares plateaus and the time to reach one compares speed). `--seed S` makes the warm start from `run.seed = S` (the RL prompts stay
 seed 0's, TRL's order): repeat over seeds to compare over warm starts. TRL runs with `--trl-threads`
 torch threads (default 2: the cores prl's server and trainer use, one thread each; TRL is faster with
 2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
@@ -68,6 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/reverse-tiny.toml"
 PROMPTS_PER_STEP, GROUP, MAX_TOKENS, LR, LAST = 16, 8, 12, 1e-3, 10
+TARGET = 0.95  # the reward both sides are timed to: this share of the lower of their late rewards
 
 
 def prl_cmd(out: Path, name: str, *sets: str) -> list[str]:
@@ -254,6 +258,15 @@ def trl_figures(log: dict, wall: float, startup: float) -> dict:
     }
 
 
+def seconds_to(curve: list, target: float, k: int = 5) -> float | None:
+    """Seconds from the start of training until the mean reward of `k` batches in a row first reached `target`
+    (None: never inside the window)."""
+    for i in range(k, len(curve) + 1):
+        if statistics.mean(r for _, r in curve[i - k:i]) >= target:
+            return curve[i - 1][0]
+    return None
+
+
 def late_reward(curve: list, wall: float) -> float:
     """The mean batch reward of the window's last third: less noisy than the last 10 steps (under 2 s
     of either side's training here), the same span for both sides."""
@@ -291,6 +304,10 @@ def main() -> None:
     sides["trl"] = trl = run_trl(out, warm, args)
     for r in sides.values():
         r["reward_late"] = late_reward(r["curve"], args.wall)
+    # a reward every side holds late in the window: TARGET of the lowest side's late reward
+    target = TARGET * min(r["reward_late"] for r in sides.values())
+    for r in sides.values():
+        r["seconds_to_target"] = seconds_to(r["curve"], target)
     (out / "curves.json").write_text(json.dumps({n: r.pop("curve") for n, r in sides.items()}))
     # per sample: every step trains 16 x 8 samples on both sides, so equal steps are equal samples
     equal = min(len(r["step_rewards"]) for r in sides.values())
@@ -301,7 +318,8 @@ def main() -> None:
         print(f"{name}: {r['steps']} steps in {args.wall:.0f} s, {r['samples_per_s']:.1f} samples/s, reward "
               f"{r['reward_start']:.3f} -> {r['reward_at_wall']:.3f} (start-up {r['startup_s']:.0f} s)")
     report = {"wall_s": args.wall, "trl_threads": args.trl_threads, "load_avg_1m": round(os.getloadavg()[0], 2),
-              **{f"{n}_{k}": round(v, 4) for n, r in sides.items() for k, v in r.items()}}
+              "target_reward": round(target, 4),
+              **{f"{n}_{k}": None if v is None else round(v, 4) for n, r in sides.items() for k, v in r.items()}}
     for name, r in sides.items():
         if name != "trl":
             report.update({
@@ -311,6 +329,8 @@ def main() -> None:
                 f"reward_late_{name}_over_trl": round(r["reward_late"] / trl["reward_late"], 3),
                 f"reward_at_equal_samples_{name}_over_trl": round(r["reward_at_equal_samples"]
                                                                   / trl["reward_at_equal_samples"], 3),
+                f"seconds_to_target_trl_over_{name}": None if None in (r["seconds_to_target"], trl["seconds_to_target"])
+                else round(trl["seconds_to_target"] / r["seconds_to_target"], 3),
                 f"{name}_wait_share_of_step_gap": round(r["trainer_mean_wait_s"] / r["trainer_step_gap_s"], 3),
                 f"{name}_publish_share_of_step_gap": round(r["trainer_mean_publish_s"] / r["trainer_step_gap_s"], 3),
                 f"reward_gain_{name}_over_trl": round((r["reward_at_wall"] - r["reward_start"])
