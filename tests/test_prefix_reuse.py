@@ -77,6 +77,27 @@ def test_a_conversation_holds_one_entry_with_its_indexer_keys(model):
         assert layer.keys.shape[-2] == layer.indexer_keys.shape[1] == len(entry.ids)
 
 
+def test_a_final_sequence_leaves_no_entry_but_still_reuses(model):
+    """A sequence its client marks final (nothing will extend it: a single-turn rollout, a last turn) reuses the
+    prefix it extends and keeps its prompt's KV, but none of what it generated when it finishes; an unmarked
+    one is kept."""
+    core = EngineCore(model)
+    prompt = torch.randint(4, 40, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    [first] = finish(core, [sampled(prompt, seed=1)])
+    kept = tuple(prompt + first.out_ids[:-1])
+    assert {e.ids for e in core.prefix.entries.values()} == {kept}
+    last = sampled(list(kept) + [first.out_ids[-1]] + [5] * ENV, seed=2)
+    last.final = True
+    before = core.stats.prefill_tokens
+    finish(core, [last])
+    assert core.stats.prefill_tokens - before == ENV + 1, "the final turn reused the first turn's KV"
+    entries = {e.ids for e in core.prefix.entries.values()}
+    assert entries == {tuple(last.prompt_ids)}, "its prompt's entry (for members admitted later), not its own KV"
+    again = sampled(prompt, seed=1)  # unmarked, the same as the first: kept when it finishes
+    finish(core, [again])
+    assert tuple(prompt + again.out_ids[:-1]) in {e.ids for e in core.prefix.entries.values()}
+
+
 def test_the_reused_prefix_routing_equals_a_fresh_prefill(model):
     *_, (_, seqs) = conversations(EngineCore(model, capture_routing=True), turns=3, branches=2)
     for s in seqs:

@@ -42,6 +42,23 @@ def test_generate_returns_tokens_logprobs_versions(server):
     assert client.post("/generate", json={"prompt_ids": []}).status_code == 422
 
 
+def test_a_final_request_keeps_no_kv_of_its_completions(server):
+    """`final` reaches the engine: the next turn of an unmarked request reuses its prompt and completion's KV; after a
+    final one, only its prompt's."""
+    client, _, _ = server
+
+    def hit_tokens(final: bool) -> int:
+        prompt = [4 + (7 * i + final) % 30 for i in range(40)]  # each call its own conversation
+        first = client.post("/generate", json={"prompt_ids": prompt, "max_tokens": 8, "stop_token_ids": [], "seed": 1,
+                                               "final": final}).json()["completions"][0]["token_ids"]
+        before = client.get("/metrics").json()["prefix_hit_tokens"]
+        client.post("/generate", json={"prompt_ids": prompt + first + [9] * 5, "max_tokens": 1, "final": True})
+        return client.get("/metrics").json()["prefix_hit_tokens"] - before
+
+    assert hit_tokens(final=False) == 40 + 7
+    assert hit_tokens(final=True) == 40
+
+
 def test_openai_completions(server):
     client, _, _ = server
     r = client.post("/v1/completions", json={"model": "x", "prompt": "rev:abc=", "max_tokens": 4, "n": 2, "logprobs": 1})

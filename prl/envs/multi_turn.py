@@ -158,7 +158,7 @@ class MultiTurnEnv(Environment):
         req = GenerateRequest(
             prompt_ids=ep.history, max_tokens=max(1, min(self.sampling.max_tokens, self.max_total_tokens - len(ep.ids))),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, n=1,
-            return_routing=self.router_replay, routing_start=held,
+            return_routing=self.router_replay, routing_start=held, final=ep.turns + 1 >= self.max_turns,
         )
         resp = await sampler.generate(req, conversation=ep)
         c = resp.completions[0]

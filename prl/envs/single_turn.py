@@ -45,7 +45,7 @@ class SingleTurnEnv(Environment):
         prompt_ids = self.prompt_ids(example)
         req = GenerateRequest(
             prompt_ids=prompt_ids, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p, n=self.group_size, return_routing=self.router_replay,
+            top_p=self.sampling.top_p, n=self.group_size, return_routing=self.router_replay, final=True,
         )
         resp = await sampler.generate(req)
         out = []

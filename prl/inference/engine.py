@@ -75,6 +75,7 @@ class Sequence:
     routing_chunks: list[torch.Tensor] = field(default_factory=list)  # one [1, layers, k] per decode input
     kv_version: int | None = None  # the weights version its prefill ran under
     prefix_entry: Entry | None = None  # the prefix-cache entry its KV extends (replaced when it finishes)
+    final: bool = False  # no later request extends it: its KV is not kept when it finishes
 
     def completion_routing(self) -> torch.Tensor | None:
         """Routing of the completion tokens fed back as inputs (all but the last)."""
@@ -558,12 +559,13 @@ class EngineCore:
     def _remember_finished(self, rows: list[int]) -> None:
         """Keep the KV of finished sequences (prompt and generated tokens, all but the last sampled one,
         never fed back) for a next turn to extend; each replaces the entry its KV extended. A sequence
-        whose KV spans a weight load is not kept: its prefix was computed under an older version."""
+        whose KV spans a weight load is not kept: its prefix was computed under an older version; nor is one
+        its client marked final (nothing will extend it)."""
         if self.prefix.max_entries <= 0:
             return
         for i in rows:
             s = self.running[i]
-            if s.kv_version != self.version:
+            if s.kv_version != self.version or s.final:
                 continue
             ids = tuple(s.prompt_ids) + tuple(s.out_ids[: s.length - len(s.prompt_ids)])
             routing = None if s.prompt_routing is None else torch.cat([s.prompt_routing, s.completion_routing()])

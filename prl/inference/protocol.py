@@ -30,6 +30,9 @@ class GenerateRequest(Msg):
     # answer as NDJSON: a `{"member": i}` line as each completion finishes, then the GenerateResponse
     # (the embedded engine; a group's finished members free their places in the orchestrator's budget)
     stream_members: bool = False
+    # no later request extends these completions (a single-turn rollout, a conversation's last turn): the
+    # embedded engine keeps none of their KV for reuse when they finish (vLLM's prefix cache ignores it)
+    final: bool = False
 
 
 class Routing(Msg):

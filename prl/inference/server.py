@@ -121,7 +121,7 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
         s.check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
         if any(t >= s.vocab for t in stops):
             raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {s.vocab}")
-        seqs = [_sequence(req.prompt_ids, p) for p in params]
+        seqs = [_sequence(req.prompt_ids, p, req.final) for p in params]
         if req.stream_members:
             return StreamingResponse(_member_lines(loop, seqs, req), media_type="application/x-ndjson")
         await _unless_disconnected(request, [loop.generate(seq) for seq in seqs])
@@ -417,10 +417,10 @@ def _generate_response(seqs: list[Sequence], req: GenerateRequest) -> GenerateRe
     )
 
 
-def _sequence(prompt_ids: list[int], params: SamplingParams) -> Sequence:
+def _sequence(prompt_ids: list[int], params: SamplingParams, final: bool = False) -> Sequence:
     import torch
 
-    seq = Sequence(list(prompt_ids), params)
+    seq = Sequence(list(prompt_ids), params, final=final)
     if params.seed is not None:
         seq.generator = torch.Generator().manual_seed(params.seed)
     return seq
