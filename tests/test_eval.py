@@ -333,8 +333,11 @@ def test_prl_eval_refuses_bad_arguments_in_one_line(tmp_path):
 def test_prl_eval_ends_its_scoring_when_a_server_exits(tmp_path):
     """A real server killed while a set is being scored: `score` raises the one-line EvalError, and by then
     the scoring (every example's request) has ended; nothing of it runs on while the servers stop."""
+    import httpx
+
     from prl.launch.driver import prepare_new
     from prl.launch.evaluate import EvalError, score, serving
+    from prl.transport import ports
 
     recipe = load_recipe(RECIPE, [f"run.output_dir={tmp_path}", "eval.heldout.examples=400"])
     work = tmp_path / "reverse-tiny"
@@ -343,10 +346,16 @@ def test_prl_eval_ends_its_scoring_when_a_server_exits(tmp_path):
 
     async def kill_while_scoring():
         scoring = asyncio.create_task(score(cfg, sup))
-        while not any(getattr(t.get_coro(), "__qualname__", "") == "run_set" for t in asyncio.all_tasks()):
-            assert not scoring.done(), scoring.exception()
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # its requests are out
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {cfg.secret()}"}) as http:
+            while True:  # until the set's requests are in the engine (the 400 examples take many rounds)
+                assert not scoring.done(), scoring.exception()
+                url = ports.url_of(cfg.run_dir, "inference-0", cfg.servers[0])
+                try:
+                    if (await http.get(f"{url}/metrics")).json()["running"] > 0:
+                        break
+                except httpx.TransportError:  # still starting
+                    pass
+                await asyncio.sleep(0.02)
         sup.kill(["inference-0"])
         with pytest.raises(EvalError, match="inference-0 exited with code -9"):
             await scoring
