@@ -169,6 +169,11 @@ def test_a_conversation_stays_where_its_kv_is_unless_that_server_is_full_or_down
     assert stayed[1] >= 12 + 5, "the turn that stayed reused its history's KV on server 1 (all but the last token)"
 
 
+def idle(backend) -> list:
+    """The kept-alive connections of the backend's line client (`prl.transport.line_stream`), by their writers."""
+    return [writer for kept in backend.lines.idle.values() for _, _, writer in kept]
+
+
 def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path):
     """Issue 22, item 6: a group's request streams each member as it finishes (embedded engine), and the
     orchestrator's count of sequences in flight drops with it, and so does the server's own count (its
@@ -189,7 +194,7 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
         backend = make_backend("embedded", str(client.base_url), client.headers["Authorization"].removeprefix("Bearer "))
         order = []
         alone = await backend.generate(req, on_member=order.append)
-        kept = list(backend.http._transport._pool.connections)  # httpx's pool (internal): kept-alive connections
+        kept = idle(backend)
         changed = asyncio.Condition()
         pool = ServerPool([backend], EventLog(tmp_path / "m.jsonl", "test"), changed, hang_timeout_s=60)
         await pool.start(60)
@@ -207,7 +212,7 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
         resp = await GroupSampler(pool, 0, rollouts).generate(req)
         await asyncio.sleep(0.1)  # the last notifications reach the watcher
         watcher.cancel()
-        reused = kept == list(backend.http._transport._pool.connections)
+        reused = kept == idle(backend)
         await backend.close()
         return order, alone, resp, trace, (rollouts.active, pool.servers[0].active), (kept, reused)
 
