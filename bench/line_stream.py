@@ -69,7 +69,8 @@ class HttpxStream(EmbeddedBackend):
 
 async def one_round(backend: EmbeddedBackend, requests: int, concurrency: int) -> float:
     """This process's CPU seconds per generation over `requests`, `concurrency` at a time."""
-    req, gate, heard = GenerateRequest(prompt_ids=list(range(30)), n=8, max_tokens=12), asyncio.Semaphore(concurrency), []
+    req = GenerateRequest(prompt_ids=list(range(30)), n=8, max_tokens=12)
+    gate, heard = asyncio.Semaphore(concurrency), []
 
     async def one() -> GenerateResponse:
         async with gate:

@@ -25,11 +25,11 @@ number both sides reached (`reward_at_equal_samples`: per sample, each step bein
 start-up seconds (not in the window), and the seconds each side took to reach a reward both hold late in the
 window (`seconds_to_target`: the first time 5 batches in a row averaged `TARGET` = 0.95 of the lower side's
 `reward_late`; on this task both sides level off at about the same reward well inside 90 s, so the reward at the
-wall compares plateaus and the time to reach one compares speed). `--seed S` makes the warm start from `run.seed = S` (the RL prompts stay
-seed 0's, TRL's order): repeat over seeds to compare over warm starts. TRL runs with `--trl-threads`
-torch threads (default 2: the cores prl's server and trainer use, one thread each; TRL is faster with
-2 than with 1 on an idle machine, but far slower than with 1 when other work shares the cores: run
-it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
+wall compares plateaus and the time to reach one compares speed). `--seed S` makes the warm start from
+`run.seed = S` (the RL prompts stay seed 0's, TRL's order): repeat over seeds to compare over warm starts. TRL
+runs with `--trl-threads` torch threads (default 2: the cores prl's server and trainer use, one thread each;
+TRL is faster with 2 than with 1 on an idle machine, but far slower than with 1 when other work shares the
+cores: run it on an idle machine; `load_avg_1m` in the JSON line is the load when it ended). Each side's reward
 curve is written to `curves.json` in the bench's folder.
 For prl, also its trainer's ceiling: after the runs, `bench/trainer_step.py` times the trainer's
 forward, backward and optimizer alone (one rank, the run's trainer settings, nothing else on the cores)
