@@ -31,6 +31,7 @@ ANSWERS = {
     "/close": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nxy\n",
     "/error": b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 14\r\n\r\nserver paused!",
     "/silent": b"",  # the server closes the connection having read the request
+    "/badlen": b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n",
     "/cut": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly ",  # closed inside a chunk
     "/members": chunked(b'{"member": 1}\n{"member": 0}\n', (json.dumps(RESPONSE) + "\n").encode()),
     "/after": chunked((json.dumps(RESPONSE) + '\n{"member": 0}\n').encode()),
@@ -38,7 +39,7 @@ ANSWERS = {
 
 
 class Scripted:
-    """A TCP server answering each request with ANSWERS[path]; closes after /silent, /cut and /close."""
+    """A TCP server answering each request with ANSWERS[path]; closes after /silent, /cut, /close and /badlen."""
 
     def __init__(self):
         self.accepted, self.requests, self.closed = 0, [], asyncio.Event()
@@ -66,7 +67,7 @@ class Scripted:
                     return
                 writer.write(ANSWERS[path])
                 await writer.drain()
-                if path in ("/silent", "/cut", "/close"):
+                if path in ("/silent", "/cut", "/close", "/badlen"):
                     return
         except asyncio.IncompleteReadError:
             return
@@ -108,10 +109,12 @@ def test_errors_are_httpx_kinds():
                 await lines_of(client, "/silent")
             with pytest.raises(httpx.ReadError, match="broke in the answer"):
                 await lines_of(client, "/cut")
+            with pytest.raises(httpx.RemoteProtocolError, match="neither a Content-Length"):
+                await lines_of(client, "/badlen")
             async with client.post("/error", {}) as r:
                 assert r.status_code == 503 and await r.read() == b"server paused!"
             assert await lines_of(client, "/length") == ["ab", "cd", "ef"]  # the 503's connection was kept
-            assert srv.accepted == 3
+            assert srv.accepted == 4
         with pytest.raises(httpx.ConnectError):
             await lines_of(LineClient(srv.url, {}), "/length")  # the server is gone: nothing listens
 

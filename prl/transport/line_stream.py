@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-MAX_LINE = 1 << 26  # an answer line (a whole GenerateResponse) longer than this is not a member stream
+HEAD_LIMIT = 1 << 20  # a status, header or chunk-size line longer than this is not HTTP the server would send
 
 
 class LineStream:
@@ -41,12 +41,14 @@ class LineStream:
             if self.headers.get("transfer-encoding", "").lower() == "chunked":
                 async for chunk in self.chunked():
                     yield chunk
-            elif "content-length" in self.headers:
+            elif self.headers.get("content-length", "").isdigit():
                 yield await self.reader.readexactly(int(self.headers["content-length"]))
             else:
-                raise httpx.RemoteProtocolError("an answer with neither Content-Length nor chunked coding")
+                raise httpx.RemoteProtocolError("an answer with neither a Content-Length nor chunked coding")
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise httpx.ReadError(f"the connection broke in the answer: {e}") from None
+        except asyncio.LimitOverrunError:
+            raise httpx.RemoteProtocolError(f"a chunk-size line past {HEAD_LIMIT} bytes") from None
         self.done = True
 
     async def chunked(self) -> AsyncIterator[bytes]:
@@ -68,8 +70,6 @@ class LineStream:
         buf = b""
         async for chunk in self.chunks():
             buf += chunk
-            if len(buf) > MAX_LINE:
-                raise httpx.RemoteProtocolError(f"an answer line past {MAX_LINE} bytes")
             *whole, buf = buf.split(b"\n")
             for line in whole:
                 yield line.decode()
@@ -94,6 +94,8 @@ class LineClient:
         read to its end, and is closed otherwise (an error, a cancel, an answer left unread)."""
         url = urlsplit(self.base_url)
         where = (url.hostname or "127.0.0.1", url.port or 80)
+        for other in [w for w in self.idle if w != where]:  # the server moved (a restart): its old port's are dead
+            self.close_idle(other)
         data = json.dumps(body, separators=(",", ":")).encode()
         head = "".join([f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n",
                         *(f"{k}: {v}\r\n" for k, v in self.headers.items()),
@@ -116,24 +118,29 @@ class LineClient:
 
     async def connection(self, where: tuple[str, int], timeout: float):
         """An idle connection to `where` kept less than `keepalive_s`, else a new one."""
-        pool, now = self.idle.get(where, []), time.monotonic()
-        while pool:
-            since, reader, writer = pool.pop()
-            if now - since < self.keepalive_s and not reader.at_eof():
-                return reader, writer
+        now = time.monotonic()
+        pool = self.idle.get(where, [])
+        for since, reader, writer in [c for c in pool if now - c[0] >= self.keepalive_s or c[1].at_eof()]:
+            pool.remove((since, reader, writer))
             writer.close()
+        if pool:
+            _, reader, writer = pool.pop()
+            return reader, writer
         try:
-            return await asyncio.wait_for(asyncio.open_connection(*where, limit=MAX_LINE), timeout)
+            async with asyncio.timeout(timeout):  # (wait_for on 3.11 can swallow a cancel that lands as it ends)
+                return await asyncio.open_connection(*where, limit=HEAD_LIMIT)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {where[0]}:{where[1]} within {timeout:.0f}s") from None
         except OSError as e:
             raise httpx.ConnectError(f"{where[0]}:{where[1]}: {e.strerror or e}") from None
 
+    def close_idle(self, where: tuple[str, int]) -> None:
+        for _, _, writer in self.idle.pop(where, []):
+            writer.close()
+
     async def aclose(self) -> None:
-        for pool in self.idle.values():
-            for _, _, writer in pool:
-                writer.close()
-        self.idle.clear()
+        for where in list(self.idle):
+            self.close_idle(where)
 
 
 async def read_head(reader: asyncio.StreamReader) -> LineStream:
