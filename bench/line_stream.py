@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from prl.backends.embedded import EmbeddedBackend  # noqa: E402
 from prl.inference.protocol import GenerateRequest, GenerateResponse  # noqa: E402
+from prl.recipe.resolve import free_port  # noqa: E402
 
 SERVER = '''
 import asyncio, json, sys
@@ -102,9 +103,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
     try:
         url = f"http://127.0.0.1:{port}"

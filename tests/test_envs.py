@@ -110,11 +110,12 @@ class Recording:
     """The real backend, with every response kept (what was sampled, to compare with what trains)."""
 
     def __init__(self, backend, between_turns=None):
-        self.backend, self.responses, self.between = backend, [], between_turns
+        self.backend, self.requests, self.responses, self.between = backend, [], [], between_turns
 
     async def generate(self, req, conversation=None):
         if self.responses and self.between:
             await self.between(len(self.responses))
+        self.requests.append(req)
         resp = await self.backend.generate(req)
         self.responses.append(resp)
         return resp
@@ -131,6 +132,26 @@ def episode(served, between=None, group: int = 1):
         return env, trajs, sampler.responses
 
     return asyncio.run(go())
+
+
+def test_each_request_says_whether_a_later_turn_can_extend_it(served):
+    """`final` (the engine then keeps none of the completions' KV): a single-turn rollout's request, and a
+    conversation's last allowed turn only."""
+    recipe, _, make = served
+
+    def finals(env_cfg, group: int) -> list[bool]:
+        env = make_env(env_cfg, recipe.task, 0, char_tokenizer(), recipe.sampling, group, True)
+
+        async def go():
+            sampler = Recording(make())
+            await env.rollout(env.example(0), sampler)
+            await sampler.backend.close()
+            return [r.final for r in sampler.requests]
+
+        return asyncio.run(go())
+
+    assert finals(recipe.env.model_copy(update={"max_turns": 3}), 1) == [False, False, True]
+    assert finals(recipe.env.model_copy(update={"kind": "single_turn"}), 2) == [True]
 
 
 def test_a_three_turn_tool_trajectory_trains_exactly_the_sampled_ids(served):
