@@ -227,3 +227,49 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
     assert any(0 < a < 4 for a, _ in trace), f"the count in flight dropped member by member: {trace}"
     assert all(a == b for a, b in trace), f"the server's count followed the run's: {trace}"
     assert trace == sorted(trace, reverse=True) and left == (0, 0)
+
+
+def test_an_eval_sets_requests_leave_training_its_whole_budget(second_server, tmp_path):
+    """An eval example's sequences count beside the rollouts (its set's `ShareGate` bounds them, not the
+    rollout budget): with a budget of one group and an eval example of as many samples out on a real server,
+    training may still start its group."""
+    import asyncio
+    import types
+
+    from prl.backends.registry import make_backend
+    from prl.inference.protocol import GenerateRequest
+    from prl.metrics import EventLog
+    from prl.orchestrator.orchestrator import Orchestrator, Rollouts
+    from prl.orchestrator.servers import ServerPool
+
+    client = second_server
+    req = GenerateRequest(prompt_ids=[30, 32, 34], max_tokens=120, temperature=1.0, seed=5, n=4)
+
+    async def go():
+        orch = object.__new__(Orchestrator)  # the parts its budget check and eval sampler read
+        backend = make_backend("embedded", str(client.base_url), client.headers["Authorization"].removeprefix("Bearer "))
+        orch.changed = asyncio.Condition()
+        orch.pool = ServerPool([backend], EventLog(tmp_path / "m.jsonl", "test"), orch.changed, hang_timeout_s=60)
+        await orch.pool.start(60)
+        orch.rollouts, orch.eval_requests = Rollouts(orch.changed, 4), Rollouts(orch.changed, 4)
+        orch.rl = types.SimpleNamespace(max_async_level=1, max_steps=10, overprovision=0.0, group_size=4)
+        orch.served, orch.committed, orch.groups_per_batch = 0, 0, 4
+        orch.budget = InflightBudget(cap=4, group_size=4, servers=1, target=0.9)
+        seen = []
+
+        async def watch():
+            async with orch.changed:
+                while True:
+                    await orch.changed.wait()
+                    seen.append((orch.eval_requests.active, orch.rollouts.count(), orch._budget_open()))
+
+        watcher = asyncio.create_task(watch())
+        resp = await orch.eval_sampler(0).generate(req)
+        watcher.cancel()
+        await backend.close()
+        return resp, seen
+
+    resp, seen = asyncio.run(go())
+    assert len(resp.completions) == 4
+    assert [out for out, _, _ in seen] == [3, 2, 1, 0], f"read as each sample ended: {seen}"
+    assert all(rollouts == 0 and open_ for _, rollouts, open_ in seen), f"training's budget stayed whole: {seen}"

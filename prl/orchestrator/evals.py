@@ -5,10 +5,10 @@ Rules:
   it starts once the servers serve version p, and the batch of step p (which makes version p + 1)
   ships only after it started, so it starts under version p itself (a resumed run's point that
   the servers are already past starts under the version they serve: `version` says which);
-- its requests go through the pool like a group's (same servers, retries, P/D) and count in the
-  in-flight budget, never more than `max_share` of it (`ShareGate`: the budget read as each example
-  starts; an example that does not fit waits, and its wait is demand the budget grows for while the
-  servers' KV has room), so training keeps the rest; weights update under it
+- its requests go through the pool like a group's (same servers, retries, P/D), beside the rollouts
+  and not in their count (training keeps its whole in-flight budget), never more than `max_share` of
+  that budget (`ShareGate`: the budget read as each example starts; an example that does not fit
+  waits, and its wait is demand the budget grows for while the servers' KV has room); weights update under it
   as under any rollout, and `later_share` reports the tokens sampled under a newer version (a set
   with `pin_version` holds new weights back from the servers until it ends instead: `pinned`);
 - its samples are never trained on and never touch the data cursor;

@@ -198,6 +198,7 @@ class Orchestrator:
         self.data_rows = row_count(r.task)  # a dataset file's rows (None: generated examples)
         self.samples = SampleWriter(cfg.run_path, r.run.samples_per_step, r.run.seed, self.tokenizer)
         self.rollouts = Rollouts(self.changed, r.rl.group_size)
+        self.eval_requests = Rollouts(self.changed, r.rl.group_size)  # an eval set's, beside the budget's rollouts
         self.error: Exception | None = None
         self.start_step = self.next_prompt = self.committed = 0  # set from the trainer in start()
         self.cursor = DataCursor()  # prompts consumed (trained or dropped), shipped with every batch
@@ -313,8 +314,9 @@ class Orchestrator:
                 *(self.rewards.servers if self.rewards is not None else [])]
 
     def eval_sampler(self, index: int) -> GroupSampler:
-        """The pool for one eval example: like a group's, counted in flight, never pending."""
-        sampler = GroupSampler(self.pool, index, self.rollouts)
+        """The pool for one eval example: like a group's, never pending, counted apart from the rollouts (its
+        set's `ShareGate` bounds them, beside the budget training keeps whole)."""
+        sampler = GroupSampler(self.pool, index, self.eval_requests)
         sampler.started = True
         return sampler
 

@@ -482,7 +482,8 @@ class EvalCfg(Section):
     at_end: bool = True
     """Evaluate the final weights after the last step (the run ends once it is logged)."""
     max_share: float = Field(0.25, gt=0, le=1)
-    """The share of the in-flight rollout budget the set's requests may hold, so training keeps the rest."""
+    """The set's samples in flight at most this share of the in-flight rollout budget. They run beside the rollouts,
+    not in their budget: training keeps all of it, and the servers' KV usage (rl.kv_usage_target) bounds both."""
     pin_version: bool = False
     """Hold new weights back from the servers while the set runs: every token is sampled by the version it scores
     (`later_share` 0, and `prl eval` gives the same figures), but rollouts wait for newer weights meanwhile, and
