@@ -218,6 +218,25 @@ def test_rejected_weights_leave_old_version_serving(tiny_model, tmp_path):
     assert after.out_ids == before.out_ids and after.logprobs == before.logprobs
 
 
+def test_non_finite_weights_are_named_whatever_their_dtype():
+    """A version's screen names exactly the tensors holding a NaN or an infinity: in each screened dtype, in FP8
+    (checked element by element), beside a finite float16 tensor whose norm overflows (cleared by the element
+    check, not named) and integer buffers (never named)."""
+    from prl.model.weights import nonfinite_names
+
+    state = {"f32": torch.ones(4, 3), "f32_nan": torch.ones(5), "bf16_inf": torch.ones(7, dtype=torch.bfloat16),
+             "f16_big": torch.full((64,), 60000.0, dtype=torch.float16), "f16_ninf": torch.zeros(3, dtype=torch.float16),
+             "f64": torch.ones(2, dtype=torch.float64), "fp8": torch.ones(8).to(torch.float8_e4m3fn),
+             "fp8_nan": torch.ones(8).to(torch.float8_e4m3fn), "ids": torch.arange(4)}
+    state["f32_nan"][3] = float("nan")
+    state["bf16_inf"][0] = float("inf")
+    state["f16_ninf"][2] = float("-inf")
+    state["fp8_nan"][5] = float("nan")
+    assert not torch.isfinite(torch._foreach_norm([state["f16_big"]])[0]), "the float16 norm overflows"
+    assert nonfinite_names(state) == ["f32_nan", "bf16_inf", "f16_ninf", "fp8_nan"]
+    assert nonfinite_names({k: state[k] for k in ("f32", "f16_big", "f64", "fp8", "ids")}) == []
+
+
 def test_an_aborted_request_leaves_the_batch_and_the_others_continue(tiny_model):
     core = EngineCore(tiny_model, max_batch_size=4)
     done = []

@@ -146,11 +146,25 @@ def read_weights(path: Path) -> tuple[dict[str, "torch.Tensor"], dict]:
     return state, manifest
 
 
+SCREENED = ("float32", "bfloat16", "float16", "float64")  # dtypes whose norms screen a version in one pass
+
+
 def nonfinite_names(state: dict[str, "torch.Tensor"]) -> list[str]:
-    """Names of the floating-point tensors of `state` holding a NaN or an infinity."""
+    """Names of the floating-point tensors of `state` holding a NaN or an infinity. One foreach norm per device
+    screens the common dtypes (a NaN or an infinity makes a tensor's norm non-finite, so a finite norm clears it);
+    a tensor whose norm is not finite, and every other floating dtype (FP8), is checked element by element."""
     import torch
 
-    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    suspects = [k for k, v in floats.items() if str(v.dtype).removeprefix("torch.") not in SCREENED]
+    by_device: dict = {}
+    for k, v in floats.items():
+        if k not in suspects:
+            by_device.setdefault(v.device, []).append(k)
+    for names in by_device.values():
+        norms = torch.stack([n.float() for n in torch._foreach_norm([floats[k] for k in names])])
+        suspects += [names[i] for i in (~torch.isfinite(norms)).nonzero()[:, 0].tolist()]
+    return [k for k in floats if k in set(suspects) and not torch.isfinite(floats[k].float()).all()]
 
 
 WEIGHTS_PREFIX = "weights_"  # checkpoints/weights_N: weights alone (no optimizer: never resumed from), for eval sets
