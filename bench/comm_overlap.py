@@ -118,13 +118,21 @@ def figures(r: dict) -> dict:
     return out
 
 
+CALIBRATE_TRIES, CALIBRATE_STEPS, CALIBRATE_WITHIN = 4, 4, 0.05
+
+
 def link_for(model_dir: Path, out: Path, hosts: int, parallel: dict, args) -> float:
     """The link (megabit/s) at which the layout's serial exchanges take `args.ratio` x its compute: measured at
-    `--mbit`, scaled, measured there and scaled again (the ratio is not quite linear in the link)."""
+    `--mbit` and scaled, again from there until a run lands within CALIBRATE_WITHIN of the ratio (the ratio is
+    not quite linear in the link, and a short run's is noisy), at most CALIBRATE_TRIES runs."""
     mbit = args.mbit
-    for _ in range(2 if args.ratio else 0):
-        run = run_layout(model_dir, out, hosts, parallel, mbit, ["serial"], 2, args)
-        mbit = round(mbit * serial_figures(medians(run)["serial"])["exchange_over_compute"] / args.ratio, 1)
+    for _ in range(CALIBRATE_TRIES if args.ratio else 0):
+        run = run_layout(model_dir, out, hosts, parallel, mbit, ["serial"], CALIBRATE_STEPS, args)
+        ratio = serial_figures(medians(run)["serial"])["exchange_over_compute"]
+        print(f"calibrating: {mbit} Mbit/s gives exchanges / compute {ratio}", flush=True)
+        if abs(ratio - args.ratio) <= CALIBRATE_WITHIN:
+            break
+        mbit = round(mbit * ratio / args.ratio, 1)
     return mbit
 
 

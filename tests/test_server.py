@@ -239,8 +239,10 @@ def test_the_official_openai_client(server):
         bad.models.list()
 
 
-def test_a_generation_stops_when_its_client_disconnects(server):
-    """The engine drops the sequences of a client that went away instead of generating for nobody."""
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_generation_stops_when_its_client_disconnects(server, streamed):
+    """The engine drops the sequences of a client that went away instead of generating for nobody (a member
+    stream, answered by `prl.inference.streamed`, as a whole response)."""
     import json
     import socket
     from urllib.parse import urlparse
@@ -248,7 +250,8 @@ def test_a_generation_stops_when_its_client_disconnects(server):
     client, _, url = server
     before = client.get("/metrics").json()["generated_tokens"]
     u = urlparse(url)
-    body = json.dumps({"prompt_ids": [5], "max_tokens": 500, "n": 4, "stop_token_ids": []}).encode()
+    body = json.dumps({"prompt_ids": [5], "max_tokens": 500, "n": 4, "stop_token_ids": [],
+                       "stream_members": streamed}).encode()
     s = socket.create_connection((u.hostname, u.port))
     s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Authorization: {client.headers['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -266,6 +269,8 @@ BAD_VALUES = [None, -1, 0, 2**63, 10**30, -1e308, 1e308, 0.5, "x", "", [], {}, [
 VALID = {
     "/generate": {"prompt_ids": [5, 6], "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "n": 2, "seed": 3,
                   "stop_token_ids": [7], "return_routing": True, "routing_start": 1},
+    "/generate?streamed": {"prompt_ids": [5, 6], "max_tokens": 2, "temperature": 1.0, "n": 2, "seed": 3,
+                           "stop_token_ids": [7], "return_routing": True, "stream_members": True, "final": True},
     "/v1/completions": {"model": "prl", "prompt": "rev:ab=", "max_tokens": 2, "temperature": 0.5, "top_p": 1.0,
                         "n": 2, "seed": 1, "stop": ["x"], "logprobs": 1, "echo": False, "stream": False},
     "/update_weights": {"version": 1, "path": None},
@@ -289,11 +294,11 @@ def test_fuzz_sweep_never_answers_5xx_and_keeps_serving(server, path):
     client, _, _ = server
     answered = {}
     for body in mutations(VALID[path]):
-        r = client.post(path, json=body)
+        r = client.post(path.split("?")[0], json=body)
         assert r.status_code < 500, f"{path} {body!r} -> {r.status_code}: {r.text[:300]}"
         answered[r.status_code] = answered.get(r.status_code, 0) + 1
     for raw in (b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"prompt_ids": [5], "max_tokens": Infinity}'):
-        r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        r = client.post(path.split("?")[0], content=raw, headers={"Content-Type": "application/json"})
         assert 400 <= r.status_code < 500, f"{path} {raw!r} -> {r.status_code}: {r.text[:300]}"
     print(f"\n{path}: answers {answered}")
     ok = client.post("/generate", json={"prompt_ids": [5, 6], "max_tokens": 2})

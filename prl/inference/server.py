@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prl.inference.engine import EngineCore, SamplingParams, Sequence, WeightLoadError, prepare_weights
 from prl.inference.loop import EngineLoop
 from prl.inference.receiver import Receiver, ReceiveError
+from prl.inference.streamed import StreamedGenerate
 from prl.inference.protocol import (
     CollectiveJoin,
     CollectiveReceive,
@@ -86,16 +87,30 @@ class Served:
             raise HTTPException(400, f"{field_name} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                      f"model's context of {self.context} tokens")
 
+    def sequences(self, req: GenerateRequest) -> list[Sequence]:
+        """A /generate request's sequences, one per completion; HTTPException where the server cannot serve it."""
+        stops = self.eos if req.stop_token_ids is None else req.stop_token_ids
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), sd) for sd in seeds]
+        if req.return_routing and self.loop.core.capture is None:
+            raise HTTPException(400, "this server does not capture routing (start it with routing capture on)")
+        self.check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
+        if any(t >= self.vocab for t in stops):
+            raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {self.vocab}")
+        return [_sequence(req.prompt_ids, p, req.final) for p in params]
+
 
 def create_app(loop: EngineLoop, tokenizer, secret: str, model_name: str = "prl", weights=None,
-               weights_root: Path | None = None) -> FastAPI:
+               weights_root: Path | None = None) -> StreamedGenerate:
     """`weights`: a `prl.transport.weights.WeightSource` for update requests that carry no path;
-    `weights_root`: the only folder an update's `path` may point into (the run's weights)."""
+    `weights_root`: the only folder an update's `path` may point into (the run's weights). The app behind
+    `StreamedGenerate`, which answers the rollouts' member streams itself."""
     app = new_app("prl inference")
     served, guarded = Served(loop, tokenizer, model_name, weights, weights_root), [Depends(bearer(secret))]
     for add in (add_token_routes, add_openai_routes, add_weight_routes, add_status_routes):
         add(app, served, guarded)
-    return app
+    return StreamedGenerate(app, secret, MAX_BODY_BYTES, served.sequences,
+                            lambda seqs, req: _member_lines(loop, seqs, req))
 
 
 def new_app(title: str) -> FastAPI:
@@ -113,16 +128,8 @@ def add_token_routes(app: FastAPI, s: Served, guarded: list) -> None:
 
     @app.post("/generate", dependencies=guarded, response_model=GenerateResponse)
     async def generate(req: GenerateRequest, request: Request):
-        stops = s.eos if req.stop_token_ids is None else req.stop_token_ids
-        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
-        params = [SamplingParams(req.temperature, req.top_p, req.max_tokens, tuple(stops), sd) for sd in seeds]
-        if req.return_routing and loop.core.capture is None:
-            raise HTTPException(400, "this server does not capture routing (start it with routing capture on)")
-        s.check_prompt(req.prompt_ids, req.max_tokens, "prompt_ids")
-        if any(t >= s.vocab for t in stops):
-            raise HTTPException(400, f"stop_token_ids: ids must be below the vocabulary size {s.vocab}")
-        seqs = [_sequence(req.prompt_ids, p, req.final) for p in params]
-        if req.stream_members:
+        seqs = s.sequences(req)
+        if req.stream_members:  # the orchestrator's requests are answered by `StreamedGenerate` in front
             return StreamingResponse(_member_lines(loop, seqs, req), media_type="application/x-ndjson")
         await _unless_disconnected(request, [loop.generate(seq) for seq in seqs])
         return _generate_response(seqs, req)
@@ -470,7 +477,7 @@ def main(config_path: str, serving=None) -> None:
         (serving or serve)(cfg, log)
 
 
-def run_app(cfg, app: FastAPI, what: str) -> None:
+def run_app(cfg, app, what: str) -> None:
     """Serve `app` as the run's process `cfg` until SIGTERM: on its own socket (a taken port is not fatal where prl
     picked it), published for the run's clients."""
     import uvicorn
