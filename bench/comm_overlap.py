@@ -13,7 +13,8 @@ FSDP's own traffic stays small next to the experts'):
 Each step trains 32 samples of 128 tokens (one micro-batch per data-parallel rank). `--ratio R` sets each
 layout's link so that its serial step's exchanges take R x its compute: a short serial run at `--mbit`
 measures the ratio there, the link is set to `--mbit` x that / R (exchange time goes about as 1/bandwidth),
-and once more from there.
+and again from there until a 4-step run lands within 0.05 of R (at most 4 runs). The measured run's own ratio,
+which is reported, still moves by about 0.1 from its calibration's.
 The flagship plan's ratio (`prl plan recipes/glm5-131k-28xh200.toml`: expert all-to-all and CP gathers over
 the trainer's compute) is 0.82.
 
