@@ -58,25 +58,6 @@ def test_bucketed_folder_equals_the_whole_state(sharded_model, tmp_path, hf_form
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_weight_version_is_sealed_without_syncing_a_checkpoint_with(sharded_model, tmp_path, monkeypatch):
-    """A published version is re-publishable (the server checks its hashes), so sealing it syncs nothing to disk
-    on the step's path; a checkpoint's folder syncs every file, its manifest and the rename."""
-    import os
-
-    from prl.model.weights import verify_dir, write_weights
-    from prl.trainer.publish import publish
-    from prl.transport.sinks import FolderSink
-
-    synced = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
-    model, plain = sharded_model
-    path = publish(model, FolderSink(tmp_path / "weights", keep=2), 3)
-    assert synced == [] and verify_dir(path)["version"] == 3
-    write_weights(tmp_path / "ckpt", plain, {"version": 3})
-    assert len(synced) == 3, "the file, the manifest and the folder's parent"
-
-
 def test_fp8_tensors_are_quantised_in_their_bucket(sharded_model, tmp_path):
     from prl.model.fp8_checkpoint import SCALE_SUFFIX, dequantize_state_dict
     from prl.trainer.publish import publish

@@ -44,34 +44,27 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def file_entry(path: Path, durable: bool = True) -> dict:
-    """A file's manifest entry (size and sha256), after it is synced to disk (where `durable`)."""
-    if durable:
-        _fsync(path)
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry (size and sha256), after it is synced to disk."""
+    _fsync(path)
     return {"size": path.stat().st_size, "sha256": sha256(path)}
 
 
-def commit_dir(tmp: Path, final: Path, meta: dict, known: dict[str, dict] | None = None,
-               durable: bool = True) -> Path:
+def commit_dir(tmp: Path, final: Path, meta: dict, known: dict[str, dict] | None = None) -> Path:
     """Seal `tmp` with a manifest and rename it to `final` (atomic on one filesystem). `known`: entries
     other processes already took (each rank hashes its own shard); a file whose size differs from
-    its known entry is hashed again. `durable`: every file, the manifest and the rename synced to disk
-    (checkpoints); a published weight version is not (a process that dies keeps what it wrote; after the
-    machine itself stops, the run resumes from a checkpoint and publishes again, and a server refuses a
-    folder whose bytes do not match its hashes)."""
+    its known entry is hashed again."""
     files = {}
     for p in sorted(tmp.iterdir()):
         if p.is_file() and p.name != MANIFEST:
             entry = (known or {}).get(p.name)
-            files[p.name] = entry if entry and entry["size"] == p.stat().st_size else file_entry(p, durable)
+            files[p.name] = entry if entry and entry["size"] == p.stat().st_size else file_entry(p)
     (tmp / MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=1))
-    if durable:
-        _fsync(tmp / MANIFEST)
+    _fsync(tmp / MANIFEST)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    if durable:
-        _fsync(final.parent)
+    _fsync(final.parent)
     return final
 
 

@@ -84,7 +84,7 @@ class FolderSink(WeightSink):
         self.count += 1
 
     def seal(self, meta: dict) -> Path:
-        path = commit_dir(self.tmp, self.final, meta, durable=False)  # re-publishable: no fsync on the step's path
+        path = commit_dir(self.tmp, self.final, meta)
         prune_versions(self.root, self.keep)
         self.final = self.tmp = None
         return path
