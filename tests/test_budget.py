@@ -232,7 +232,7 @@ def test_a_group_frees_each_members_place_as_it_finishes(second_server, tmp_path
 def test_an_eval_sets_requests_leave_training_its_whole_budget(second_server, tmp_path):
     """An eval example's sequences count beside the rollouts (its set's `ShareGate` bounds them, not the
     rollout budget): with a budget of one group and an eval example of as many samples out on a real server,
-    training may still start its group."""
+    training may still start its group, on that server."""
     import asyncio
     import types
 
@@ -261,7 +261,8 @@ def test_an_eval_sets_requests_leave_training_its_whole_budget(second_server, tm
             async with orch.changed:
                 while True:
                     await orch.changed.wait()
-                    seen.append((orch.eval_requests.active, orch.rollouts.count(), orch._budget_open()))
+                    seen.append((orch.eval_requests.active, orch.rollouts.count(),
+                                 orch._budget_open() and orch._room(orch.pool.servers[0], 4)))
 
         watcher = asyncio.create_task(watch())
         resp = await orch.eval_sampler(0).generate(req)

@@ -32,8 +32,10 @@ def sequences(req):
     return [f"seq{i}" for i in range(req.n)]
 
 
-def call(body, path="/generate", auth=f"Bearer {SECRET}", length=True, disconnect_after=None, closed=None):
-    """One request through `StreamedGenerate`: the app's record, the messages sent back."""
+def call(body, path="/generate", auth=f"Bearer {SECRET}", length=True, disconnect_after=None, closed=None,
+         ctype="application/json", extra=(), messages=None):
+    """One request through `StreamedGenerate`: the app's record, the messages sent back. `messages`: what the
+    client sends instead of the whole body at once."""
     app, sent = Recorder(), []
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
 
@@ -49,16 +51,22 @@ def call(body, path="/generate", auth=f"Bearer {SECRET}", length=True, disconnec
 
     async def main():
         queue = asyncio.Queue()
-        queue.put_nowait({"type": "http.request", "body": raw, "more_body": False})
+        for message in messages or [{"type": "http.request", "body": raw, "more_body": False}]:
+            queue.put_nowait(message)
 
         async def send(message):
             sent.append(message)
             if disconnect_after is not None and len(sent) == disconnect_after:
                 queue.put_nowait({"type": "http.disconnect"})
+                await asyncio.sleep(0.05)  # the client's going away is seen while this line is being sent
 
         headers = [(b"authorization", auth.encode())] + ([(b"content-length", str(len(raw)).encode())] if length else [])
+        headers += [(b"content-type", ctype.encode())] if ctype else []
+        headers += [(k.encode(), v.encode()) for k, v in extra]
         scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
         await StreamedGenerate(app, SECRET, 1 << 20, sequences, lines)(scope, queue.get, send)
+        if closed is not None:
+            closed.append("returned")
 
     asyncio.run(main())
     return app.seen, sent
@@ -75,7 +83,8 @@ def test_a_good_member_stream_is_answered_without_the_app():
 def test_every_other_request_reaches_the_app_with_its_body_whole():
     cases = [({**GOOD, "stream_members": False}, {}), (GOOD, {"auth": "Bearer wrong"}), (GOOD, {"path": "/score"}),
              ({**GOOD, "temperature": -1}, {}), (b'{"prompt_ids": [5', {}), ({**GOOD, "prompt_ids": [99]}, {}),
-             (GOOD, {"length": False})]
+             (GOOD, {"length": False}), (GOOD, {"ctype": None}), (GOOD, {"ctype": "text/plain"}),
+             (GOOD, {"auth": "Bearer wrong", "extra": [("authorization", f"Bearer {SECRET}")]}), ({**GOOD, "prompt_ids": [5] * 400_000}, {})]
     for body, how in cases:
         seen, sent = call(body, **how)
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -83,8 +92,17 @@ def test_every_other_request_reaches_the_app_with_its_body_whole():
         assert sent[0]["status"] == 418, (body, how)
 
 
+def test_a_json_subtype_with_parameters_is_answered_and_a_client_gone_mid_body_is_dropped():
+    seen, sent = call(GOOD, ctype="application/vnd.prl+json; charset=utf-8")
+    assert seen == [] and sent[0]["status"] == 200
+    raw = json.dumps(GOOD).encode()
+    seen, sent = call(GOOD, messages=[{"type": "http.request", "body": raw[:5], "more_body": True},
+                                      {"type": "http.disconnect"}])
+    assert seen == [] and sent == [], "nothing answered, nothing handed on"
+
+
 def test_a_client_gone_mid_stream_closes_the_lines():
     closed = []
     seen, sent = call({**GOOD, "n": 50}, disconnect_after=3, closed=closed)
-    assert seen == [] and closed == [True]
+    assert seen == [] and closed == [True, "returned"], "the lines were closed before the request ended"
     assert len(sent) < 10 and not any(m.get("more_body") is False for m in sent), "the lines stopped at once"

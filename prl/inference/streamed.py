@@ -8,8 +8,9 @@ answered with the same lines (`prl.inference.server._member_lines`), and the cli
 its sequences as before.
 
 Rule: only a request this path would answer 200 is answered here. Anything else (another route, no body
-length, a body over the limit, a wrong bearer, a body that does not validate, no `stream_members`, a prompt
-the server refuses) goes to the app with its body replayed, so every error keeps the app's one shape.
+length, a body over the limit, a content type other than JSON, a header given twice, a wrong bearer, a body
+that does not validate, no `stream_members`, a prompt the server refuses) goes to the app with its body
+replayed, so every error keeps the app's one shape.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prl.inference.protocol import GenerateRequest
 from prl.transport.auth import bearer_ok
 
 HEADERS = [(b"content-type", b"application/x-ndjson")]
+READ = (b"authorization", b"content-length", b"content-type")  # the request headers this path reads
 
 
 class StreamedGenerate:
@@ -37,8 +39,7 @@ class StreamedGenerate:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/generate":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        size = headers.get(b"content-length", b"")
-        if not size.isdigit() or int(size) > self.max_body:
+        if not self.plain(scope["headers"], headers):
             return await self.app(scope, receive, send)  # the app refuses or reads it
         body, gone = await read_body(receive)
         if gone:
@@ -48,6 +49,15 @@ class StreamedGenerate:
             return await self.app(scope, replay(body, receive), send)
         await self.stream(*accepted, receive, send)
         return None
+
+    def plain(self, raw: list, headers: dict) -> bool:
+        """One JSON body of a stated length within the limit, each header this path reads given once."""
+        if len(raw) != len(headers) and any(sum(k == name for k, _ in raw) > 1 for name in READ):
+            return False
+        size = headers.get(b"content-length", b"")
+        kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        json_kind = kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+        return json_kind and size.isdigit() and int(size) <= self.max_body
 
     def accept(self, headers: dict, body: bytes):
         """(sequences, request) where this path answers the request, else None (the app does)."""
@@ -72,10 +82,11 @@ class StreamedGenerate:
             watching.cancel()
             pumping.cancel()
             try:
-                await pumping
-            except asyncio.CancelledError:
-                pass
-            await lines.aclose()
+                await asyncio.wait({pumping})  # its end, without taking this task's own cancellation
+            finally:
+                await lines.aclose()
+        if not pumping.cancelled() and pumping.exception() is not None:
+            raise pumping.exception()  # the lines failed: the connection closes mid-answer, as the app's would
 
 
 async def pump(lines, send) -> None:

@@ -186,7 +186,7 @@ class Orchestrator:
         self.unscored_in_a_row = 0  # since the last group a model scored
         self.judge_unparsed = 0  # judge answers that gave no score, since the last batch
         self.pool.on_metrics = self.observe_kv
-        self.pool.room = lambda server, n: server.active + n <= self.budget.limits[server.index]
+        self.pool.room = self._room
         self.groups_per_batch = r.rl.batch_size // r.rl.group_size
         self.served = -1
         self.inflight_groups = 0
@@ -210,7 +210,9 @@ class Orchestrator:
         self.held_out = self.evals.held_out_from()  # training's example indices stay below it
 
     def backend(self, index: int, url: str) -> InferenceBackend:
-        spec, conns = registry.get(self.cfg.backend), self.rl.max_inflight_rollouts + 8
+        cap = self.rl.max_inflight_rollouts
+        conns = cap + 8 + sum(math.ceil(e.max_share * cap) for e in self.cfg.eval.values())  # eval sets beside
+        spec = registry.get(self.cfg.backend)
         client = spec.make_client(url, self.cfg.secret(), conns, **spec.client_options(self.tokenizer, self.cfg))
         client.locate = self.locator(f"inference-{index}", url)
         return client
@@ -236,6 +238,11 @@ class Orchestrator:
 
     def observe_kv(self, server, metrics) -> None:
         self.budget.observe(server.index, metrics.kv_usage, max(self.rollouts.count(), self.evals.wanted()))
+
+    def _room(self, server, n: int) -> bool:
+        """Whether `server` can take n more sequences: its rollout limit, plus the eval sets' sequences in flight
+        (beside the budget; counted over all servers, so a server running them may go over its share by as much)."""
+        return server.active + n <= self.budget.limits[server.index] + self.eval_requests.active
 
     def inflight_budget(self) -> int:
         return self.budget.total([s.up for s in self.pool.servers])
