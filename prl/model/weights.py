@@ -156,15 +156,15 @@ def nonfinite_names(state: dict[str, "torch.Tensor"]) -> list[str]:
     import torch
 
     floats = {k: v for k, v in state.items() if v.is_floating_point()}
-    suspects = [k for k, v in floats.items() if str(v.dtype).removeprefix("torch.") not in SCREENED]
+    suspects = {k for k, v in floats.items() if str(v.dtype).removeprefix("torch.") not in SCREENED}
     by_device: dict = {}
     for k, v in floats.items():
         if k not in suspects:
             by_device.setdefault(v.device, []).append(k)
     for names in by_device.values():
         norms = torch.stack([n.float() for n in torch._foreach_norm([floats[k] for k in names])])
-        suspects += [names[i] for i in (~torch.isfinite(norms)).nonzero()[:, 0].tolist()]
-    return [k for k in floats if k in set(suspects) and not torch.isfinite(floats[k].float()).all()]
+        suspects.update(names[i] for i in (~torch.isfinite(norms)).nonzero()[:, 0].tolist())
+    return [k for k in floats if k in suspects and not torch.isfinite(floats[k].float()).all()]
 
 
 WEIGHTS_PREFIX = "weights_"  # checkpoints/weights_N: weights alone (no optimizer: never resumed from), for eval sets
