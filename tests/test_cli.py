@@ -4,6 +4,7 @@ what is wrong and a non-zero exit, never a traceback; nothing starts."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -130,3 +131,12 @@ def test_a_task_whose_own_code_fails_is_one_line_not_a_traceback(tmp_path):
     p = prl("run", "recipe.toml", "--dry-run", cwd=tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out and "ZeroDivisionError" in out and "custom" in out, out
+
+
+def test_the_checks_before_a_run_leave_torch_unimported():
+    """`prl run`'s checks of a recipe (tokenizer, task, prompts, built-in objective) run before any process starts,
+    on the path of every run's start-up: they import no torch (1-1.5 s of a core), which the processes import."""
+    code = ("import sys; from prl.launch.checks import load; from prl.launch.driver import preflight; "
+            f"preflight(load({str(RECIPE)!r}, [])); print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.split()[-1] == "False", p.stdout[-2000:] + p.stderr[-2000:]

@@ -56,10 +56,10 @@ def test_overlapped_steps_equal_serial_ones_over_a_shaped_link(model_dir, tmp_pa
 def test_a_rank_killed_mid_exchange_fails_the_step_without_hanging(model_dir, tmp_path):
     """At 20 Mbit/s most of a step is exchanges: host b's rank killed once steps run leaves host a's
     rank waiting on one; it fails with gloo's closed connection (the trainer's supervisor then restarts
-    the trainer, tests/test_faults.py), at the latest at the process group's timeout (60 s here: where
+    the trainer, tests/test_faults.py), at the latest at the process group's timeout (30 s here: where
     the close never reaches it, seen once in FSDP's gather), never hanging past it."""
     with ShapedLink(2, 20) as link, torchrun(link, HERE / "dist_overlap.py",
-                                             [str(model_dir), str(tmp_path / "x.pt"), spec(200, 60)]) as procs:
+                                             [str(model_dir), str(tmp_path / "x.pt"), spec(200, 30)]) as procs:
         first = procs[0].stdout.readline
         while not (line := first()).startswith("step 1"):
             assert line, "rank 0 ended before its second step"

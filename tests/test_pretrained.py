@@ -144,3 +144,33 @@ def test_a_tiny_model_folder_is_written_once_then_copied_from_the_cache(tmp_path
     assert all((first / n).read_bytes() == (second / n).read_bytes() for n in names)
     other = Recipe.model_validate({"model": {"num_layers": 2}}).model
     assert cache_dir(other) != cache_dir(model)  # another section, another entry
+
+
+def test_a_generic_tokenizer_loads_as_auto_tokenizer_loads_it(tmp_path):
+    """A folder whose tokenizer is transformers' generic fast one loads without AutoTokenizer, as the same
+    tokenizer (class, ids, specials, chat template, decoding); any other class, or code of the folder's own, goes
+    through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from prl.model.build import generic_tokenizer, load_tokenizer
+    from test_envs import chat_tokenizer
+
+    chat_tokenizer().save_pretrained(tmp_path / "chat")
+    folder = tmp_path / "chat"
+    assert generic_tokenizer(folder)
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto) and ours.chat_template == auto.chat_template
+    assert (ours.eos_token_id, ours.all_special_ids, len(ours)) == (auto.eos_token_id, auto.all_special_ids, len(auto))
+    convo = [{"role": "user", "content": "rev: abc"}, {"role": "assistant", "content": "cba"}]
+    for text in ("abc def", "<|im_start|>x<|im_end|>", "\n?!"):
+        assert ours(text).input_ids == auto(text).input_ids
+    assert ours.apply_chat_template(convo, add_generation_prompt=True) == \
+        auto.apply_chat_template(convo, add_generation_prompt=True)
+    assert ours.decode(auto("abc def").input_ids) == "abc def"
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for change in ({"tokenizer_class": "Qwen2Tokenizer"}, {"auto_map": {"AutoTokenizer": ["x.T", None]}}):
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+        assert not generic_tokenizer(folder), change
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").unlink()
+    assert not generic_tokenizer(folder) and not generic_tokenizer(tmp_path / "missing")

@@ -91,12 +91,12 @@ def create_app(scorer: Scorer, secret: str) -> FastAPI:
 def serve(cfg, log) -> None:
     import torch
 
-    from prl.model.build import DTYPES, load_tokenizer
+    from prl.model.build import load_tokenizer, torch_dtype
     from prl.model.pretrained import load_pretrained
 
     rm = cfg.reward_model
     torch.set_num_threads(rm.threads)
-    scorer = Scorer(load_pretrained(rm.path, DTYPES[rm.dtype], head="reward"), load_tokenizer(rm.path), rm.max_tokens)
+    scorer = Scorer(load_pretrained(rm.path, torch_dtype(rm.dtype), head="reward"), load_tokenizer(rm.path), rm.max_tokens)
     run_app(cfg, create_app(scorer, cfg.secret()), f"reward model {rm.path}, {rm.dtype}")
 
 

@@ -274,7 +274,12 @@ def check_device(recipe: Recipe) -> None:
 def check_objective(recipe: Recipe) -> None:
     """A user's objective (`trainer.loss.correction = "module:function"`) imports and, on a small batch,
     returns a per-token loss with a gradient, and an objective that needs whole samples has no context
-    parallelism; else one line naming the key, before anything starts."""
+    parallelism; else one line naming the key, before anything starts. A built-in one on one context rank needs no
+    check (nor torch, which the rest of the checks leave unimported)."""
+    from prl.recipe.schema import BUILTIN_OBJECTIVES
+
+    if recipe.trainer.loss.correction in BUILTIN_OBJECTIVES and recipe.trainer.parallel.cp == 1:
+        return
     from prl.trainer.loss import ObjectiveError, check_objective
 
     try:
