@@ -147,30 +147,39 @@ def test_a_tiny_model_folder_is_written_once_then_copied_from_the_cache(tmp_path
 
 
 def test_a_generic_tokenizer_loads_as_auto_tokenizer_loads_it(tmp_path):
-    """A folder whose tokenizer is transformers' generic fast one loads without AutoTokenizer, as the same
-    tokenizer (class, ids, specials, chat template, decoding); any other class, or code of the folder's own, goes
-    through AutoTokenizer."""
+    """A folder of prl's tiny families (or a tokenizer alone) whose tokenizer is transformers' generic fast one loads
+    without AutoTokenizer, as the same tokenizer (class, ids, specials, chat template, decoding); another class, code
+    of the folder's own, or a model type for which AutoTokenizer picks a class of its own goes through AutoTokenizer."""
     from transformers import AutoTokenizer
 
     from prl.model.build import generic_tokenizer, load_tokenizer
+    from prl.model.tiny import write_model_dir
+    from prl.recipe.schema import ModelCfg
     from test_envs import chat_tokenizer
 
     chat_tokenizer().save_pretrained(tmp_path / "chat")
-    folder = tmp_path / "chat"
-    assert generic_tokenizer(folder)
-    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    assert type(ours) is type(auto) and ours.chat_template == auto.chat_template
-    assert (ours.eos_token_id, ours.all_special_ids, len(ours)) == (auto.eos_token_id, auto.all_special_ids, len(auto))
+    folders = [tmp_path / "chat", *(write_model_dir(ModelCfg(arch=a), tmp_path / a) for a in ("glm_moe_dsa", "qwen3_moe"))]
     convo = [{"role": "user", "content": "rev: abc"}, {"role": "assistant", "content": "cba"}]
-    for text in ("abc def", "<|im_start|>x<|im_end|>", "\n?!"):
-        assert ours(text).input_ids == auto(text).input_ids
-    assert ours.apply_chat_template(convo, add_generation_prompt=True) == \
-        auto.apply_chat_template(convo, add_generation_prompt=True)
-    assert ours.decode(auto("abc def").input_ids) == "abc def"
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    for change in ({"tokenizer_class": "Qwen2Tokenizer"}, {"auto_map": {"AutoTokenizer": ["x.T", None]}}):
-        (folder / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+    for folder in folders:
+        assert generic_tokenizer(folder), folder
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+        assert type(ours) is type(auto) and ours.chat_template == auto.chat_template
+        assert (ours.eos_token_id, ours.all_special_ids, len(ours)) == (auto.eos_token_id, auto.all_special_ids, len(auto))
+        for text in ("abc def", "<|im_start|>x<|im_end|>", "\n?!"):
+            assert ours(text).input_ids == auto(text).input_ids
+        if ours.chat_template:
+            assert ours.apply_chat_template(convo, add_generation_prompt=True) == \
+                auto.apply_chat_template(convo, add_generation_prompt=True)
+        assert ours.decode(auto("abc def").input_ids) == auto.decode(auto("abc def").input_ids)
+    folder = folders[1]
+    tokenizer, config = (json.loads((folder / f).read_text()) for f in ("tokenizer_config.json", "config.json"))
+    for name, change in (("tokenizer_config.json", {"tokenizer_class": "Qwen2Tokenizer"}),
+                         ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.T", None]}}),
+                         ("config.json", {"model_type": "qwen2"})):  # AutoTokenizer: Qwen2Tokenizer, whatever it names
+        original = tokenizer if name == "tokenizer_config.json" else config
+        (folder / name).write_text(json.dumps({**original, **change}))
         assert not generic_tokenizer(folder), change
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / name).write_text(json.dumps(original))
+    assert generic_tokenizer(folder)
     (folder / "tokenizer.json").unlink()
     assert not generic_tokenizer(folder) and not generic_tokenizer(tmp_path / "missing")

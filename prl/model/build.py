@@ -34,13 +34,16 @@ def build_model(model_dir: str | Path, seed: int = 0, dtype: str = "float32"):
 
 
 GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}  # transformers' generic fast tokenizer
+# model types for which AutoTokenizer keeps a generic class the folder names (prl's tiny families; for some other
+# types it loads a class of the type's own instead, e.g. qwen2's)
+GENERIC_MODEL_TYPES = {"glm_moe_dsa", "qwen3_moe"}
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The folder's tokenizer, as `AutoTokenizer` loads it. A folder whose tokenizer_config.json names transformers'
-    generic fast tokenizer (a `tokenizer.json` alone: prl's tiny models, many exported ones) is loaded by that class
-    directly: the same object, without importing the model registry `AutoTokenizer` pulls in (3-4 s of a core in
-    each process that only tokenizes: the orchestrator, `prl run`'s checks)."""
+    """The folder's tokenizer, as `AutoTokenizer` loads it. A folder of prl's tiny families whose tokenizer is
+    transformers' generic fast one (a `tokenizer.json`) is loaded by that class directly: the same object, without
+    the model registry `AutoTokenizer` imports (3-4 s of a core in each process that only tokenizes: the
+    orchestrator, `prl run`'s checks)."""
     if generic_tokenizer(Path(model_dir)):
         from transformers import PreTrainedTokenizerFast
 
@@ -51,12 +54,22 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def generic_tokenizer(folder: Path) -> bool:
-    """The folder's tokenizer is transformers' generic fast one (its class named, a tokenizer.json, no code)."""
+    """AutoTokenizer would load the folder's tokenizer as transformers' generic fast one: its tokenizer_config.json
+    names that class and no code of its own, a tokenizer.json is there, and config.json (if any) is of a model type
+    for which AutoTokenizer keeps the class named."""
+    tokenizer, config = json_of(folder / "tokenizer_config.json"), json_of(folder / "config.json")
+    if not isinstance(tokenizer, dict) or not (folder / "tokenizer.json").is_file():
+        return False
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return (tokenizer.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in tokenizer
+            and (not (folder / "config.json").exists() or model_type in GENERIC_MODEL_TYPES))
+
+
+def json_of(path: Path):
+    """The file's JSON, or None where it is missing or not JSON."""
     import json
 
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_TOKENIZERS
-            and "auto_map" not in config and (folder / "tokenizer.json").is_file())
+        return None
