@@ -99,6 +99,46 @@ def test_sender_waits_for_a_late_endpoint_and_resume_point(tmp_path):
         ep.stop()
 
 
+def test_a_request_to_a_port_held_by_another_process_follows_the_endpoint_where_it_publishes(tmp_path):
+    """The configured port is held by a process that accepts and never answers; the trainer, moved off it, starts
+    later and publishes where it listens: a request sent to the holder goes there as soon as it is published,
+    not after `hang_timeout_s` (300 s here), and no hang is reported."""
+    from prl.transport import ports
+
+    holder = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    taken = f"http://127.0.0.1:{holder.getsockname()[1]}"
+    ep = TrainerEndpoint(tmp_path / "trainer", SECRET, "127.0.0.1", 0, name="trainer")
+    hung: list[str] = []
+
+    async def go():
+        client = TrainerClient(taken, SECRET, hang_timeout_s=300, on_hang=hung.append,
+                               locate=lambda: ports.url_of(tmp_path / "trainer", "trainer", taken))
+        request = asyncio.ensure_future(client.resume_point())
+        while not holder_connected():  # the request waits on the holder
+            await asyncio.sleep(0.05)
+        ep.start()  # publishes its port
+        ep.set_base(3, 24)
+        point = await asyncio.wait_for(request, 120)
+        await client.close()
+        return point, client.base_url
+
+    def holder_connected() -> bool:
+        holder.settimeout(0)
+        try:
+            conns.append(holder.accept()[0])
+        except BlockingIOError:
+            pass
+        return bool(conns)
+
+    conns: list[socket.socket] = []
+    try:
+        assert asyncio.run(go()) == ((3, 24, []), url(ep)) and not hung
+    finally:
+        ep.stop()
+        for c in (*conns, holder):
+            c.close()
+
+
 def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
     root = endpoint.weights_root
     state = {"w": torch.randn(64, 64), "b": torch.randn(64)}

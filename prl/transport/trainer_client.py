@@ -19,6 +19,9 @@ from prl.transport.batch import TrainBatch
 from prl.transport.rollouts import batch_bytes
 
 
+LOCATE_EVERY_S = 0.25  # how often a request waiting on the endpoint looks where it published it listens
+
+
 class TrainerUnreachable(RuntimeError):
     pass
 
@@ -51,7 +54,9 @@ class TrainerClient:
         while True:
             self.retarget()
             try:
-                r = await self.http.request(method, path, **kw)
+                r = await self._attempt(method, path, **kw)
+                if r is None:  # the endpoint published another place while this one said nothing: ask there
+                    continue
                 self.hung = False
                 if r.status_code < 500:
                     r.raise_for_status()
@@ -69,6 +74,23 @@ class TrainerClient:
                                          f"{self.deadline_s:.0f}s; last error: {last}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def _attempt(self, method: str, path: str, **kw) -> httpx.Response | None:
+        """One request; None, the request dropped, if the endpoint publishes another place while it waits (the
+        configured port may be held by a process that accepts and never answers until the trainer, which moved off
+        it, publishes where it listens). Every request here may be sent again."""
+        if self.locate is None:
+            return await self.http.request(method, path, **kw)
+        task = asyncio.ensure_future(self.http.request(method, path, **kw))
+        try:
+            while not (await asyncio.wait({task}, timeout=LOCATE_EVERY_S))[0]:
+                if self.retarget():
+                    return None
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def send_batch(self, batch: TrainBatch) -> None:
         data = batch_bytes(batch)
