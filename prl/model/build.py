@@ -57,12 +57,14 @@ def generic_tokenizer(folder: Path) -> bool:
     """AutoTokenizer would load the folder's tokenizer as transformers' generic fast one: its tokenizer_config.json
     names that class and no code of its own, a tokenizer.json is there, and config.json (if any) is of a model type
     for which AutoTokenizer keeps the class named."""
-    tokenizer, config = json_of(folder / "tokenizer_config.json"), json_of(folder / "config.json")
-    if not isinstance(tokenizer, dict) or not (folder / "tokenizer.json").is_file():
+    tokenizer = json_of(folder / "tokenizer_config.json")
+    if not (isinstance(tokenizer, dict) and tokenizer.get("tokenizer_class") in GENERIC_TOKENIZERS
+            and "auto_map" not in tokenizer and (folder / "tokenizer.json").is_file()):
         return False
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    return (tokenizer.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in tokenizer
-            and (not (folder / "config.json").exists() or model_type in GENERIC_MODEL_TYPES))
+    if not (folder / "config.json").exists():  # a tokenizer alone
+        return True
+    config = json_of(folder / "config.json")
+    return isinstance(config, dict) and config.get("model_type") in GENERIC_MODEL_TYPES
 
 
 def json_of(path: Path):

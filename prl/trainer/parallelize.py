@@ -20,12 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from prl.model.build import torch_dtype
 from prl.parallel_dims import ParallelDims, shard_layout
 from prl.recipe.schema import TrainerCfg
 from prl.trainer import context_parallel, head, lean
 from prl.trainer.expert_parallel import reduce_expert_grads, shard_experts
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -58,7 +57,7 @@ class Parallel:
                              f"an attention other than sdpa or eager): use overlap = true")
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
-        self.model = apply_fsdp(model, dims.mesh("fsdp"), DTYPES[tcfg.dtype], set(self.expert_params))
+        self.model = apply_fsdp(model, dims.mesh("fsdp"), torch_dtype(tcfg.dtype), set(self.expert_params))
 
     def finish_grads(self) -> None:
         """After backward, before the norm: expert gradients averaged as FSDP averaged the rest."""
