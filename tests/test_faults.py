@@ -82,9 +82,11 @@ def pid_of(run_dir: Path, name: str) -> int:
 
 
 def trainer_rank(run_dir: Path) -> int:
-    """The worker process of the trainer's torchrun (rank 0), not torchrun itself."""
+    """The trainer's rank 0: the worker process of its torchrun (not torchrun itself), or the process itself when
+    its one rank runs alone."""
     leader = psutil.Process(pid_of(run_dir, "trainer"))
-    return next(c.pid for c in leader.children(recursive=True) if "prl.trainer" in " ".join(c.cmdline()))
+    return next(p.pid for p in [leader, *leader.children(recursive=True)]
+                if "prl.trainer" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline())
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> str:

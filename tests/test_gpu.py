@@ -299,7 +299,7 @@ def test_a_version_crosses_an_nccl_weight_group_and_a_dead_sender_fails_the_rece
 # ---------------------------------------------------------------- the trainer on CUDA
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
-    """`python -m prl.trainer` under torchrun on CUDA (NCCL, FSDP2) against the same run on CPU: the same
+    """`python -m prl.trainer` on CUDA (NCCL, FSDP2; one rank alone, two under torchrun) against the same run on CPU: the same
     first loss, and updates (two AdamW steps) that agree."""
     from test_run import events
     from test_trainer import run_trainer
@@ -326,7 +326,7 @@ def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
 def run_lora_trainer(run_dir: Path, steps: int = 2) -> subprocess.CompletedProcess:
     """tests/test_trainer.py's run_trainer (its batches, one rank) with trainer.lora (rank 4 on the attention,
     dense MLP and shared experts) and a KL term to the base."""
-    from test_trainer import samples
+    from test_trainer import samples, trainer_command
 
     from prl.launch.configs import resolve
     from prl.model.tiny import write_model_dir
@@ -339,12 +339,12 @@ def run_lora_trainer(run_dir: Path, steps: int = 2) -> subprocess.CompletedProce
                                     "trainer": {"nproc": 1, "micro_batch_tokens": 40,
                                                 "lora": {"rank": 4, "alpha": 8.0}, "loss": {"kl_coef": 0.1}}})
     write_model_dir(recipe.model, run_dir / "model")
-    path = write_configs(resolve(recipe, run_dir, write_secret(run_dir)), run_dir)["trainer"]
+    configs = resolve(recipe, run_dir, write_secret(run_dir))
+    write_configs(configs, run_dir)
     transport = FilesystemRolloutTransport(run_dir / "rollouts")
     for step in range(steps):
         transport.send(TrainBatch(step, pack(samples(step), 1, 40), data_position=8 * (step + 1)))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           "-m", "prl.trainer", "--config", str(path)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(trainer_command(configs), capture_output=True, text=True, timeout=300)
 
 
 def test_the_lora_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch):

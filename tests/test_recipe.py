@@ -198,6 +198,21 @@ def test_dry_run_prints_recipe_and_plan(tmp_path):
     assert "torch.distributed.run" in out and "--nproc-per-node=2" in out and "prl.inference" in out
 
 
+def test_one_trainer_rank_runs_without_torchrun(tmp_path):
+    """trainer.nproc = 1 on this machine: the rank is the process the driver starts (`--alone`), with no torchrun
+    agent around it; two ranks go under torchrun."""
+    from prl.launch.configs import resolve
+    from prl.launch.processes import make_plan
+
+    def trainer_cmd(nproc: int) -> list[str]:
+        recipe = load_recipe(ROOT / "recipes/reverse-tiny.toml", [f"trainer.nproc={nproc}"])
+        return next(s.cmd for s in make_plan(resolve(recipe, tmp_path), tmp_path) if s.role == "trainer")
+
+    alone, two = trainer_cmd(1), trainer_cmd(2)
+    assert alone[1:3] == ["-m", "prl.trainer"] and alone[-1] == "--alone", alone
+    assert two[1:3] == ["-m", "torch.distributed.run"] and "--alone" not in two, two
+
+
 @pytest.mark.parametrize("text,key,words", [
     ("[inference]\nbackend = 'vllm'\n[sampling]\ntop_p = 0.9\n", "sampling.top_p", "after top-p truncation"),
     ("[inference]\nbackend = 'vllm'\n[inference.vllm]\nport = 9\n", "inference.vllm.port", "prl sets --port itself"),

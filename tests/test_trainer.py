@@ -39,12 +39,18 @@ def run_trainer(run_dir, nproc: int, steps: int, extra=(), checkpoint_format: st
     if not (run_dir / "model").exists():
         write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
-    path = write_configs(configs, run_dir)["trainer"]
+    write_configs(configs, run_dir)
     transport = FilesystemRolloutTransport(run_dir / "rollouts")
     for step in range(steps):
         transport.send(TrainBatch(step, pack(samples(step), nproc, 40), data_position=8 * (step + 1)))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           "-m", "prl.trainer", "--config", str(path), *extra], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*trainer_command(configs), *extra], capture_output=True, text=True, timeout=300)
+
+
+def trainer_command(configs) -> list[str]:
+    """The trainer's command as `prl run` starts it (its config as written): one rank alone, more under torchrun."""
+    from prl.launch.processes import process_command
+
+    return process_command(next(c for c in configs if c.role == "trainer"), sys.executable)
 
 
 def test_one_and_two_ranks_agree_and_checkpoint(tmp_path):

@@ -41,6 +41,11 @@ class ProcessSpec:
 
 
 def trainer_command(cfg: TrainerConfig, python: str) -> list[str]:
+    """One rank on one host runs as the process itself (`prl.trainer` sets up its one-rank group): torchrun's agent
+    would add about 2 s of imports before the rank starts and a second after it ends, at every start and restart."""
+    entry = ["-m", "prl.trainer", "--config", cfg.config_path]
+    if cfg.trainer.nproc == 1 and not cfg.rendezvous:
+        return [python, *entry, "--alone"]
     run = [python, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.trainer.nproc}"]
     if not cfg.rendezvous:
         run.append("--standalone")
@@ -48,7 +53,7 @@ def trainer_command(cfg: TrainerConfig, python: str) -> list[str]:
         address, _, port = cfg.rendezvous.rpartition(":")
         run += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.index}", f"--master-addr={address}",
                 f"--master-port={port}"]
-    return [*run, "-m", "prl.trainer", "--config", cfg.config_path]
+    return [*run, *entry]
 
 
 def process_command(cfg: ProcessConfig, python: str = sys.executable) -> list[str]:

@@ -1,16 +1,21 @@
 import argparse
 import os
+import sys
 
 from prl.system import die_with_parent
 
-# torchrun starts its workers in sessions of their own, out of reach of the signal that stops
-# torchrun's process group: a worker dies with torchrun instead (also when it is stopped, SIGSTOP)
-die_with_parent()
-if os.getppid() == 1:
-    raise SystemExit("prl.trainer: torchrun exited before this worker started")
+if "--alone" not in sys.argv:
+    # torchrun starts its workers in sessions of their own, out of reach of the signal that stops
+    # torchrun's process group: a worker dies with torchrun instead (also when it is stopped, SIGSTOP).
+    # Alone (one rank on one host) this process is the one the driver starts and stops.
+    die_with_parent()
+    if os.getppid() == 1:
+        raise SystemExit("prl.trainer: torchrun exited before this worker started")
 
 from prl.trainer.trainer import main  # noqa: E402
 
-parser = argparse.ArgumentParser(prog="python -m prl.trainer", description="prl trainer (run under torchrun)")
+parser = argparse.ArgumentParser(prog="python -m prl.trainer", description="prl trainer (one rank, or under torchrun)")
 parser.add_argument("--config", required=True, help="the resolved process config (JSON) written by `prl run`")
-main(parser.parse_args().config)
+parser.add_argument("--alone", action="store_true", help="the only rank, not under torchrun (a group of one)")
+args = parser.parse_args()
+main(args.config, alone=args.alone)

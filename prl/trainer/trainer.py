@@ -93,8 +93,9 @@ def vocab_size(model_dir) -> int | None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig):
+    def __init__(self, cfg: TrainerConfig, alone: bool = False):
         self.cfg, r = cfg, cfg
+        self.alone = alone  # started by the driver as the only rank (`--alone`), not under torchrun
         self.tcfg, self.rl = r.trainer, r.rl
         self.run_dir = cfg.run_path
         self.temperature = r.sampling.temperature or 1.0
@@ -115,7 +116,10 @@ class Trainer:
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend)
+        if self.alone:  # one rank on one host, no torchrun: a group of one, its store in this process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dims = self.tcfg.parallel.dims(self.world)  # the layout: rank arithmetic and meshes
         # trainer.publish_overlap: versions published on a thread, their shards on a group of their own (gloo:
@@ -503,7 +507,7 @@ class ReadAhead:
         return read(step) if isinstance(got, BaseException) else got
 
 
-def main(config_path: str) -> None:
+def main(config_path: str, alone: bool = False) -> None:
     import sys
 
     from prl.recipe.resolve import load_process_config
@@ -511,7 +515,7 @@ def main(config_path: str) -> None:
     cfg = load_process_config(config_path)
     name = f"{cfg.name} rank {os.environ.get('RANK', '0')}"
     with reporting_errors(EventLog(cfg.run_path / "metrics.jsonl", "trainer"), name):
-        Trainer(cfg).run()
+        Trainer(cfg, alone).run()
     # Everything is sealed and the process group destroyed: leave without the interpreter's teardown,
     # where a C++ thread of torch.distributed can abort a finished rank ("terminate called without an
     # active exception", SIGABRT; seen in 2 of 3 full suite runs after the last checkpoint was written).
