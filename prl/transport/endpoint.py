@@ -75,7 +75,9 @@ class TrainerEndpoint:
         self.server.server_address = self.server.socket.getsockname()
         self.server.daemon_threads = True
         self.run_dir, self.name, self.host = Path(run_dir), name, host
-        self.thread = threading.Thread(target=self.server.serve_forever, name="trainer-endpoint", daemon=True)
+        # a short poll: `stop` waits for the serving loop to see it (the trainer's last act before it exits)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="trainer-endpoint",
+                                       daemon=True)
 
     @property
     def port(self) -> int:
