@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 from pathlib import Path
@@ -9,6 +11,18 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+
+
+def _freeze_at_exit() -> None:
+    """Every object out of the collector's passes as the interpreter ends: its teardown then frees them without
+    tracing them (`prl run` itself exited 0.25 s after its last line, 0.03 s this way). Not once Triton is loaded
+    (transformers' modeling code imports it through torch's compiler): its bindings would report their frozen
+    objects as leaked on stderr."""
+    if "triton" not in sys.modules:
+        gc.freeze()
+
+
+atexit.register(_freeze_at_exit)
 
 HELP = {"help_option_names": ["-h", "--help"]}
 # rich_markup_mode=None: help texts name TOML tables ([cluster]) that rich markup would swallow
