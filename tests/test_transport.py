@@ -144,9 +144,10 @@ def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
     state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     write_weights(root / "v1", state, {"version": 1})
 
-    polling, latest = threading.Event(), endpoint.latest
+    polling, latest, waits = threading.Event(), endpoint.latest, []
 
     def spy(after, wait_s):  # the endpoint's long poll for a version after 1 has begun
+        waits.append(wait_s)
         if after == 1:
             polling.set()
         return latest(after, wait_s)
@@ -162,12 +163,17 @@ def test_weights_long_poll_and_verified_fetch(endpoint, tmp_path):
         client = TrainerClient(url(endpoint), SECRET)
         now = await client.latest_version(after=-1, wait_s=5)
         newer = await client.latest_version(after=1, wait_s=120)
+        for hang in (8.0, 120.0):  # a poll waits at most half the hang timeout, and 10 s: a stopped trainer is told
+            quick = TrainerClient(url(endpoint), SECRET, hang_timeout_s=hang)  # from a poll within 1.5 x the timeout
+            await quick.latest_version(after=-1)
+            await quick.close()
         await client.close()
         return now, newer
 
     threading.Thread(target=publish_later).start()
     # v2 is written only once the endpoint polls for a version after 1: answering 2 means it waited
     assert asyncio.run(poll()) == (1, 2)
+    assert waits == [5.0, 120.0, 4.0, 10.0], waits
     fetch = HttpFetch(url(endpoint), SECRET, tmp_path / "server_host" / "weights", keep=1)
     downloads, download = [], fetch._download
     fetch._download = lambda version, final: downloads.append(version) or download(version, final)

@@ -106,7 +106,11 @@ class TrainerClient:
         meta = (await self._request("GET", "/resume")).json()
         return meta["step"], meta["data_position"], meta.get("data_ahead", [])
 
-    async def latest_version(self, after: int, wait_s: float = 10.0) -> int:
+    async def latest_version(self, after: int, wait_s: float | None = None) -> int:
+        """The newest sealed version, long-polled for one newer than `after`. A stopped endpoint is told from a long
+        poll only once the poll's own wait is past: by default half the hang timeout, at most 10 s (a hung trainer is
+        reported within 1.5 x `hang_timeout_s`, or the timeout plus 10 s)."""
+        wait_s = min(10.0, self.hang_timeout_s / 2) if wait_s is None else wait_s
         r = await self._request("GET", "/weights/latest", params={"after": after, "wait": wait_s},
                                 timeout=wait_s + self.hang_timeout_s)
         return r.json()["version"]
