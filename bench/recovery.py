@@ -53,7 +53,9 @@ def target_pid(evs: list[dict], name: str) -> int:
     pid = [e for e in evs if e["kind"] == "process" and e["name"] == lookup and e.get("pid")][-1]["pid"]
     if name != "trainer-rank":
         return pid
-    return next(c.pid for c in psutil.Process(pid).children(recursive=True) if "prl.trainer" in " ".join(c.cmdline()))
+    leader = psutil.Process(pid)  # the rank itself when it runs alone, else torchrun's worker
+    return next(p.pid for p in [leader, *leader.children(recursive=True)]
+                if "prl.trainer" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline())
 
 
 def one_run(out: Path, name: str, args, fault: tuple[str, signal.Signals] | None) -> dict:
