@@ -478,7 +478,8 @@ def main(config_path: str, serving=None) -> None:
     with reporting_errors(log, cfg.name):
         (serving or serve)(cfg, log)
     # stopped cleanly (SIGTERM, its requests answered or dropped): leave without the interpreter's teardown, which
-    # takes about a second with torch loaded and holds only what this process drops anyway
+    # frees only what the exit drops anyway (0.2 s after the heap freeze with torch and transformers loaded, 1.3 s
+    # without it; 0.07 s this way)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
