@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 FAULTS = {  # name -> (process whose pid is signalled, signal)
     "server SIGKILL": ("inference-0", signal.SIGKILL),
     "server SIGSTOP": ("inference-0", signal.SIGSTOP),
@@ -53,9 +53,9 @@ def target_pid(evs: list[dict], name: str) -> int:
     pid = [e for e in evs if e["kind"] == "process" and e["name"] == lookup and e.get("pid")][-1]["pid"]
     if name != "trainer-rank":
         return pid
-    leader = psutil.Process(pid)  # the rank itself when it runs alone, else torchrun's worker
-    return next(p.pid for p in [leader, *leader.children(recursive=True)]
-                if "prl.trainer" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline())
+    from test_faults import rank_of_trainer
+
+    return rank_of_trainer(pid)
 
 
 def one_run(out: Path, name: str, args, fault: tuple[str, signal.Signals] | None) -> dict:

@@ -28,24 +28,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def prepare(run_dir: Path, steps: int) -> Path:
-    """A trainer's run folder with its config written and `steps` batches waiting; returns its config."""
-    from test_trainer import samples
+    """A trainer's run folder with `steps` batches waiting (tests/test_trainer.py's); returns its config."""
+    from test_trainer import prepare_trainer
 
-    from prl.launch.configs import resolve
-    from prl.model.tiny import write_model_dir
-    from prl.recipe.resolve import write_configs, write_secret
-    from prl.recipe.schema import Recipe
-    from prl.transport.batch import TrainBatch, pack
-    from prl.transport.rollouts import FilesystemRolloutTransport
-
-    recipe = Recipe.model_validate({"sft": {"steps": 0}, "rl": {"max_steps": steps, "batch_size": 8, "group_size": 4},
-                                    "trainer": {"nproc": 1, "micro_batch_tokens": 40, "checkpoint_every": 0}})
-    write_model_dir(recipe.model, run_dir / "model")
-    path = write_configs(resolve(recipe, run_dir, write_secret(run_dir)), run_dir)["trainer"]
-    transport = FilesystemRolloutTransport(run_dir / "rollouts")
-    for step in range(steps):
-        transport.send(TrainBatch(step, pack(samples(step), 1, 40), data_position=8 * (step + 1)))
-    return path
+    configs = prepare_trainer(run_dir, 1, steps, checkpoint_every=0)
+    return Path(next(c for c in configs if c.role == "trainer").config_path)
 
 
 def first_rl_step(run_dir: Path) -> float:

@@ -82,9 +82,13 @@ def pid_of(run_dir: Path, name: str) -> int:
 
 
 def trainer_rank(run_dir: Path) -> int:
-    """The trainer's rank 0: the worker process of its torchrun (not torchrun itself), or the process itself when
-    its one rank runs alone."""
-    leader = psutil.Process(pid_of(run_dir, "trainer"))
+    return rank_of_trainer(pid_of(run_dir, "trainer"))
+
+
+def rank_of_trainer(pid: int) -> int:
+    """The rank 0 of the trainer process `pid`: the worker of its torchrun (not torchrun itself), or the process
+    itself when its one rank runs alone."""
+    leader = psutil.Process(pid)
     return next(p.pid for p in [leader, *leader.children(recursive=True)]
                 if "prl.trainer" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline())
 

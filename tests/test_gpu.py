@@ -326,24 +326,9 @@ def test_the_trainer_on_cuda_trains_as_on_cpu(tmp_path, monkeypatch, nproc):
 def run_lora_trainer(run_dir: Path, steps: int = 2) -> subprocess.CompletedProcess:
     """tests/test_trainer.py's run_trainer (its batches, one rank) with trainer.lora (rank 4 on the attention,
     dense MLP and shared experts) and a KL term to the base."""
-    from test_trainer import samples, trainer_command
+    from test_trainer import prepare_trainer, trainer_command
 
-    from prl.launch.configs import resolve
-    from prl.model.tiny import write_model_dir
-    from prl.recipe.resolve import write_configs, write_secret
-    from prl.recipe.schema import Recipe
-    from prl.transport.batch import TrainBatch, pack
-    from prl.transport.rollouts import FilesystemRolloutTransport
-
-    recipe = Recipe.model_validate({"sft": {"steps": 0}, "rl": {"max_steps": steps, "batch_size": 8, "group_size": 4},
-                                    "trainer": {"nproc": 1, "micro_batch_tokens": 40,
-                                                "lora": {"rank": 4, "alpha": 8.0}, "loss": {"kl_coef": 0.1}}})
-    write_model_dir(recipe.model, run_dir / "model")
-    configs = resolve(recipe, run_dir, write_secret(run_dir))
-    write_configs(configs, run_dir)
-    transport = FilesystemRolloutTransport(run_dir / "rollouts")
-    for step in range(steps):
-        transport.send(TrainBatch(step, pack(samples(step), 1, 40), data_position=8 * (step + 1)))
+    configs = prepare_trainer(run_dir, 1, steps, lora={"rank": 4, "alpha": 8.0}, loss={"kl_coef": 0.1})
     return subprocess.run(trainer_command(configs), capture_output=True, text=True, timeout=300)
 
 

@@ -32,10 +32,11 @@ def samples(step: int) -> list[Sample]:
     return out
 
 
-def run_trainer(run_dir, nproc: int, steps: int, extra=(), checkpoint_format: str = "auto"):
+def prepare_trainer(run_dir: Path, nproc: int, steps: int, **trainer) -> list:
+    """A trainer's run folder (the tiny model, no warm start, `trainer` settings over these) with its configs written
+    and `steps` batches of `samples` waiting in its rollout folder; returns the run's process configs."""
     recipe = Recipe.model_validate({"sft": {"steps": 0}, "rl": {"max_steps": steps, "batch_size": 8, "group_size": 4},
-                                    "trainer": {"nproc": nproc, "micro_batch_tokens": 40, "checkpoint_every": 2,
-                                                "checkpoint_format": checkpoint_format}})
+                                    "trainer": {"nproc": nproc, "micro_batch_tokens": 40, **trainer}})
     if not (run_dir / "model").exists():
         write_model_dir(recipe.model, run_dir / "model")
     configs = resolve(recipe, run_dir, write_secret(run_dir))
@@ -43,6 +44,11 @@ def run_trainer(run_dir, nproc: int, steps: int, extra=(), checkpoint_format: st
     transport = FilesystemRolloutTransport(run_dir / "rollouts")
     for step in range(steps):
         transport.send(TrainBatch(step, pack(samples(step), nproc, 40), data_position=8 * (step + 1)))
+    return configs
+
+
+def run_trainer(run_dir, nproc: int, steps: int, extra=(), checkpoint_format: str = "auto"):
+    configs = prepare_trainer(run_dir, nproc, steps, checkpoint_every=2, checkpoint_format=checkpoint_format)
     return subprocess.run([*trainer_command(configs), *extra], capture_output=True, text=True, timeout=300)
 
 
